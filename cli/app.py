@@ -1,0 +1,160 @@
+"""The ``duplexrt`` command line."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import trio
+import typer
+
+from duplexrt.audio import AudioFormat, AudioFormatError
+from duplexrt.config import ConfigError, load_config
+
+app = typer.Typer(
+    name="duplexrt",
+    help="Serve full-duplex speech models (Moshi, Hibiki and kin) to many real-time sessions per GPU.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Serve full-duplex speech models (Moshi, Hibiki and kin) to many real-time sessions per GPU."""
+
+
+class Mode(str, enum.Enum):
+    burst = "burst"
+    paced = "paced"
+
+
+class Offload(str, enum.Enum):
+    counted = "counted"
+    always = "always"
+
+
+ConfigOption = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", help="TOML file (see configs/default.toml); defaults apply without one.",
+                 envvar="DUPLEXRT_CONFIG"),
+]
+SetOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Override any config key: --set runtime.inbox_depth=8 (repeatable)."),
+]
+BackendOption = Annotated[
+    Optional[str], typer.Option("--backend", "-b", help="Model backend: echo (default) or synthetic.")
+]
+BackendOptionOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--backend-option", "-o",
+                 help="A backend option KEY=VALUE, e.g. -o step_ms=20 -o slot_us=50 (repeatable)."),
+]
+SlotsOption = Annotated[Optional[int], typer.Option("--slots", help="Sessions served at once (batch rows).")]
+OffloadOption = Annotated[
+    Optional[Offload],
+    typer.Option("--offload", help="counted: worker threads only for encoded formats and full inboxes; "
+                                   "always: a thread hop for every conversion and submit (the reference "
+                                   "behaviour, for comparison)."),
+]
+
+
+def _overrides(backend: str | None, backend_options: list[str] | None, slots: int | None,
+               offload: Offload | None, extra: list[str] | None) -> list[str]:
+    overrides: list[str] = []
+    if backend is not None:
+        overrides.append(f"backend.name={_quoted(backend)}")
+    for item in backend_options or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--backend-option {item!r} must look like KEY=VALUE")
+        overrides.append(f"backend.options.{key.strip()}={value.strip()}")
+    if slots is not None:
+        overrides.append(f"runtime.slots={slots}")
+    if offload is not None:
+        overrides.append(f"runtime.offload={_quoted(offload.value)}")
+    overrides.extend(extra or [])
+    return overrides
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"duplexrt: error: {message}", err=True)
+    return typer.Exit(2)
+
+
+@app.command()
+def simulate(
+    concurrency: Annotated[int, typer.Option(help="Virtual sessions at once.")] = 96,
+    frames: Annotated[int, typer.Option(help="Model frames (80 ms each by default) per session.")] = 512,
+    message_ms: Annotated[float, typer.Option(help="Audio per client message, in ms (160 = two frames).")] = 160.0,
+    mode: Annotated[Mode, typer.Option(help="burst: send as fast as the runtime takes it; "
+                                            "paced: send in real time, as a live caller does.")] = Mode.burst,
+    format: Annotated[str, typer.Option("--format", help="Wire format both ways: pcm_f32le, pcm_s16le, "
+                                                          "g711_ulaw, g711_alaw or opus.")] = "pcm_f32le",
+    sample_rate: Annotated[Optional[int], typer.Option(help="Wire sample rate (default: the model's; "
+                                                            "8000 for G.711).")] = None,
+    warmup_frames: Annotated[int, typer.Option(help="Frames per session in an unmeasured warm-up round.")] = 0,
+    repeat: Annotated[int, typer.Option(help="Measured rounds, each reported.")] = 1,
+    late_ms: Annotated[float, typer.Option(help="Paced mode: a frame whose output comes back later than "
+                                                "this after its input was sent is late.")] = 80.0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON here.")] = None,
+    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
+                                                     help="Progress bar (default: when stderr is a terminal).")] = None,
+    config: ConfigOption = None,
+    backend: BackendOption = None,
+    backend_option: BackendOptionOption = None,
+    slots: SlotsOption = None,
+    offload: OffloadOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Drive virtual sessions through the real session pipeline, in process, and report what the
+    host paid per frame: CPU, context switches, thread handoffs, latency.  Every session's output
+    is checked (complete, in order, expected content); a failed check exits with status 1."""
+    from duplexrt.simulate.report import format_table
+    from duplexrt.simulate.runner import SimulateOptions, run_simulation
+
+    try:
+        overrides = _overrides(backend, backend_option, slots, offload, set_)
+        cfg = load_config(config, overrides)
+        if slots is None and concurrency > cfg.runtime.slots:
+            cfg = load_config(config, [*overrides, f"runtime.slots={concurrency}"])
+        options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
+                                  mode=mode.value, format=AudioFormat.parse(format).value,
+                                  sample_rate=sample_rate, warmup_frames=warmup_frames, repeat=repeat,
+                                  late_ms=late_ms)
+        options.check(cfg)
+    except (ConfigError, AudioFormatError) as exc:
+        raise _fail(str(exc)) from None
+    show = sys.stderr.isatty() if progress is None else progress
+    try:
+        report = trio.run(lambda: run_simulation(cfg, options, progress=show))
+    except (ConfigError, AudioFormatError) as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(format_table(report))
+    if json_path is not None:
+        json_path.write_text(report.to_json())
+    failures = [f for r in report.rounds for f in r.failures]
+    for failure in failures[:20]:
+        typer.echo(f"guard failed: {failure}", err=True)
+    if len(failures) > 20:
+        typer.echo(f"... and {len(failures) - 20} more guard failures", err=True)
+    if failures:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Backends: the models the scheduler thread steps.  ``create_backend`` picks one by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from duplexrt.backends.base import Backend, BackendInfo, SlotSession
+from duplexrt.config import Config, ConfigError
+
+
+def _echo(info: BackendInfo, options: Mapping[str, Any]) -> Backend:
+    from duplexrt.backends.echo import EchoBackend
+
+    return EchoBackend(info, options)
+
+
+def _synthetic(info: BackendInfo, options: Mapping[str, Any]) -> Backend:
+    from duplexrt.backends.synthetic import SyntheticBackend
+
+    return SyntheticBackend(info, options)
+
+
+BACKENDS: dict[str, Callable[[BackendInfo, Mapping[str, Any]], Backend]] = {
+    "echo": _echo,
+    "synthetic": _synthetic,
+}
+
+
+def create_backend(config: Config) -> Backend:
+    """Build (but do not load) the configured backend; bad options raise ConfigError."""
+    factory = BACKENDS.get(config.backend.name)
+    if factory is None:
+        raise ConfigError(
+            f"backend.name must be one of {', '.join(sorted(BACKENDS))}; got {config.backend.name!r}"
+        )
+    info = BackendInfo(
+        name=config.backend.name,
+        sample_rate=config.audio.sample_rate,
+        frame_size=config.audio.frame_size,
+        slots=config.runtime.slots,
+    )
+    return factory(info, config.backend.options)
+
+
+__all__ = ["Backend", "BackendInfo", "SlotSession", "create_backend", "BACKENDS"]

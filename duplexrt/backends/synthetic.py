@@ -1,0 +1,72 @@
+"""``synthetic``: checkable output at a chosen cost, for measuring the runtime itself.
+
+Each output frame is a function of the session, the frame's index in the session and its input, so
+a load generator can verify every frame it gets back: content, order and completeness.  The cost of
+a step (``step_ms`` plus ``slot_us`` for each row) is spent sleeping with the GIL released, which
+is how a host thread waiting on a GPU kernel spends it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from duplexrt.backends.base import Backend, BackendInfo, SlotSession, number_option, take_options
+
+DEFAULTS = {"step_ms": 0.0, "slot_us": 0.0}
+
+#: How many distinct marker tones tag the output frames.
+MARKER_COUNT = 61
+INPUT_GAIN = np.float32(0.5)
+
+
+def marker_tones(sample_rate: int, frame_size: int) -> np.ndarray:
+    """The table of quiet tones added to outputs: ``(MARKER_COUNT, frame_size)`` float32."""
+    t = np.arange(frame_size, dtype=np.float64) / sample_rate
+    freqs = 200.0 + 40.0 * np.arange(MARKER_COUNT)
+    return (0.25 * np.sin(2 * np.pi * freqs[:, None] * t[None, :])).astype(np.float32)
+
+
+def marker_index(session_id: np.ndarray | int, frame_index: np.ndarray | int) -> np.ndarray | int:
+    """Which marker tone tags ``frame_index`` of ``session_id``: differs between neighbouring
+    frames and neighbouring sessions, so a swapped or shifted frame shows."""
+    return (session_id * 7 + frame_index) % MARKER_COUNT
+
+
+def expected_output(frame: np.ndarray, session_id: int, frame_index: int, tones: np.ndarray) -> np.ndarray:
+    """The output the backend gives for one input frame, computed the same way, bit for bit."""
+    return frame * INPUT_GAIN + tones[marker_index(session_id, frame_index)]
+
+
+class SyntheticBackend(Backend):
+    def __init__(self, info: BackendInfo, options: Mapping[str, Any]) -> None:
+        super().__init__(info)
+        opts = take_options("synthetic", options, DEFAULTS)
+        self.step_seconds = number_option("synthetic", opts, "step_ms", 0, 60_000) / 1e3
+        self.slot_seconds = number_option("synthetic", opts, "slot_us", 0, 1e6) / 1e6
+        self.tones = marker_tones(info.sample_rate, info.frame_size)
+        self._session_ids = np.zeros(info.slots, dtype=np.int64)
+        self._frame_index = np.zeros(info.slots, dtype=np.int64)
+        self._marker_rows = np.empty((info.slots, info.frame_size), dtype=np.float32)
+
+    def open_slot(self, slot: int, session: SlotSession) -> None:
+        self._session_ids[slot] = session.session_id
+        self._frame_index[slot] = 0
+
+    def close_slot(self, slot: int) -> None:
+        self._frame_index[slot] = 0
+
+    def step(self, rows: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> None:
+        n = len(rows)
+        cost = self.step_seconds + self.slot_seconds * n
+        if cost > 0:
+            time.sleep(cost)
+        markers = marker_index(self._session_ids[rows], self._frame_index[rows])
+        np.take(self.tones, markers, axis=0, out=self._marker_rows[:n])
+        np.multiply(inputs, INPUT_GAIN, out=outputs)
+        np.add(outputs, self._marker_rows[:n], out=outputs)
+        self._frame_index[rows] += 1
+        return None

@@ -1,0 +1,172 @@
+"""Runtime configuration: attrs classes, loaded from TOML, overridable key by key.
+
+A serving process that starts with a nonsensical setting (zero slots, a gather window longer than a
+frame) fails later in ways that are hard to trace back, so every value is checked at load time and
+an invalid one stops start-up with a message naming the key, the allowed range and the value given.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+OFFLOAD_POLICIES = ("counted", "always")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range.  The message names the key."""
+
+
+def _int_range(key: str, low: int, high: int):
+    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{key} must be an integer from {low} to {high}, got {value!r}")
+
+    return check
+
+
+def _float_range(key: str, low: float, high: float):
+    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+            raise ConfigError(f"{key} must be a number from {low:g} to {high:g}, got {value!r}")
+
+    return check
+
+
+def _one_of(key: str, allowed: Iterable[str]):
+    allowed = tuple(allowed)
+
+    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class AudioConfig:
+    """The model's audio clock: every session is cut into frames of this size at this rate."""
+
+    sample_rate: int = attrs.field(default=24000, validator=_int_range("audio.sample_rate", 8000, 192000))
+    frame_size: int = attrs.field(default=1920, validator=_int_range("audio.frame_size", 1, 192000))
+
+    @property
+    def frame_seconds(self) -> float:
+        return self.frame_size / self.sample_rate
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeConfig:
+    """How sessions, queues and the scheduler thread are sized."""
+
+    #: Sessions served at once: the backend's batch rows.
+    slots: int = attrs.field(default=128, validator=_int_range("runtime.slots", 1, 4096))
+    #: Frames a session may have waiting for the scheduler before a submit has to wait.
+    inbox_depth: int = attrs.field(default=8, validator=_int_range("runtime.inbox_depth", 1, 1024))
+    #: Frames of output a session may hold before its writer has sent them.
+    outbox_depth: int = attrs.field(default=8, validator=_int_range("runtime.outbox_depth", 1, 1024))
+    #: Once one frame waits, how long the scheduler waits for the other active slots to be ready.
+    gather_window_ms: float = attrs.field(
+        default=2.0, validator=_float_range("runtime.gather_window_ms", 0.0, 1000.0)
+    )
+    #: ``counted``: only encoded formats and full inboxes use worker threads.  ``always``: every
+    #: conversion and submit hops through a worker thread (the reference behaviour, for comparison).
+    offload: str = attrs.field(default="counted", validator=_one_of("runtime.offload", OFFLOAD_POLICIES))
+
+
+@attrs.frozen(kw_only=True)
+class BackendConfig:
+    """Which model serves the sessions, and its own options (checked by the backend itself)."""
+
+    name: str = attrs.field(default="echo")
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    audio: AudioConfig = attrs.field(factory=AudioConfig)
+    runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
+    backend: BackendConfig = attrs.field(factory=BackendConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=True)
+
+
+_SECTIONS: dict[str, type] = {"audio": AudioConfig, "runtime": RuntimeConfig, "backend": BackendConfig}
+
+
+def _build(data: Mapping[str, Any], origin: str) -> Config:
+    unknown = set(data) - set(_SECTIONS)
+    if unknown:
+        raise ConfigError(
+            f"{origin}: unknown section(s) {', '.join(sorted(unknown))}; "
+            f"allowed: {', '.join(_SECTIONS)}"
+        )
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        values = data.get(name, {})
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{origin}: [{name}] must be a table, got {values!r}")
+        fields = {f.name for f in attrs.fields(cls)}
+        extra = set(values) - fields
+        if extra:
+            raise ConfigError(
+                f"{origin}: unknown key(s) {', '.join(f'{name}.{k}' for k in sorted(extra))}; "
+                f"allowed in [{name}]: {', '.join(sorted(fields))}"
+            )
+        try:
+            sections[name] = cls(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: {exc}") from None
+    return Config(**sections)
+
+
+def _parse_value(text: str) -> Any:
+    """An override's value as TOML would read it, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` strings (``backend.options.step_ms=20`` reaches one level deeper)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        parts = key.split(".")
+        if len(parts) < 2:
+            raise ConfigError(f"override key {key!r} must name a section and a key, like runtime.slots")
+        target = data
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"override key {key!r} goes inside a value that is not a table")
+        target[parts[-1]] = _parse_value(raw.strip())
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Read ``path`` (or the defaults), apply overrides, validate everything."""
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        path = Path(path)
+        origin = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    overrides = list(overrides)
+    if overrides:
+        apply_overrides(data, overrides)
+        origin += " with overrides"
+    return _build(data, origin)

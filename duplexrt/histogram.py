@@ -1,0 +1,136 @@
+"""A fixed-size log-linear histogram of non-negative integers (nanoseconds, sizes).
+
+Per-frame figures (latency, delivery delay) must cost constant work and constant memory however
+long a session runs, so samples are never kept: each lands in one of a fixed set of buckets whose
+width grows with the value, keeping relative error under ``1 / 2**sub_bits`` (3% by default).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+_SUB_BITS = 5
+_SUB = 1 << _SUB_BITS
+_MAX_EXPONENT = 48  # values up to 2**53 ns (over 100 days) stay exact in their bucket
+
+
+@attrs.frozen
+class Summary:
+    """Percentiles of a histogram, in the histogram's unit."""
+
+    count: int
+    mean: float
+    p50: float
+    p99: float
+    max: float
+    min: float
+
+    def scaled(self, divisor: float) -> Summary:
+        return Summary(self.count, self.mean / divisor, self.p50 / divisor, self.p99 / divisor,
+                       self.max / divisor, self.min / divisor)
+
+
+def _bucket_of(value: int) -> int:
+    if value < _SUB:
+        return value
+    shift = value.bit_length() - _SUB_BITS - 1
+    return ((shift + 1) << _SUB_BITS) + (value >> shift) - _SUB
+
+
+def _lower_bound(bucket: int) -> int:
+    if bucket < _SUB:
+        return bucket
+    shift = (bucket >> _SUB_BITS) - 1
+    return ((bucket & (_SUB - 1)) + _SUB) << shift
+
+
+class Histogram:
+    """Counts of values in log-linear buckets.  Written by one thread; read by any.
+
+    ``record`` is a handful of integer operations: cheap enough for every frame.
+    """
+
+    __slots__ = ("_counts", "count", "total", "max", "min")
+
+    def __init__(self) -> None:
+        self._counts = [0] * ((_MAX_EXPONENT + 2) << _SUB_BITS)
+        self.count = 0
+        self.total = 0
+        self.max = 0
+        self.min = -1
+
+    def record(self, value: int) -> None:
+        if value < 0:
+            value = 0
+        if value < _SUB:
+            self._counts[value] += 1
+        else:
+            shift = value.bit_length() - _SUB_BITS - 1
+            self._counts[((shift + 1) << _SUB_BITS) + (value >> shift) - _SUB] += 1
+        self.count += 1
+        self.total += value
+        if value > self.max:
+            self.max = value
+        if value < self.min or self.min < 0:
+            self.min = value
+
+    def snapshot(self) -> Histogram:
+        """A copy, safe to take while another thread records (each field is read once)."""
+        copy = Histogram()
+        copy._counts = list(self._counts)
+        copy.count = sum(copy._counts)
+        copy.total = self.total
+        copy.max = self.max
+        copy.min = self.min
+        return copy
+
+    def minus(self, earlier: Histogram) -> Histogram:
+        """What was recorded since ``earlier`` (a snapshot of this histogram).  Max and min are
+        known only to their bucket: the bucket's bounds, kept within the whole history's."""
+        diff = Histogram()
+        diff._counts = [a - b for a, b in zip(self._counts, earlier._counts)]
+        diff.count = sum(diff._counts)
+        diff.total = self.total - earlier.total
+        used = [i for i, n in enumerate(diff._counts) if n]
+        if used:
+            diff.max = min(self.max, _lower_bound(used[-1] + 1) - 1)
+            diff.min = max(self.min, _lower_bound(used[0]))
+        return diff
+
+    def merge(self, other: Histogram) -> None:
+        for i, n in enumerate(other._counts):
+            if n:
+                self._counts[i] += n
+        self.count += other.count
+        self.total += other.total
+        self.max = max(self.max, other.max)
+        if other.min >= 0 and (self.min < 0 or other.min < self.min):
+            self.min = other.min
+
+    def percentile(self, q: float) -> float:
+        """Value at quantile ``q`` (0..1): the midpoint of the bucket holding it, capped at max."""
+        if self.count == 0:
+            return 0.0
+        rank = max(1, int(q * self.count + 0.999999))
+        seen = 0
+        for bucket, n in enumerate(self._counts):
+            if not n:
+                continue
+            seen += n
+            if seen >= rank:
+                low = _lower_bound(bucket)
+                high = _lower_bound(bucket + 1)
+                return float(min(self.max, max(self.min, (low + high - 1) / 2)))
+        return float(self.max)
+
+    def summary(self) -> Summary:
+        if self.count == 0:
+            return Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return Summary(
+            count=self.count,
+            mean=self.total / self.count,
+            p50=self.percentile(0.5),
+            p99=self.percentile(0.99),
+            max=float(self.max),
+            min=float(self.min),
+        )

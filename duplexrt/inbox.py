@@ -1,0 +1,234 @@
+"""The one structure shared by the trio thread and the scheduler thread.
+
+Sessions append frames to their slot's bounded queue from the trio thread; the scheduler thread
+takes at most one frame per slot per step, in slot order.  Everything here happens under one lock
+whose critical sections are a few list and deque operations: nothing slow, nothing that allocates
+per frame beyond the queue entry itself.
+
+The scheduler is only signalled when it is actually waiting and the put makes a difference to it:
+when it sleeps with no work at all, or when it is gathering and the put makes every expected slot
+ready.  A burst of puts into a busy scheduler costs no signals.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+
+class _State(enum.Enum):
+    IDLE = "idle"  # nothing to do: sleeping until a put or a stop
+    GATHERING = "gathering"  # some frames waiting: sleeping until all expected slots are ready
+    BUSY = "busy"  # stepping: needs no signal, it will look again
+
+
+class ControlOp(enum.Enum):
+    OPEN = "open"
+    CLOSE = "close"
+
+
+@attrs.frozen
+class Control:
+    """A slot's opening or closing, applied by the scheduler thread before its next step."""
+
+    op: ControlOp
+    slot: int
+    owner: Any
+    payload: Any = None
+
+
+@attrs.define
+class Batch:
+    """What the scheduler takes for one step: one frame per ready slot, slots ascending."""
+
+    controls: list[Control]
+    rows: list[int]
+    owners: list[Any]
+    frames: list[Any]
+    stamps: list[int]
+
+
+class Inbox:
+    """Bounded per-slot frame queues plus the control queue, with the scheduler's wake-up rule."""
+
+    def __init__(self, slots: int, depth: int, count_wake: Callable[[], None]) -> None:
+        self.depth = depth
+        self._count_wake = count_wake
+        self._lock = threading.Lock()
+        self._has_work = threading.Condition(self._lock)
+        self._has_space = threading.Condition(self._lock)
+        self._queues: list[deque[tuple[Any, int]]] = [deque() for _ in range(slots)]
+        self._owners: list[Any] = [None] * slots
+        self._accepting = [False] * slots
+        self._open_slots: list[int] = []  # ascending
+        self._controls: list[Control] = []
+        self._ready = 0  # open slots with at least one frame queued
+        self._starved = 0  # slots still sending input that have nothing queued
+        self._state = _State.BUSY
+        self._space_waiters = 0
+        self._stopping = False
+
+    # -- trio side ---------------------------------------------------------------------------
+
+    def open(self, slot: int, owner: Any, payload: Any) -> None:
+        with self._lock:
+            if self._owners[slot] is not None:
+                raise RuntimeError(f"slot {slot} is already open")
+            self._owners[slot] = owner
+            self._accepting[slot] = True
+            self._starved += 1
+            bisect.insort(self._open_slots, slot)
+            self._controls.append(Control(ControlOp.OPEN, slot, owner, payload))
+
+    def end_input(self, slot: int, owner: Any) -> None:
+        """The session will send nothing more: stop waiting for it when gathering."""
+        with self._lock:
+            if self._owners[slot] is not owner or not self._accepting[slot]:
+                return
+            self._accepting[slot] = False
+            if not self._queues[slot]:
+                self._starved -= 1
+                self._wake_gatherer()
+
+    def close(self, slot: int, owner: Any) -> int:
+        """Free the slot and drop whatever it still had queued.  Returns the frames dropped."""
+        with self._lock:
+            if self._owners[slot] is not owner:
+                return 0
+            queue = self._queues[slot]
+            dropped = len(queue)
+            if dropped:
+                self._ready -= 1
+                queue.clear()
+            elif self._accepting[slot]:
+                self._starved -= 1
+            self._accepting[slot] = False
+            self._owners[slot] = None
+            self._open_slots.remove(slot)
+            self._controls.append(Control(ControlOp.CLOSE, slot, owner))
+            if self._space_waiters:
+                self._has_space.notify_all()  # an abandoned blocked put learns its slot is gone
+            self._wake_gatherer()
+            return dropped
+
+    def put_nowait(self, slot: int, owner: Any, frame: Any, stamp: int) -> bool:
+        """Queue a frame if there is room.  False when the slot's queue is full."""
+        with self._lock:
+            if self._owners[slot] is not owner or not self._accepting[slot]:
+                raise LookupError(f"slot {slot} is not open for this session")
+            queue = self._queues[slot]
+            if len(queue) >= self.depth:
+                return False
+            self._append(queue, frame, stamp)
+            return True
+
+    # -- worker thread (a submit that found its queue full) ----------------------------------
+
+    def put_blocking(self, slot: int, owner: Any, frame: Any, stamp: int) -> bool:
+        """Wait for room, then queue.  False if the slot was closed or the inbox stopped first."""
+        with self._lock:
+            queue = self._queues[slot]
+            while True:
+                if self._stopping or self._owners[slot] is not owner or not self._accepting[slot]:
+                    return False
+                if len(queue) < self.depth:
+                    self._append(queue, frame, stamp)
+                    return True
+                self._space_waiters += 1
+                try:
+                    self._has_space.wait()
+                finally:
+                    self._space_waiters -= 1
+
+    def _append(self, queue: deque[tuple[Any, int]], frame: Any, stamp: int) -> None:
+        # Lock held.  The wake rule lives here, so every kind of put obeys it.
+        queue.append((frame, stamp))
+        if len(queue) == 1:
+            self._ready += 1
+            self._starved -= 1
+            if self._state is _State.IDLE or (self._state is _State.GATHERING and self._starved == 0):
+                self._signal()
+
+    def _wake_gatherer(self) -> None:
+        if self._state is _State.GATHERING and self._starved == 0:
+            self._signal()
+
+    def _signal(self) -> None:
+        self._state = _State.BUSY  # signalled once: later puts need not signal again
+        self._count_wake()
+        self._has_work.notify()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._has_work.notify_all()
+            self._has_space.notify_all()
+
+    # -- scheduler thread --------------------------------------------------------------------
+
+    def next_batch(self, gather_window: float) -> Batch | None:
+        """Block until there is a step to run (or controls to apply); None once stopped."""
+        with self._lock:
+            deadline: float | None = None
+            while True:
+                if self._stopping:
+                    return None
+                if self._ready and (self._starved <= 0 or gather_window <= 0):
+                    break
+                if self._ready:
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + gather_window
+                    elif now >= deadline:
+                        break
+                    self._state = _State.GATHERING
+                    self._has_work.wait(deadline - now)
+                elif self._controls:
+                    break  # apply opens and closes now, while there is nothing else to do
+                else:
+                    self._state = _State.IDLE
+                    self._has_work.wait()
+            self._state = _State.BUSY
+            controls, self._controls = self._controls, []
+            rows: list[int] = []
+            owners: list[Any] = []
+            frames: list[Any] = []
+            stamps: list[int] = []
+            queues = self._queues
+            for slot in self._open_slots:
+                queue = queues[slot]
+                if queue:
+                    frame, stamp = queue.popleft()
+                    rows.append(slot)
+                    owners.append(self._owners[slot])
+                    frames.append(frame)
+                    stamps.append(stamp)
+                    if not queue:
+                        self._ready -= 1
+                        if self._accepting[slot]:
+                            self._starved += 1
+            if self._space_waiters and rows:
+                self._has_space.notify_all()
+            return Batch(controls, rows, owners, frames, stamps)
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def queued(self, slot: int) -> int:
+        with self._lock:
+            return len(self._queues[slot])
+
+    def total_queued(self) -> int:
+        with self._lock:
+            return sum(len(q) for q in self._queues)
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._open_slots)
+

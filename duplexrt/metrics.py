@@ -1,0 +1,51 @@
+"""Runtime-wide per-frame figures, kept in fixed-size histograms on the trio thread."""
+
+from __future__ import annotations
+
+import attrs
+
+from duplexrt.histogram import Histogram, Summary
+
+
+@attrs.frozen
+class FrameStatistics:
+    """Per-frame timings in microseconds, and the session counters."""
+
+    sessions_opened: int
+    sessions_active: int
+    frames_in: int
+    frames_out: int
+    preprocess_us: Summary
+    enqueue_us: Summary
+    latency_us: Summary
+    delivery_us: Summary
+
+
+class FrameMetrics:
+    """Written only on the trio thread, so plain ints and histograms are exact."""
+
+    def __init__(self) -> None:
+        self.sessions_opened = 0
+        self.sessions_active = 0
+        self.frames_in = 0
+        self.frames_out = 0
+        #: Decode and framing of one message (nanoseconds).
+        self.preprocess = Histogram()
+        #: One frame's submit into the inbox, waits included (nanoseconds).
+        self.enqueue = Histogram()
+        #: Submitted to the inbox → handed to the transport (nanoseconds).
+        self.latency = Histogram()
+        #: The step that made it finished → handed to the transport (nanoseconds).
+        self.delivery = Histogram()
+
+    def statistics(self) -> FrameStatistics:
+        return FrameStatistics(
+            sessions_opened=self.sessions_opened,
+            sessions_active=self.sessions_active,
+            frames_in=self.frames_in,
+            frames_out=self.frames_out,
+            preprocess_us=self.preprocess.summary().scaled(1e3),
+            enqueue_us=self.enqueue.summary().scaled(1e3),
+            latency_us=self.latency.summary().scaled(1e3),
+            delivery_us=self.delivery.summary().scaled(1e3),
+        )

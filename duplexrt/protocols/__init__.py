@@ -1,0 +1,1 @@
+"""Wire protocols as pure translators between messages and typed events (no I/O here)."""

@@ -1,0 +1,84 @@
+"""The runtime: configuration, the scheduler thread, the handoff counters and the sessions.
+
+One ``Runtime`` is one model serving many sessions.  ``open_runtime`` runs it for the length of an
+``async with`` block, so everything it started — thread included — is gone when the block ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from duplexrt.audio import AudioFormat, AudioSpec
+from duplexrt.backends import Backend, create_backend
+from duplexrt.config import Config
+from duplexrt.handoffs import HandoffStatistics, Handoffs
+from duplexrt.metrics import FrameMetrics, FrameStatistics
+from duplexrt.protocols.events import SessionEnd
+from duplexrt.protocols.raw import RawProtocol
+from duplexrt.scheduler import Scheduler, SchedulerStatistics
+from duplexrt.session import Session
+from duplexrt.transport import Transport
+
+
+@attrs.frozen
+class RuntimeStatistics:
+    handoffs: HandoffStatistics
+    scheduler: SchedulerStatistics
+    frames: FrameStatistics
+
+
+class Runtime:
+    def __init__(self, config: Config, backend: Backend | None = None) -> None:
+        self.config = config
+        self.handoffs = Handoffs()
+        self.backend = backend if backend is not None else create_backend(config)
+        self.scheduler = Scheduler(self.backend, config.runtime, self.handoffs)
+        self.metrics = FrameMetrics()
+        self.sessions: set[Session] = set()
+
+    async def run(self, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the model on the scheduler thread, then serve until cancelled."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.scheduler.run)
+            task_status.started(self)
+
+    def audio_spec(self, format: str | AudioFormat = AudioFormat.PCM_F32LE,
+                   sample_rate: int | None = None) -> AudioSpec:
+        """A wire format checked against what this runtime can convert to its model's rate."""
+        return AudioSpec.create(AudioFormat.parse(format) if isinstance(format, str) else format,
+                                sample_rate, model_rate=self.config.audio.sample_rate)
+
+    async def serve(self, transport: Transport, *, input_spec: AudioSpec | None = None,
+                    output_spec: AudioSpec | None = None, protocol: RawProtocol | None = None,
+                    session_id: int | None = None) -> SessionEnd:
+        """Serve one session over ``transport`` until it ends.
+
+        Raises NoFreeSlotError at once when every slot is taken: admission is the caller's call.
+        """
+        input_spec = input_spec or self.audio_spec()
+        output_spec = output_spec or input_spec
+        session = Session(self, transport, protocol or RawProtocol(), input_spec, output_spec, session_id)
+        return await session.run()
+
+    def statistics(self) -> RuntimeStatistics:
+        return RuntimeStatistics(
+            handoffs=self.handoffs.statistics(),
+            scheduler=self.scheduler.statistics(),
+            frames=self.metrics.statistics(),
+        )
+
+
+@asynccontextmanager
+async def open_runtime(config: Config, backend: Backend | None = None) -> AsyncIterator[Runtime]:
+    """Run a runtime for the block's duration; on exit, every session and the thread stop."""
+    runtime = Runtime(config, backend)  # bad backend options fail here, not inside a nursery
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.run)
+        try:
+            yield runtime
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,349 @@
+"""The GPU scheduler thread: the one thread that owns the model and steps every session at once.
+
+Trio tasks never touch the backend.  They lease a slot, put frames into the shared ``Inbox`` and
+receive outputs through the ``SlotOwner`` callbacks, which the scheduler calls on the trio thread
+once per step, for the whole batch, through a single ``run_sync_soon``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import trio
+
+from duplexrt.backends.base import Backend, SlotSession
+from duplexrt.config import RuntimeConfig
+from duplexrt.handoffs import HandoffKind, Handoffs
+from duplexrt.histogram import Histogram, Summary
+from duplexrt.inbox import Batch, ControlOp, Inbox
+
+log = logging.getLogger("duplexrt.scheduler")
+
+THREAD_NAME = "duplexrt-scheduler"
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every slot is taken: the caller should refuse the session, not queue it."""
+
+
+class SlotClosedError(RuntimeError):
+    """The slot was released (or the scheduler stopped) while a submit was waiting."""
+
+
+class BackendStepError(RuntimeError):
+    """The model failed on a step this session was part of."""
+
+
+class SlotOwner(Protocol):
+    """What a session gives the scheduler: two callbacks that run on the trio thread and must
+    return quickly and never raise."""
+
+    def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None: ...
+
+    def step_failed(self, error: BaseException) -> None: ...
+
+
+@attrs.frozen
+class StepOutcome:
+    """One step's results, handed to trio as one immutable object."""
+
+    owners: Sequence[Any]
+    stamps: Sequence[int]
+    outputs: np.ndarray | None
+    texts: Sequence[str] | None
+    stepped_ns: int
+    error: BaseException | None = None
+
+
+@attrs.frozen
+class SchedulerStatistics:
+    steps: int
+    frames: int
+    mean_batch: float
+    max_batch: int
+    step_time_us: Summary
+    open_slots: int
+    free_slots: int
+    queued_frames: int
+
+
+def _host_buffer(shape: tuple[int, ...], device: str) -> np.ndarray:
+    """A float32 host array; page-locked when the model lives on a GPU, so copies can overlap."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.empty(shape, dtype=torch.float32, pin_memory=True).numpy()
+    return np.zeros(shape, dtype=np.float32)
+
+
+class SlotLease:
+    """A session's hold on one slot, used from the trio thread."""
+
+    __slots__ = ("slot", "owner", "session_id", "_scheduler", "_inbox", "_released")
+
+    def __init__(self, scheduler: Scheduler, slot: int, owner: SlotOwner, session_id: int) -> None:
+        self.slot = slot
+        self.owner = owner
+        self.session_id = session_id
+        self._scheduler = scheduler
+        self._inbox = scheduler.inbox
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def submit_nowait(self, frame: np.ndarray) -> bool:
+        """Queue ``frame`` without waiting; False if the slot's inbox is full."""
+        if self._released:
+            raise SlotClosedError("the session's slot was released")
+        return self._inbox.put_nowait(self.slot, self.owner, frame, time.perf_counter_ns())
+
+    async def submit(self, frame: np.ndarray) -> None:
+        """Queue ``frame``, waiting on a worker thread only when the inbox is full.
+
+        ``offload = "always"`` sends every submit through a worker thread, as the reference
+        orchestrator did, so the two can be compared.
+        """
+        if self._released:
+            raise SlotClosedError("the session's slot was released")
+        stamp = time.perf_counter_ns()
+        scheduler = self._scheduler
+        if scheduler.always_offload:
+            kind = HandoffKind.SUBMIT_OFFLOAD
+        elif self._inbox.put_nowait(self.slot, self.owner, frame, stamp):
+            return
+        else:
+            kind = HandoffKind.FULL_INBOX_OFFLOAD
+        queued = await scheduler.handoffs.offload(
+            kind, self._inbox.put_blocking, self.slot, self.owner, frame, stamp, abandon_on_cancel=True
+        )
+        if not queued:
+            raise SlotClosedError("the session's slot was released while its submit waited")
+
+    def end_input(self) -> None:
+        """No more frames will come: the scheduler stops waiting for this slot when gathering."""
+        self._inbox.end_input(self.slot, self.owner)
+
+    def release(self) -> int:
+        """Give the slot back (idempotent).  Returns how many queued frames were dropped."""
+        if self._released:
+            return 0
+        self._released = True
+        dropped = self._inbox.close(self.slot, self.owner)
+        self._scheduler._slot_released(self.slot)
+        return dropped
+
+
+class Scheduler:
+    """Owns the scheduler thread and the backend; leases slots to sessions.
+
+    Run it with ``await nursery.start(scheduler.run)``: that returns once the backend is loaded,
+    and cancelling the nursery stops the thread and waits for it, so no thread outlives it.
+    """
+
+    def __init__(self, backend: Backend, config: RuntimeConfig, handoffs: Handoffs) -> None:
+        self.backend = backend
+        self.handoffs = handoffs
+        self.always_offload = config.offload == "always"
+        self.slots = backend.info.slots
+        self.frame_size = backend.info.frame_size
+        self.gather_window = config.gather_window_ms / 1e3
+        self.inbox = Inbox(self.slots, config.inbox_depth,
+                           lambda: handoffs.count_from_any_thread(HandoffKind.SCHEDULER_WAKE))
+        self._free_slots = list(range(self.slots - 1, -1, -1))  # pop() gives the lowest
+        self._session_ids = itertools.count(1)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread: threading.Thread | None = None
+        self._started = trio.Event()
+        self._finished = trio.Event()
+        self._thread_error: BaseException | None = None
+        # Written only by the scheduler thread; read (approximately, while running) by trio.
+        self._steps = 0
+        self._frames = 0
+        self._max_batch = 0
+        self._step_time = Histogram()
+
+    # -- trio side -------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def ready(self) -> bool:
+        return self._started.is_set() and not self._finished.is_set()
+
+    def open_slot(self, owner: SlotOwner, session_id: int | None = None) -> SlotLease:
+        """Lease the lowest free slot to ``owner``; raises NoFreeSlotError when none is left."""
+        if not self.ready:
+            raise SlotClosedError("the scheduler is not running")
+        if not self._free_slots:
+            raise NoFreeSlotError(f"all {self.slots} slots are in use")
+        slot = self._free_slots.pop()
+        if session_id is None:
+            session_id = next(self._session_ids)
+        lease = SlotLease(self, slot, owner, session_id)
+        self.inbox.open(slot, owner, SlotSession(session_id=session_id))
+        return lease
+
+    def _slot_released(self, slot: int) -> None:
+        self._free_slots.append(slot)
+        if len(self._free_slots) > 1 and self._free_slots[-1] > self._free_slots[-2]:
+            self._free_slots.sort(reverse=True)
+
+    async def run(self, *, task_status: trio.TaskStatus[Scheduler] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the thread, wait for the backend to load, then serve until cancelled."""
+        if self._thread is not None:
+            raise RuntimeError("a Scheduler runs once")
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._thread_main, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+        try:
+            await self._started.wait()
+            if self._finished.is_set():
+                raise RuntimeError(
+                    f"backend {self.backend.info.name!r} failed to load: {self._thread_error!r}"
+                ) from self._thread_error
+            task_status.started(self)
+            await self._finished.wait()
+            raise RuntimeError("the scheduler thread stopped unexpectedly") from self._thread_error
+        finally:
+            self.inbox.stop()
+            with trio.CancelScope(shield=True):
+                await self._finished.wait()
+            self._thread.join()
+
+    def step_time_snapshot(self) -> Histogram:
+        """Step durations so far, in nanoseconds (diff two snapshots for one interval)."""
+        return self._step_time.snapshot()
+
+    def statistics(self) -> SchedulerStatistics:
+        steps = self._steps
+        return SchedulerStatistics(
+            steps=steps,
+            frames=self._frames,
+            mean_batch=self._frames / steps if steps else 0.0,
+            max_batch=self._max_batch,
+            step_time_us=self._step_time.summary().scaled(1e3),
+            open_slots=self.slots - len(self._free_slots),
+            free_slots=len(self._free_slots),
+            queued_frames=self.inbox.total_queued(),
+        )
+
+    def _deliver(self, outcome: StepOutcome) -> None:
+        """Runs on the trio thread: hand each row's result to its session."""
+        owners = outcome.owners
+        if outcome.error is not None:
+            for owner in owners:
+                try:
+                    owner.step_failed(outcome.error)
+                except Exception:
+                    log.exception("a session failed to take a step error")
+            return
+        outputs = outcome.outputs
+        texts = outcome.texts
+        stamps = outcome.stamps
+        stepped = outcome.stepped_ns
+        for i, owner in enumerate(owners):
+            try:
+                owner.step_output(outputs[i], texts[i] if texts is not None else None, stamps[i], stepped)
+            except Exception:
+                log.exception("a session failed to take its output")
+
+    def _on_started(self) -> None:
+        self._started.set()
+
+    def _on_finished(self, error: BaseException | None) -> None:
+        self._thread_error = error
+        self._finished.set()
+        self._started.set()
+
+    # -- scheduler thread ------------------------------------------------------------------
+
+    def _to_trio(self, kind: HandoffKind, fn: Any, *args: Any) -> bool:
+        assert self._token is not None
+        return self.handoffs.deliver_from_thread(self._token, kind, fn, *args)
+
+    def _thread_main(self) -> None:
+        error: BaseException | None = None
+        try:
+            self.backend.load()
+            shape = (self.slots, self.frame_size)
+            self._inputs = _host_buffer(shape, self.backend.info.device)
+            self._outputs = _host_buffer(shape, self.backend.info.device)
+            self._rows = np.zeros(self.slots, dtype=np.int64)
+        except BaseException as exc:
+            log.exception("backend %r failed to load", self.backend.info.name)
+            self._to_trio(HandoffKind.LIFECYCLE, self._on_finished, exc)
+            return
+        self._to_trio(HandoffKind.LIFECYCLE, self._on_started)
+        try:
+            self._serve()
+        except BaseException as exc:
+            log.exception("the scheduler thread failed")
+            error = exc
+        finally:
+            try:
+                self.backend.close()
+            except Exception:
+                log.exception("backend %r failed to close", self.backend.info.name)
+            self._to_trio(HandoffKind.LIFECYCLE, self._on_finished, error)
+
+    def _serve(self) -> None:
+        inbox = self.inbox
+        backend = self.backend
+        while True:
+            batch = inbox.next_batch(self.gather_window)
+            if batch is None:
+                return
+            for control in batch.controls:
+                self._apply(control)
+            if batch.rows:
+                self._step(batch)
+
+    def _apply(self, control: Any) -> None:
+        try:
+            if control.op is ControlOp.OPEN:
+                self.backend.open_slot(control.slot, control.payload)
+            else:
+                self.backend.close_slot(control.slot)
+        except Exception as exc:
+            log.exception("backend failed to %s slot %d", control.op.value, control.slot)
+            if control.op is ControlOp.OPEN:
+                outcome = StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), exc)
+                self._to_trio(HandoffKind.OUTPUT_DELIVERY, self._deliver, outcome)
+
+    def _step(self, batch: Batch) -> None:
+        n = len(batch.rows)
+        rows = self._rows[:n]
+        inputs = self._inputs[:n]
+        outputs = self._outputs[:n]
+        for i, frame in enumerate(batch.frames):
+            inputs[i] = frame
+        rows[:] = batch.rows
+        started = time.perf_counter_ns()
+        try:
+            texts = self.backend.step(rows, inputs, outputs)
+        except Exception as exc:
+            log.exception("backend step failed for %d session(s)", n)
+            stepped = time.perf_counter_ns()
+            outcome = StepOutcome(batch.owners, batch.stamps, None, None, stepped,
+                                  BackendStepError(f"the model failed on this step: {exc!r}"))
+        else:
+            stepped = time.perf_counter_ns()
+            # The only per-step allocation: trio keeps these rows after the buffer is reused.
+            outcome = StepOutcome(batch.owners, batch.stamps, outputs.copy(), texts, stepped)
+        self._steps += 1
+        self._frames += n
+        if n > self._max_batch:
+            self._max_batch = n
+        self._step_time.record(stepped - started)
+        self._to_trio(HandoffKind.OUTPUT_DELIVERY, self._deliver, outcome)

@@ -1,0 +1,115 @@
+"""The message transport a session talks through, and an in-memory pair of it.
+
+A session only needs to receive and send whole messages (bytes for audio, text for control) and
+to close with a code and a reason, which is what a WebSocket offers.  The in-memory pair gives
+``duplexrt simulate`` and the tests the same interface with no sockets, so they drive the very
+same session code a network connection will.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+import trio
+
+Message = bytes | str
+
+#: Close codes, as WebSocket defines them, so in-memory and network sessions end alike.
+NORMAL_CLOSURE = 1000
+GOING_AWAY = 1001
+UNSUPPORTED_DATA = 1003
+INVALID_PAYLOAD = 1007
+POLICY_VIOLATION = 1008
+MESSAGE_TOO_BIG = 1009
+INTERNAL_ERROR = 1011
+TRY_AGAIN_LATER = 1013
+
+
+class TransportClosed(Exception):
+    """The other end closed (or went away): nothing more can be received or sent."""
+
+    def __init__(self, code: int, reason: str = "") -> None:
+        super().__init__(f"connection closed with code {code}" + (f": {reason}" if reason else ""))
+        self.code = code
+        self.reason = reason
+
+
+class Transport(Protocol):
+    async def receive(self) -> Message:
+        """The next whole message; raises TransportClosed once the peer has closed."""
+        ...
+
+    async def send(self, message: Message) -> None:
+        """Send one whole message; raises TransportClosed if the peer has gone."""
+        ...
+
+    async def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+        """Close both directions, telling the peer why.  Idempotent."""
+        ...
+
+
+@attrs.define
+class _CloseRecord:
+    code: int | None = None
+    reason: str = ""
+
+
+class MemoryTransport:
+    """One end of an in-memory, message-oriented, bounded connection."""
+
+    def __init__(self, outgoing: trio.MemorySendChannel[Message], incoming: trio.MemoryReceiveChannel[Message],
+                 mine: _CloseRecord, theirs: _CloseRecord) -> None:
+        self._outgoing = outgoing
+        self._incoming = incoming
+        self._mine = mine
+        self._theirs = theirs
+
+    async def receive(self) -> Message:
+        try:
+            return await self._incoming.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise self._closed() from None
+
+    async def send(self, message: Message) -> None:
+        if self._theirs.code is not None or self._mine.code is not None:
+            raise self._closed()
+        try:
+            await self._outgoing.send(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._closed() from None
+
+    async def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+        if self._mine.code is None and self._theirs.code is None:
+            self._mine.code = code
+            self._mine.reason = reason
+        self._outgoing.close()
+        self._incoming.close()
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def close_code(self) -> int | None:
+        """The code this connection closed with, from whichever side closed first."""
+        record = self._mine if self._mine.code is not None else self._theirs
+        return record.code
+
+    @property
+    def close_reason(self) -> str:
+        record = self._mine if self._mine.code is not None else self._theirs
+        return record.reason
+
+    def _closed(self) -> TransportClosed:
+        record = self._theirs if self._theirs.code is not None else self._mine
+        if record.code is None:
+            return TransportClosed(GOING_AWAY, "the connection went away")
+        return TransportClosed(record.code, record.reason)
+
+
+def memory_transport_pair(capacity: int = 2) -> tuple[MemoryTransport, MemoryTransport]:
+    """Two connected ends, ``(client, server)``; each direction holds ``capacity`` messages."""
+    to_server_send, to_server_receive = trio.open_memory_channel[Message](capacity)
+    to_client_send, to_client_receive = trio.open_memory_channel[Message](capacity)
+    client_close, server_close = _CloseRecord(), _CloseRecord()
+    client = MemoryTransport(to_server_send, to_client_receive, client_close, server_close)
+    server = MemoryTransport(to_client_send, to_server_receive, server_close, client_close)
+    return client, server

@@ -1,0 +1,55 @@
+"""The command line: help that explains, a real run, and start-up errors that name the key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from duplexrt_cli.app import app
+
+runner = CliRunner()
+
+
+def test_help_lists_the_commands():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert "simulate" in result.output
+
+
+def test_simulate_help_explains_the_options():
+    result = runner.invoke(app, ["simulate", "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    for option in ("--concurrency", "--frames", "--message-ms", "--mode", "--format", "--backend",
+                   "--backend-option", "--warmup-frames", "--repeat", "--offload", "--json"):
+        assert option in result.output
+
+
+def test_invalid_config_value_stops_start_up_naming_the_key():
+    result = runner.invoke(app, ["simulate", "--set", "runtime.inbox_depth=0"])
+    assert result.exit_code == 2
+    assert "runtime.inbox_depth" in result.output
+    assert "1 to 1024" in result.output
+
+
+def test_unknown_backend_option_is_refused():
+    result = runner.invoke(app, ["simulate", "-b", "synthetic", "-o", "speed=3"])
+    assert result.exit_code == 2
+    assert "speed" in result.output
+
+
+def test_simulate_runs_as_a_real_process_and_writes_json(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "duplexrt_cli.app", "simulate", "--concurrency", "3", "--frames", "5",
+         "-b", "synthetic", "--json", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "host CPU per frame" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["ok"] is True
+    assert data["rounds"][0]["frames_out"] == 15
+    assert data["settings"]["config"]["backend"]["name"] == "synthetic"

@@ -1,0 +1,108 @@
+"""`duplexrt simulate` end to end, in process: the guards pass on honest runs and catch a lie."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duplexrt.backends.base import BackendInfo
+from duplexrt.backends.synthetic import SyntheticBackend
+from duplexrt.config import load_config
+from duplexrt.simulate.runner import SimulateOptions, run_simulation
+
+
+def _config(*overrides: str):
+    return load_config(None, ['backend.name="synthetic"', "runtime.slots=16", *overrides])
+
+
+@pytest.mark.parametrize("fmt", ["pcm_f32le", "pcm_s16le", "g711_ulaw", "g711_alaw", "opus"])
+async def test_every_format_passes_the_guards(fmt):
+    report = await run_simulation(_config(), SimulateOptions(concurrency=4, frames=12, format=fmt))
+    (round_,) = report.rounds
+    assert round_.failures == []
+    assert round_.frames_in == round_.frames_out == 4 * 12
+    offloads = round_.handoffs["decode_offload"] + round_.handoffs["full_inbox_offload"]
+    if fmt == "opus":
+        assert round_.handoffs["decode_offload"] > 0
+    else:
+        assert offloads == 0
+
+
+async def test_echo_backend_passes_the_guards_with_odd_message_sizes():
+    config = load_config(None, ["runtime.slots=8", "backend.options.delay_frames=3"])
+    report = await run_simulation(config, SimulateOptions(concurrency=6, frames=10, message_ms=37))
+    assert report.ok, report.rounds[0].failures
+
+
+class _CorruptingBackend(SyntheticBackend):
+    """A deliberately wrong model (a fake, on purpose): flips one sample of one session's frame."""
+
+    def __init__(self, info: BackendInfo, victim_slot: int, victim_step: int) -> None:
+        super().__init__(info, {})
+        self.victim_slot = victim_slot
+        self.victim_step = victim_step
+        self.steps_seen = 0
+
+    def step(self, rows, inputs, outputs):
+        super().step(rows, inputs, outputs)
+        hits = np.flatnonzero(rows == self.victim_slot)
+        if hits.size and self.steps_seen == self.victim_step:
+            outputs[hits[0], 100] += 0.25
+        if hits.size:
+            self.steps_seen += 1
+
+
+async def test_guards_catch_a_single_corrupted_sample():
+    config = _config()
+    info = BackendInfo(name="synthetic", sample_rate=24000, frame_size=1920, slots=16)
+    backend = _CorruptingBackend(info, victim_slot=2, victim_step=5)
+    report = await run_simulation(config, SimulateOptions(concurrency=4, frames=10), backend=backend)
+    failures = report.rounds[0].failures
+    assert len(failures) == 1
+    assert "first at frame 5" in failures[0]
+
+
+class _SwappingBackend(SyntheticBackend):
+    """A deliberately wrong model (a fake): answers slot 0 with slot 1's output once."""
+
+    def step(self, rows, inputs, outputs):
+        super().step(rows, inputs, outputs)
+        if len(rows) >= 2 and rows[0] == 0 and rows[1] == 1 and not getattr(self, "_done", False):
+            outputs[[0, 1]] = outputs[[1, 0]]
+            self._done = True
+
+
+async def test_guards_catch_outputs_sent_to_the_wrong_session():
+    info = BackendInfo(name="synthetic", sample_rate=24000, frame_size=1920, slots=16)
+    report = await run_simulation(_config(), SimulateOptions(concurrency=3, frames=6),
+                                  backend=_SwappingBackend(info, {}))
+    failures = report.rounds[0].failures
+    assert len(failures) == 2
+    assert all("first at frame 0" in f for f in failures)
+
+
+async def test_paced_mode_reports_lag_and_late_frames(autojump_clock):
+    report = await run_simulation(_config(), SimulateOptions(concurrency=3, frames=8, mode="paced"))
+    (round_,) = report.rounds
+    assert round_.ok, round_.failures
+    assert round_.frame_lag_ms is not None and round_.frame_lag_ms.count == 3 * 8
+    assert round_.late_frames is not None
+    assert round_.real_time_factor is not None
+
+
+async def test_warmup_and_repeat_report_each_measured_round():
+    report = await run_simulation(_config(), SimulateOptions(concurrency=2, frames=4, warmup_frames=3,
+                                                             repeat=2))
+    assert len(report.rounds) == 2
+    assert all(r.frames_in == 8 for r in report.rounds)
+    assert report.ok
+
+
+async def test_offload_always_counts_a_hop_per_conversion_and_submit():
+    report = await run_simulation(_config('runtime.offload="always"'),
+                                  SimulateOptions(concurrency=2, frames=6))
+    handoffs = report.rounds[0].handoffs
+    assert handoffs["submit_offload"] == 12
+    assert handoffs["convert_offload"] >= 6 + 2  # every input message and every output write
+    assert report.rounds[0].executor_submissions == handoffs["submit_offload"] + handoffs["convert_offload"]
+    assert report.ok
