@@ -78,12 +78,26 @@ class RuntimeConfig:
     offload: str = attrs.field(default="counted", validator=_one_of("runtime.offload", OFFLOAD_POLICIES))
 
 
+def _is_string(key: str):
+    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
+
+    return check
+
+
+def _as_table(value: object) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"backend.options must be a table of option = value, got {value!r}")
+    return dict(value)
+
+
 @attrs.frozen(kw_only=True)
 class BackendConfig:
     """Which model serves the sessions, and its own options (checked by the backend itself)."""
 
-    name: str = attrs.field(default="echo")
-    options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    name: str = attrs.field(default="echo", validator=_is_string("backend.name"))
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_table)
 
 
 @attrs.frozen(kw_only=True)
@@ -160,9 +174,14 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         path = Path(path)
         origin = str(path)
         try:
-            data = tomllib.loads(path.read_text())
+            with path.open("rb") as handle:  # TOML is UTF-8 whatever the locale says
+                data = tomllib.load(handle)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not valid TOML: the file is not UTF-8 text") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     overrides = list(overrides)

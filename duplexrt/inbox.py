@@ -5,9 +5,11 @@ takes at most one frame per slot per step, in slot order.  Everything here happe
 whose critical sections are a few list and deque operations: nothing slow, nothing that allocates
 per frame beyond the queue entry itself.
 
-The scheduler is only signalled when it is actually waiting and the put makes a difference to it:
-when it sleeps with no work at all, or when it is gathering and the put makes every expected slot
-ready.  A burst of puts into a busy scheduler costs no signals.
+The scheduler is only signalled when it is actually waiting and the change makes a difference to
+it: when it sleeps with no work at all (a put, or a slot opening or closing, so that the model
+resets a slot before that session's first frame rather than during it), or when it is gathering
+and the change makes every expected slot ready.  A burst of puts into a busy scheduler costs no
+signals.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class Inbox:
             self._starved += 1
             bisect.insort(self._open_slots, slot)
             self._controls.append(Control(ControlOp.OPEN, slot, owner, payload))
+            if self._state is _State.IDLE:
+                self._signal()
 
     def end_input(self, slot: int, owner: Any) -> None:
         """The session will send nothing more: stop waiting for it when gathering."""
@@ -115,7 +119,10 @@ class Inbox:
             self._controls.append(Control(ControlOp.CLOSE, slot, owner))
             if self._space_waiters:
                 self._has_space.notify_all()  # an abandoned blocked put learns its slot is gone
-            self._wake_gatherer()
+            if self._state is _State.IDLE:
+                self._signal()
+            else:
+                self._wake_gatherer()
             return dropped
 
     def put_nowait(self, slot: int, owner: Any, frame: Any, stamp: int) -> bool:

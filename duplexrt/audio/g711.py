@@ -12,8 +12,9 @@ single ``take`` on a table that is computed once at import:
 The tables themselves are built with vectorised integer arithmetic that
 follows the segment/mantissa layout of G.711.  The standard defines mu-law on
 14-bit and A-law on 13-bit linear samples; 16-bit input is reduced by an
-arithmetic right shift (dropping the low bits), which is what the classic
-reference implementations do, so our codes match ``audioop`` and SoX exactly.
+arithmetic right shift (dropping the low bits), as the classic reference
+implementations do; the tests check that our codes match CPython's
+``audioop`` for every int16 input.
 """
 
 from __future__ import annotations

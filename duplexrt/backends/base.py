@@ -72,8 +72,8 @@ def take_options(backend: str, options: Mapping[str, Any], defaults: Mapping[str
     unknown = set(options) - set(defaults)
     if unknown:
         raise ConfigError(
-            f"backend.options: {backend} has no option(s) {', '.join(sorted(unknown))}; "
-            f"it accepts {', '.join(sorted(defaults)) or 'none'}"
+            f"{', '.join(f'backend.options.{k}' for k in sorted(unknown))}: {backend} has no such "
+            f"option; it accepts {', '.join(sorted(defaults)) or 'none'}"
         )
     merged = dict(defaults)
     merged.update(options)

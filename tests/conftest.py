@@ -1,0 +1,319 @@
+"""Shared helpers for the runtime tests: configs, a controllable backend, a slot owner that
+records what the scheduler hands it, and a raw-protocol client over the in-memory transport.
+
+Everything here drives the real parts (scheduler thread, inbox, sessions, codecs); the only fake
+is ``ControlledBackend``, the real synthetic model with two test hooks added.
+
+No test using these helpers takes ``autojump_clock``: the scheduler is a real thread, and a clock
+that jumps whenever every trio task is blocked would fire timeouts while that thread is working.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+import trio
+
+from duplexrt.audio import AudioSpec, Framer, make_decoder, make_encoder
+from duplexrt.backends import BackendInfo
+from duplexrt.backends.synthetic import SyntheticBackend, expected_output, marker_tones
+from duplexrt.config import Config, load_config
+from duplexrt.protocols.events import SessionEnd
+from duplexrt.runtime import Runtime
+from duplexrt.scheduler import THREAD_NAME
+from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+
+MODEL_RATE = 24000
+FRAME = 1920
+TONES = marker_tones(MODEL_RATE, FRAME)
+#: The longest any test waits for something that should take milliseconds.
+PATIENCE = 10.0
+#: A stalled step gives up after this long, so a failing test can never hang the run.
+GATE_TIMEOUT = 15.0
+INPUT_END = json.dumps({"type": "input.end"})
+
+
+def make_config(*overrides: str) -> Config:
+    return load_config(None, list(overrides))
+
+
+def backend_info(config: Config, name: str = "synthetic") -> BackendInfo:
+    return BackendInfo(name=name, sample_rate=config.audio.sample_rate,
+                       frame_size=config.audio.frame_size, slots=config.runtime.slots)
+
+
+def scheduler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def spec(fmt: str, rate: int | None = None) -> AudioSpec:
+    return AudioSpec.create(fmt, rate, model_rate=MODEL_RATE)
+
+
+# -- a backend with test hooks ------------------------------------------------------------------
+
+
+class ControlledBackend(SyntheticBackend):
+    """FAKE (test hooks on the real synthetic model):
+
+    * while ``gate`` (a threading.Event) is clear, ``step`` blocks on it: the scheduler thread is
+      stalled exactly as a slow GPU would stall it; ``wait_stalled()`` returns once a step is
+      blocked there;
+    * ``step`` raises on the step numbers (1-based) in ``fail_on``;
+    * ``step_rows`` records the rows of every step, in order.
+
+    Otherwise its output is the synthetic backend's, bit for bit.  Create it inside the trio run
+    (it keeps the run's token to report a stall).
+    """
+
+    def __init__(self, config: Config, *, stalled: bool = False, fail_on: Sequence[int] = ()) -> None:
+        super().__init__(backend_info(config), {})
+        self.gate = threading.Event()
+        if not stalled:
+            self.gate.set()
+        self.fail_on = set(fail_on)
+        self.step_rows: list[list[int]] = []
+        self._token = trio.lowlevel.current_trio_token()
+        self._stalled = trio.Event()
+
+    def stall(self) -> None:
+        self._stalled = trio.Event()
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    async def wait_stalled(self) -> None:
+        with trio.fail_after(PATIENCE):
+            await self._stalled.wait()
+
+    def step(self, rows: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> None:
+        number = len(self.step_rows) + 1
+        self.step_rows.append(rows.tolist())
+        if not self.gate.is_set():
+            self._token.run_sync_soon(self._stalled.set)
+            if not self.gate.wait(GATE_TIMEOUT):
+                raise RuntimeError("test gate never opened")
+        if number in self.fail_on:
+            raise ValueError(f"injected failure on step {number}")
+        return super().step(rows, inputs, outputs)
+
+
+# -- a minimal slot owner --------------------------------------------------------------------------
+
+
+class RecordingOwner:
+    """A SlotOwner that keeps every output and failure the scheduler delivers to it."""
+
+    def __init__(self) -> None:
+        self.outputs: list[np.ndarray] = []
+        self.failures: list[BaseException] = []
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
+        self.outputs.append(np.array(output))
+        self._lot.unpark_all()
+
+    def step_failed(self, error: BaseException) -> None:
+        self.failures.append(error)
+        self._lot.unpark_all()
+
+    async def wait_for(self, outputs: int = 0, failures: int = 0) -> None:
+        with trio.fail_after(PATIENCE):
+            while len(self.outputs) < outputs or len(self.failures) < failures:
+                await self._lot.park()
+
+
+async def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    """Poll a condition only another thread can make true (bounded; used where no trio-side
+    effect exists to wait on)."""
+    with trio.fail_after(PATIENCE):
+        while not predicate():
+            await trio.sleep(0.001)
+    assert predicate(), what
+
+
+def frame_of(value: float) -> np.ndarray:
+    return np.full(FRAME, value, dtype=np.float32)
+
+
+def synthetic_out(frame: np.ndarray, session_id: int, index: int) -> np.ndarray:
+    return expected_output(frame, session_id, index, TONES)
+
+
+# -- audio on the wire -----------------------------------------------------------------------------
+
+
+def noise(samples: int, seed: int, scale: float = 0.3) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.standard_normal(samples) * scale, -0.95, 0.95).astype(np.float32)
+
+
+def cut_points(total: int, seed: int, low: int = 300, high: int = 5000) -> list[int]:
+    """Message lengths (in samples) adding up to ``total``, none a multiple of a frame."""
+    rng = np.random.default_rng(seed)
+    sizes = []
+    left = total
+    while left > 0:
+        size = int(rng.integers(low, high))
+        if size % FRAME == 0:
+            size += 1
+        size = min(size, left)
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+def wire_messages(signal: np.ndarray, wire: AudioSpec, sizes: Sequence[int]) -> list[bytes]:
+    """``signal`` (at the wire rate) encoded in ``wire``'s format, one message per size."""
+    encoder = make_encoder(AudioSpec.create(wire.format, wire.sample_rate, model_rate=wire.sample_rate),
+                           wire.sample_rate)
+    messages = []
+    start = 0
+    for size in sizes:
+        messages.append(encoder.encode(signal[start:start + size]))
+        start += size
+    tail = encoder.flush()
+    if tail:
+        messages.append(tail)
+    return [m for m in messages if m]
+
+
+def model_frames(messages: Sequence[bytes], wire: AudioSpec) -> list[np.ndarray]:
+    """The frames the model sees for these messages: decoded and framed as a session does it,
+    the last one zero-padded."""
+    decoder = make_decoder(wire, MODEL_RATE)
+    framer = Framer(FRAME)
+    frames: list[np.ndarray] = []
+    for message in messages:
+        frames.extend(np.array(f) for f in framer.push(decoder.decode(message)))
+    frames.extend(np.array(f) for f in framer.push(decoder.flush()))
+    last = framer.flush()
+    if last is not None:
+        frames.append(last)
+    return frames
+
+
+def synthetic_wire(frames: Sequence[np.ndarray], session_id: int, wire: AudioSpec) -> bytes:
+    """What a session on the synthetic backend sends back for these input frames."""
+    encoder = make_encoder(wire, MODEL_RATE)
+    out = b"".join(encoder.encode(synthetic_out(f, session_id, k)) for k, f in enumerate(frames))
+    return out + encoder.flush()
+
+
+# -- a raw-protocol client ---------------------------------------------------------------------------
+
+
+@attrs.define
+class ClientLog:
+    """Everything one client received."""
+
+    audio: bytearray = attrs.Factory(bytearray)
+    audio_messages: int = 0
+    errors: list[dict] = attrs.Factory(list)
+    texts: list[str] = attrs.Factory(list)
+    end: dict | None = None
+    close_code: int | None = None
+    close_reason: str = ""
+    messages_sent: int = 0
+    audio_sent: int = 0
+    got_audio: trio.Event = attrs.Factory(trio.Event)
+
+
+async def receive_all(transport: MemoryTransport, log: ClientLog) -> None:
+    """Read until the server closes, sorting what arrives into ``log``."""
+    while True:
+        try:
+            message = await transport.receive()
+        except TransportClosed as closed:
+            log.close_code = closed.code
+            log.close_reason = closed.reason
+            return
+        if isinstance(message, str):
+            event = json.loads(message)
+            kind = event.get("type")
+            if kind == "session.end":
+                assert log.end is None, "two session.end events"
+                log.end = event
+            elif kind == "error":
+                log.errors.append(event)
+            elif kind == "text":
+                log.texts.append(event["text"])
+            else:
+                raise AssertionError(f"unexpected server event {event!r}")
+        else:
+            assert log.end is None, "audio after session.end"
+            log.audio += message
+            log.audio_messages += 1
+            log.got_audio.set()
+
+
+async def send_all(transport: MemoryTransport, messages: Sequence[bytes | str], log: ClientLog,
+                   *, end_input: bool = True) -> None:
+    try:
+        for message in messages:
+            await transport.send(message)
+            log.messages_sent += 1
+            if not isinstance(message, str):
+                log.audio_sent += 1
+        if end_input:
+            await transport.send(INPUT_END)
+    except TransportClosed:
+        pass
+
+
+async def run_client(transport: MemoryTransport, messages: Sequence[bytes | str],
+                     log: ClientLog | None = None) -> ClientLog:
+    """Send ``messages`` then input.end while reading everything back, until the server closes."""
+    log = log if log is not None else ClientLog()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_all, transport, messages, log)
+        await receive_all(transport, log)
+        nursery.cancel_scope.cancel()
+    return log
+
+
+@attrs.define
+class SessionRun:
+    end: SessionEnd | None = None
+    client: ClientLog = attrs.Factory(ClientLog)
+
+
+async def run_session(runtime: Runtime, messages: Sequence[bytes | str], wire: AudioSpec,
+                      session_id: int | None = None) -> SessionRun:
+    """One whole session: the server side and a client, until both are done."""
+    result = SessionRun()
+    client, server = memory_transport_pair()
+
+    async def serve() -> None:
+        result.end = await runtime.serve(server, input_spec=wire, output_spec=wire, session_id=session_id)
+
+    with trio.fail_after(PATIENCE):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            await run_client(client, messages, result.client)
+    return result
+
+
+async def run_sessions(runtime: Runtime, workloads: Sequence[tuple[Sequence[bytes | str], AudioSpec, int]]
+                       ) -> list[SessionRun]:
+    """Several sessions at once: ``(messages, spec, session_id)`` each."""
+    results: list[SessionRun | None] = [None] * len(workloads)
+
+    async def one(i: int) -> None:
+        messages, wire, session_id = workloads[i]
+        results[i] = await run_session(runtime, messages, wire, session_id)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(workloads)):
+            nursery.start_soon(one, i)
+    return results  # type: ignore[return-value]
+
+
+def frames_for(samples: int) -> int:
+    return math.ceil(samples / FRAME)

@@ -1,0 +1,278 @@
+"""The log-linear histogram: percentile accuracy, exact moments, interval diffs, bucket bounds."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from duplexrt.histogram import Histogram, Summary, _bucket_of, _lower_bound
+
+#: The documented bound on relative error: 1 / 2**sub_bits with the default five sub-bucket bits.
+RELATIVE_ERROR = 1 / 32
+
+
+def recorded(values) -> Histogram:
+    histogram = Histogram()
+    for value in values:
+        histogram.record(value)
+    return histogram
+
+
+def nearest_rank(values, q: float) -> int:
+    """The q-quantile of ``values`` by the nearest-rank rule: the smallest value with at least
+    ``q * n`` of the values at or below it."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered) - 1e-9))
+    return ordered[rank - 1]
+
+
+def assert_close(estimate: float, true: float) -> None:
+    assert abs(estimate - true) <= RELATIVE_ERROR * true, f"{estimate} is not within 1/32 of {true}"
+
+
+# -- percentiles -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "step"), [(1, 10_001, 1), (1_000, 2_000, 1), (0, 32, 1), (50_000_000, 51_000_000, 97)]
+)
+def test_percentiles_of_uniform_range_within_relative_error(low, high, step):
+    values = list(range(low, high, step))
+    summary = recorded(values).summary()
+    assert_close(summary.p50, nearest_rank(values, 0.5))
+    assert_close(summary.p99, nearest_rank(values, 0.99))
+
+
+def test_percentiles_of_random_uniform_values_within_relative_error():
+    rng = random.Random(20240611)
+    values = [rng.randrange(0, 10**9) for _ in range(20_000)]
+    histogram = recorded(values)
+    for q in (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999):
+        assert_close(histogram.percentile(q), nearest_rank(values, q))
+
+
+def test_percentiles_of_log_spread_values_within_relative_error():
+    rng = random.Random(7)
+    values = [int(10 ** rng.uniform(0, 12)) for _ in range(20_000)]
+    histogram = recorded(values)
+    for q in (0.05, 0.5, 0.9, 0.99):
+        assert_close(histogram.percentile(q), nearest_rank(values, q))
+
+
+@pytest.mark.parametrize("value", [0, 1, 31, 32, 33, 1000, 123_456, 2**40 + 12345])
+def test_constant_values_give_exact_figures(value):
+    summary = recorded([value] * 1000).summary()
+    assert summary == Summary(count=1000, mean=float(value), p50=float(value), p99=float(value),
+                              max=float(value), min=float(value))
+
+
+def test_small_values_are_exact():
+    values = list(range(32)) * 3
+    histogram = recorded(values)
+    for q in (0.1, 0.5, 0.9, 1.0):
+        assert histogram.percentile(q) == nearest_rank(values, q)
+
+
+def test_bimodal_percentiles_land_in_the_right_mode():
+    rng = random.Random(99)
+    fast = [rng.randrange(1_900, 2_100) for _ in range(6_000)]
+    slow = [rng.randrange(4_900_000, 5_100_000) for _ in range(4_000)]
+    values = fast + slow
+    rng.shuffle(values)
+    histogram = recorded(values)
+    summary = histogram.summary()
+    assert 1_900 * (1 - RELATIVE_ERROR) <= summary.p50 <= 2_100 * (1 + RELATIVE_ERROR)
+    assert_close(summary.p50, nearest_rank(values, 0.5))
+    assert 4_900_000 * (1 - RELATIVE_ERROR) <= summary.p99 <= 5_100_000 * (1 + RELATIVE_ERROR)
+    assert_close(summary.p99, nearest_rank(values, 0.99))
+    # The boundary between the modes: 60% of the values are fast.
+    assert histogram.percentile(0.6) < 2_200
+    assert histogram.percentile(0.61) > 4_800_000
+
+
+def test_percentile_never_leaves_the_recorded_range():
+    values = [1000, 1001, 1002]
+    histogram = recorded(values)
+    for q in (0.0, 0.34, 0.5, 0.99, 1.0):
+        assert 1000 <= histogram.percentile(q) <= 1002
+
+
+def test_single_value_percentiles_are_that_value():
+    histogram = recorded([987_654])
+    assert histogram.percentile(0.0) == histogram.percentile(1.0) == 987_654
+
+
+# -- exact figures ---------------------------------------------------------------------------------
+
+
+def test_min_max_count_mean_are_exact():
+    rng = random.Random(3)
+    values = [rng.randrange(0, 10**12) for _ in range(5_000)]
+    summary = recorded(values).summary()
+    assert summary.count == len(values)
+    assert summary.min == min(values)
+    assert summary.max == max(values)
+    assert summary.mean == sum(values) / len(values)
+
+
+def test_count_and_total_attributes_track_records():
+    histogram = recorded([5, 10, 15])
+    assert histogram.count == 3
+    assert histogram.total == 30
+    assert histogram.max == 15
+    assert histogram.min == 5
+
+
+def test_negative_values_are_recorded_as_zero():
+    summary = recorded([-5, 10]).summary()
+    assert summary.min == 0
+    assert summary.count == 2
+    assert summary.mean == 5.0
+
+
+def test_empty_histogram_summary_is_zeros():
+    assert Histogram().summary() == Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert Histogram().percentile(0.5) == 0.0
+
+
+def test_summary_scaled_divides_every_figure():
+    summary = recorded([1000, 2000, 3000]).summary()
+    scaled = summary.scaled(1000)
+    assert scaled.count == 3
+    assert scaled.mean == pytest.approx(summary.mean / 1000)
+    assert scaled.p50 == pytest.approx(summary.p50 / 1000)
+    assert scaled.p99 == pytest.approx(summary.p99 / 1000)
+    assert scaled.max == pytest.approx(3.0)
+    assert scaled.min == pytest.approx(1.0)
+
+
+# -- snapshots and intervals -----------------------------------------------------------------------
+
+
+def test_snapshot_is_unaffected_by_later_records():
+    histogram = recorded([10, 20, 30])
+    snap = histogram.snapshot()
+    before = snap.summary()
+    histogram.record(10**9)
+    assert snap.summary() == before
+    assert histogram.summary().count == 4
+
+
+def test_snapshot_has_the_same_summary():
+    rng = random.Random(11)
+    histogram = recorded(rng.randrange(0, 10**6) for _ in range(1000))
+    assert histogram.snapshot().summary() == histogram.summary()
+
+
+def test_minus_gives_only_what_was_recorded_in_between():
+    rng = random.Random(5)
+    histogram = recorded(rng.randrange(10, 500) for _ in range(1_000))
+    earlier = histogram.snapshot()
+    between = [rng.randrange(10_000, 20_000) for _ in range(3_000)]
+    for value in between:
+        histogram.record(value)
+    diff = histogram.minus(earlier)
+    summary = diff.summary()
+    assert summary.count == len(between)
+    assert summary.mean == sum(between) / len(between)
+    assert_close(summary.p50, nearest_rank(between, 0.5))
+    assert_close(summary.p99, nearest_rank(between, 0.99))
+    # Min and max are known to their bucket, never outside the interval's own bucket bounds.
+    assert min(between) * (1 - RELATIVE_ERROR) <= summary.min <= min(between)
+    assert max(between) <= summary.max <= max(between) * (1 + RELATIVE_ERROR)
+
+
+def test_minus_ignores_larger_values_recorded_before_the_snapshot():
+    histogram = recorded(range(10_000, 20_000))
+    earlier = histogram.snapshot()
+    between = list(range(100, 201))
+    for value in between:
+        histogram.record(value)
+    summary = histogram.minus(earlier).summary()
+    assert summary.count == len(between)
+    assert max(between) <= summary.max <= max(between) * (1 + RELATIVE_ERROR)
+    assert min(between) * (1 - RELATIVE_ERROR) <= summary.min <= min(between)
+    assert_close(summary.p99, nearest_rank(between, 0.99))
+
+
+def test_minus_of_two_later_snapshots():
+    histogram = Histogram()
+    histogram.record(1)
+    first = histogram.snapshot()
+    for value in (40, 41, 42):
+        histogram.record(value)
+    second = histogram.snapshot()
+    histogram.record(10**7)
+    summary = second.minus(first).summary()
+    assert summary.count == 3
+    assert summary.mean == 41.0
+    assert summary.min == 40 and summary.max == 42
+
+
+def test_minus_with_nothing_in_between_is_empty():
+    histogram = recorded([100, 200, 300])
+    diff = histogram.minus(histogram.snapshot())
+    assert diff.summary() == Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_merge_equals_recording_everything_into_one():
+    rng = random.Random(17)
+    a = [rng.randrange(0, 10**6) for _ in range(500)]
+    b = [rng.randrange(10**3, 10**8) for _ in range(700)]
+    merged = recorded(a)
+    merged.merge(recorded(b))
+    assert merged.summary() == recorded(a + b).summary()
+
+
+def test_merge_of_empty_keeps_min():
+    histogram = recorded([7, 9])
+    histogram.merge(Histogram())
+    assert histogram.summary().min == 7
+    empty = Histogram()
+    empty.merge(recorded([7, 9]))
+    assert empty.summary().min == 7
+
+
+# -- bucket bounds ---------------------------------------------------------------------------------
+
+
+def random_values(count: int, seed: int):
+    """Values spread over every magnitude up to 2**53: a random bit length, then a random value."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        bits = rng.randrange(0, 54)
+        yield rng.randrange(0, 2**bits) if bits else 0
+
+
+def edge_values():
+    for k in range(54):
+        for v in (2**k - 1, 2**k, 2**k + 1):
+            if 0 <= v < 2**53:
+                yield v
+
+
+def test_every_value_lies_within_its_bucket_bounds():
+    for value in [*random_values(20_000, seed=1), *edge_values()]:
+        bucket = _bucket_of(value)
+        assert _lower_bound(bucket) <= value < _lower_bound(bucket + 1), value
+
+
+def test_bucket_width_is_within_relative_error():
+    for value in random_values(5_000, seed=2):
+        if value < 32:
+            continue
+        bucket = _bucket_of(value)
+        low, high = _lower_bound(bucket), _lower_bound(bucket + 1)
+        assert high - low <= low * RELATIVE_ERROR, value
+
+
+def test_buckets_are_ordered_like_values():
+    values = sorted(random_values(5_000, seed=3))
+    buckets = [_bucket_of(v) for v in values]
+    assert buckets == sorted(buckets)
+
+
+def test_small_values_have_their_own_bucket():
+    assert [_bucket_of(v) for v in range(64)] == list(range(64))

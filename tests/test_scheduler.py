@@ -1,0 +1,423 @@
+"""The scheduler thread: its life, slot leases, failures, backpressure and thread-crossing counts.
+
+Real scheduler thread, real inbox, real synthetic model; ``ControlledBackend`` (conftest) adds a
+stall gate and injected failures to the synthetic model where a test needs them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from conftest import (
+    FRAME,
+    PATIENCE,
+    ControlledBackend,
+    RecordingOwner,
+    backend_info,
+    cut_points,
+    frame_of,
+    make_config,
+    model_frames,
+    noise,
+    run_session,
+    scheduler_threads,
+    spec,
+    synthetic_out,
+    synthetic_wire,
+    wait_until,
+    wire_messages,
+)
+from duplexrt.backends.echo import EchoBackend
+from duplexrt.handoffs import HandoffKind
+from duplexrt.inbox import _State
+from duplexrt.runtime import open_runtime
+from duplexrt.scheduler import BackendStepError, NoFreeSlotError, SlotClosedError
+
+
+class FailingLoadBackend(EchoBackend):
+    """FAKE: a model whose weights cannot be loaded."""
+
+    def load(self) -> None:
+        raise OSError("model weights not found at /nowhere")
+
+
+def _group_leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _group_leaves(inner)]
+    return [exc]
+
+
+# -- life of the thread ----------------------------------------------------------------------------
+
+
+async def test_exactly_one_scheduler_thread_while_running_and_none_after():
+    assert scheduler_threads() == []
+    config = make_config("runtime.slots=4")
+    async with open_runtime(config, backend=None) as runtime:
+        threads = scheduler_threads()
+        assert len(threads) == 1
+        assert threads[0].is_alive()
+        assert runtime.scheduler.ready
+        # and it really is the thread that serves: a session works.
+        wire = spec("pcm_f32le")
+        messages = wire_messages(noise(3 * FRAME, seed=1), wire, [FRAME * 3])
+        run = await run_session(runtime, messages, wire, session_id=1)
+        assert run.end.reason == "stop" and run.end.frames_out == 3
+        assert len(scheduler_threads()) == 1
+    assert scheduler_threads() == []
+    assert not threads[0].is_alive()
+    assert not runtime.scheduler.ready
+
+
+async def test_backend_load_failure_leaves_no_thread_and_names_the_backend():
+    config = make_config("runtime.slots=2")
+    with pytest.raises(BaseException) as info:  # noqa: PT011 - the exact shape is checked below
+        async with open_runtime(config, backend=FailingLoadBackend(backend_info(config, "echo"), {})):
+            pytest.fail("open_runtime must not start a runtime whose backend failed to load")
+    leaves = _group_leaves(info.value)
+    assert len(leaves) == 1, leaves
+    error = leaves[0]
+    assert isinstance(error, RuntimeError)
+    assert "'echo'" in str(error) and "failed to load" in str(error)
+    assert isinstance(error.__cause__, OSError)
+    assert "model weights not found" in str(error.__cause__)
+    assert scheduler_threads() == []
+
+
+async def test_backend_load_failure_raises_a_plain_runtime_error():
+    # A caller (the CLI, a server's start-up code) should be able to write
+    # `except RuntimeError` around open_runtime; an exception group nested twice is not "a clear
+    # RuntimeError".
+    config = make_config("runtime.slots=2")
+    with pytest.raises(RuntimeError, match=r"backend 'echo' failed to load"):
+        async with open_runtime(config, backend=FailingLoadBackend(backend_info(config, "echo"), {})):
+            pytest.fail("open_runtime must not start a runtime whose backend failed to load")
+    assert scheduler_threads() == []
+
+
+# -- slots -------------------------------------------------------------------------------------------
+
+
+async def test_no_free_slot_until_one_is_released():
+    config = make_config("runtime.slots=3", "backend.name=synthetic")
+    async with open_runtime(config) as runtime:
+        scheduler = runtime.scheduler
+        owners = [RecordingOwner() for _ in range(3)]
+        leases = [scheduler.open_slot(owner) for owner in owners]
+        assert [lease.slot for lease in leases] == [0, 1, 2]
+        assert scheduler.free_slots == 0
+        with pytest.raises(NoFreeSlotError):
+            scheduler.open_slot(RecordingOwner())
+        assert scheduler.free_slots == 0
+
+        assert leases[1].release() == 0
+        assert leases[1].release() == 0  # idempotent: the slot is not freed twice
+        assert scheduler.free_slots == 1
+        with pytest.raises(SlotClosedError):
+            leases[1].submit_nowait(frame_of(0.1))
+
+        newcomer = RecordingOwner()
+        lease = scheduler.open_slot(newcomer)
+        assert lease.slot == 1
+        with pytest.raises(NoFreeSlotError):
+            scheduler.open_slot(RecordingOwner())
+
+        # The reused slot serves its new owner (fresh synthetic state: frame index 0).
+        frame = frame_of(0.25)
+        await lease.submit(frame)
+        await newcomer.wait_for(outputs=1)
+        np.testing.assert_array_equal(newcomer.outputs[0], synthetic_out(frame, lease.session_id, 0))
+        assert owners[1].outputs == []
+        for held in (leases[0], leases[2], lease):
+            held.release()
+        assert scheduler.free_slots == 3
+
+
+# -- failures ------------------------------------------------------------------------------------------
+
+
+async def test_step_error_reaches_exactly_that_steps_sessions_and_the_scheduler_survives():
+    config = make_config("runtime.slots=4")
+    # Step 1 is stalled so that step 2 is known to hold exactly A and B; step 2 fails.
+    backend = ControlledBackend(config, stalled=True, fail_on=[2])
+    async with open_runtime(config, backend=backend) as runtime:
+        scheduler = runtime.scheduler
+        a, b, c = RecordingOwner(), RecordingOwner(), RecordingOwner()
+        lease_a, lease_b, lease_c = (scheduler.open_slot(o) for o in (a, b, c))
+        try:
+            c_first = frame_of(0.1)
+            await lease_c.submit(c_first)
+            await backend.wait_stalled()  # step 1 = [C], held
+            await lease_a.submit(frame_of(0.2))
+            await lease_b.submit(frame_of(0.3))
+        finally:
+            backend.release()
+        await a.wait_for(failures=1)
+        await b.wait_for(failures=1)
+        await c.wait_for(outputs=1)
+        assert backend.step_rows[:2] == [[lease_c.slot], sorted([lease_a.slot, lease_b.slot])]
+        for owner in (a, b):
+            assert len(owner.failures) == 1
+            assert isinstance(owner.failures[0], BackendStepError)
+            assert "injected failure on step 2" in str(owner.failures[0])
+            assert owner.outputs == []
+        assert c.failures == []
+        np.testing.assert_array_equal(c.outputs[0], synthetic_out(c_first, lease_c.session_id, 0))
+
+        # Later steps work, for a session that was not in the failed step and for a new one.
+        d = RecordingOwner()
+        lease_d = scheduler.open_slot(d)
+        c_second, d_first = frame_of(-0.4), frame_of(0.5)
+        await lease_c.submit(c_second)
+        await lease_d.submit(d_first)
+        await c.wait_for(outputs=2)
+        await d.wait_for(outputs=1)
+        np.testing.assert_array_equal(c.outputs[1], synthetic_out(c_second, lease_c.session_id, 1))
+        np.testing.assert_array_equal(d.outputs[0], synthetic_out(d_first, lease_d.session_id, 0))
+        assert c.failures == [] and d.failures == []
+        assert scheduler.ready
+        # The failed step still cost exactly one delivery, like every other step.
+        stats = runtime.handoffs.statistics()
+        assert stats[HandoffKind.OUTPUT_DELIVERY] == scheduler.statistics().steps == len(backend.step_rows)
+        for lease in (lease_a, lease_b, lease_c, lease_d):
+            lease.release()
+
+
+# -- backpressure ----------------------------------------------------------------------------------------
+
+
+async def test_stalled_backend_stops_sessions_at_inbox_depth_then_everything_completes():
+    depth = 4
+    sessions = 3
+    config = make_config("runtime.slots=4", f"runtime.inbox_depth={depth}", "runtime.outbox_depth=4")
+    backend = ControlledBackend(config, stalled=True)
+    wire = spec("pcm_f32le")
+    workloads = []
+    for i in range(sessions):
+        samples = 5 * depth * FRAME + 777 * (i + 1)  # many more frames than the queue holds
+        workloads.append(wire_messages(noise(samples, seed=10 + i), wire, cut_points(samples, seed=20 + i)))
+
+    async with open_runtime(config, backend=backend) as runtime:
+        inbox = runtime.scheduler.inbox
+        runs: dict[int, object] = {}
+
+        async def session(i: int) -> None:
+            runs[i] = await run_session(runtime, workloads[i], wire, session_id=i + 1)
+
+        async with trio.open_nursery() as nursery:
+            try:
+                for i in range(sessions):
+                    nursery.start_soon(session, i)
+                await backend.wait_stalled()
+                # Every trio task is now blocked: nothing moves while the model is stalled.
+                await trio.testing.wait_all_tasks_blocked()
+                in_step = len(backend.step_rows[0])
+                queued = [inbox.queued(slot) for slot in range(config.runtime.slots)]
+                assert max(queued) <= depth, queued
+                # Each session submitted exactly inbox_depth frames and then stopped by itself ...
+                assert runtime.metrics.frames_in == sessions * depth
+                # ... every one of them either queued or in the stalled step ...
+                assert sum(queued) + in_step == sessions * depth
+                # ... and without a single submit waiting on a worker thread.
+                assert runtime.handoffs.statistics()[HandoffKind.FULL_INBOX_OFFLOAD] == 0
+                # Still nothing moves a moment later.
+                await trio.testing.wait_all_tasks_blocked()
+                assert runtime.metrics.frames_in == sessions * depth
+                assert len(backend.step_rows) == 1
+            finally:
+                backend.release()
+        # (the nursery ends only when every session has finished)
+
+        stats = runtime.handoffs.statistics()
+        assert stats.offloads == 0
+        for i in range(sessions):
+            frames = model_frames(workloads[i], wire)
+            run = runs[i]
+            assert run.end.reason == "stop"
+            assert run.end.frames_in == run.end.frames_out == len(frames)
+            assert run.client.errors == []
+            assert bytes(run.client.audio) == synthetic_wire(frames, i + 1, wire), f"session {i + 1}"
+        assert inbox.total_queued() == 0
+        assert runtime.scheduler.free_slots == config.runtime.slots
+
+
+async def test_submit_into_full_inbox_waits_on_a_counted_worker_thread():
+    depth = 3
+    config = make_config("runtime.slots=2", f"runtime.inbox_depth={depth}")
+    backend = ControlledBackend(config, stalled=True)
+    async with open_runtime(config, backend=backend) as runtime:
+        owner = RecordingOwner()
+        lease = runtime.scheduler.open_slot(owner)
+        inbox = runtime.scheduler.inbox
+        frames = [frame_of(0.01 * (k + 1)) for k in range(depth + 2)]
+        done = trio.Event()
+        try:
+            await lease.submit(frames[0])
+            await backend.wait_stalled()  # frames[0] is in the stalled step; the queue is empty
+            for frame in frames[1:depth + 1]:
+                await lease.submit(frame)
+            assert inbox.queued(lease.slot) == depth
+            assert runtime.handoffs.statistics()[HandoffKind.FULL_INBOX_OFFLOAD] == 0
+            assert not lease.submit_nowait(frames[-1])  # full
+
+            async def extra_submit() -> None:
+                await lease.submit(frames[-1])
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(extra_submit)
+                await trio.testing.wait_all_tasks_blocked()
+                stats = runtime.handoffs.statistics()
+                assert stats[HandoffKind.FULL_INBOX_OFFLOAD] == 1
+                assert stats.by_kind["full_inbox_offload"] == 1
+                assert stats.offloads == 1
+                assert not done.is_set()
+                assert inbox.queued(lease.slot) == depth
+                backend.release()
+                with trio.fail_after(PATIENCE):
+                    await done.wait()
+        finally:
+            backend.release()
+        await owner.wait_for(outputs=len(frames))
+        assert owner.failures == []
+        assert len(owner.outputs) == len(frames)
+        for k, frame in enumerate(frames):  # complete and in order
+            np.testing.assert_array_equal(owner.outputs[k], synthetic_out(frame, lease.session_id, k))
+        assert runtime.handoffs.statistics()[HandoffKind.FULL_INBOX_OFFLOAD] == 1
+        lease.release()
+        assert runtime.scheduler.free_slots == 2
+
+
+async def test_cancelled_full_inbox_submit_returns_promptly_and_release_frees_the_slot():
+    depth = 2
+    config = make_config("runtime.slots=2", f"runtime.inbox_depth={depth}")
+    backend = ControlledBackend(config, stalled=True)
+    async with open_runtime(config, backend=backend) as runtime:
+        scheduler = runtime.scheduler
+        inbox = scheduler.inbox
+        owner = RecordingOwner()
+        lease = scheduler.open_slot(owner)
+        slot = lease.slot
+        try:
+            await lease.submit(frame_of(0.1))
+            await backend.wait_stalled()
+            for _ in range(depth):
+                await lease.submit(frame_of(0.2))
+            assert inbox.queued(slot) == depth
+
+            outcome: list[str] = []
+            finished = trio.Event()
+
+            async def blocked_submit(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                with trio.CancelScope() as scope:
+                    task_status.started(scope)
+                    await lease.submit(frame_of(0.3))
+                    outcome.append("submitted")
+                outcome.append("cancelled" if scope.cancelled_caught else "ended")
+                finished.set()
+
+            async with trio.open_nursery() as nursery:
+                scope = await nursery.start(blocked_submit)
+                await trio.testing.wait_all_tasks_blocked()
+                assert runtime.handoffs.statistics()[HandoffKind.FULL_INBOX_OFFLOAD] == 1
+                assert outcome == []
+                scope.cancel()
+                # The model stays stalled (the gate opens only in `finally` below), so the
+                # cancelled submit must return without waiting for room in the inbox.
+                with trio.fail_after(PATIENCE):
+                    await finished.wait()
+            assert outcome == ["cancelled"]
+            assert inbox.queued(slot) == depth
+
+            # Releasing the lease drops what was queued, frees the slot, and wakes the abandoned
+            # worker thread (its limiter token comes back only once that thread has returned).
+            assert lease.release() == depth
+            assert inbox.queued(slot) == 0
+            assert scheduler.free_slots == 2
+            await wait_until(lambda: runtime.handoffs._limiter.borrowed_tokens == 0,
+                             "the abandoned submit's worker thread returned")
+        finally:
+            backend.release()
+
+        # The freed slot serves a new owner, and the abandoned frame never reaches it.
+        newcomer = RecordingOwner()
+        new_lease = scheduler.open_slot(newcomer)
+        assert new_lease.slot == slot
+        fresh = [frame_of(-0.5), frame_of(0.6)]
+        for frame in fresh:
+            await new_lease.submit(frame)
+        await newcomer.wait_for(outputs=2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(newcomer.outputs) == 2
+        for k, frame in enumerate(fresh):
+            np.testing.assert_array_equal(newcomer.outputs[k], synthetic_out(frame, new_lease.session_id, k))
+        assert inbox.queued(slot) == 0
+        new_lease.release()
+        assert scheduler.free_slots == 2
+
+
+# -- thread crossings ------------------------------------------------------------------------------------
+
+
+async def test_idle_scheduler_is_woken_exactly_once_per_frame_and_each_step_is_one_delivery():
+    config = make_config("runtime.slots=4", "backend.name=synthetic")
+    async with open_runtime(config) as runtime:
+        scheduler = runtime.scheduler
+        inbox = scheduler.inbox
+
+        def idle() -> bool:
+            # The scheduler thread is asleep with nothing to do (no trio-side effect marks this).
+            with inbox._lock:
+                return inbox._state is _State.IDLE
+
+        owner = RecordingOwner()
+        lease = scheduler.open_slot(owner)
+        before = runtime.handoffs.statistics()
+        assert before[HandoffKind.SCHEDULER_WAKE] == 0
+        assert before[HandoffKind.OUTPUT_DELIVERY] == 0
+        assert before[HandoffKind.LIFECYCLE] == 1  # "started"
+        for k in range(3):
+            await wait_until(idle, "the scheduler went idle")
+            frame = frame_of(0.1 * (k + 1))
+            assert lease.submit_nowait(frame)
+            await owner.wait_for(outputs=k + 1)
+            stats = runtime.handoffs.statistics()
+            assert stats[HandoffKind.SCHEDULER_WAKE] == k + 1
+            assert stats[HandoffKind.OUTPUT_DELIVERY] == k + 1
+            assert scheduler.statistics().steps == k + 1
+            np.testing.assert_array_equal(owner.outputs[k], synthetic_out(frame, lease.session_id, k))
+        assert runtime.handoffs.statistics().offloads == 0
+        lease.release()
+
+
+async def test_each_step_is_exactly_one_output_delivery_for_many_sessions():
+    config = make_config("runtime.slots=8", "backend.name=synthetic")
+    wire = spec("pcm_f32le")
+    async with open_runtime(config) as runtime:
+        workloads = []
+        for i in range(6):
+            samples = 12 * FRAME + 101 * i
+            workloads.append(wire_messages(noise(samples, seed=40 + i), wire, cut_points(samples, seed=50 + i)))
+
+        runs = [None] * len(workloads)
+
+        async def one(i: int) -> None:
+            runs[i] = await run_session(runtime, workloads[i], wire, session_id=100 + i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(workloads)):
+                nursery.start_soon(one, i)
+        frames = sum(run.end.frames_out for run in runs)
+        sched = runtime.scheduler.statistics()
+        stats = runtime.handoffs.statistics()
+        assert sched.frames == frames == sum(len(model_frames(w, wire)) for w in workloads)
+        assert stats[HandoffKind.OUTPUT_DELIVERY] == sched.steps
+        assert sched.steps <= frames
+        assert 1 <= stats[HandoffKind.SCHEDULER_WAKE] <= frames
+        assert stats.offloads == 0
+        for i, run in enumerate(runs):
+            assert bytes(run.client.audio) == synthetic_wire(model_frames(workloads[i], wire), 100 + i, wire)
+
