@@ -19,7 +19,7 @@ from duplexrt.handoffs import HandoffStatistics, Handoffs
 from duplexrt.metrics import FrameMetrics, FrameStatistics
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawProtocol
-from duplexrt.scheduler import Scheduler, SchedulerStatistics
+from duplexrt.scheduler import BackendLoadError, Scheduler, SchedulerStatistics
 from duplexrt.session import Session
 from duplexrt.transport import Transport
 
@@ -42,9 +42,7 @@ class Runtime:
 
     async def run(self, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model on the scheduler thread, then serve until cancelled."""
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.scheduler.run)
-            task_status.started(self)
+        await self.scheduler.run(task_status=_Started(task_status, self))
 
     def audio_spec(self, format: str | AudioFormat = AudioFormat.PCM_F32LE,
                    sample_rate: int | None = None) -> AudioSpec:
@@ -72,13 +70,31 @@ class Runtime:
         )
 
 
+class _Started:
+    """Reports the runtime, not its scheduler, as what ``nursery.start`` returns."""
+
+    def __init__(self, status: trio.TaskStatus[Runtime], value: Runtime) -> None:
+        self._status = status
+        self._value = value
+
+    def started(self, _value: object = None) -> None:
+        self._status.started(self._value)
+
+
 @asynccontextmanager
 async def open_runtime(config: Config, backend: Backend | None = None) -> AsyncIterator[Runtime]:
     """Run a runtime for the block's duration; on exit, every session and the thread stop."""
     runtime = Runtime(config, backend)  # bad backend options fail here, not inside a nursery
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runtime.run)
-        try:
-            yield runtime
-        finally:
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.run)
+            try:
+                yield runtime
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # A model that cannot load is one plain error for the caller, not a group of one.
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], BackendLoadError):
+            error = group.exceptions[0]
+            raise error from error.__cause__
+        raise

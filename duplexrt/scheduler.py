@@ -1,8 +1,9 @@
 """The GPU scheduler thread: the one thread that owns the model and steps every session at once.
 
 Trio tasks never touch the backend.  They lease a slot, put frames into the shared ``Inbox`` and
-receive outputs through the ``SlotOwner`` callbacks, which the scheduler calls on the trio thread
-once per step, for the whole batch, through a single ``run_sync_soon``.
+receive outputs through the ``SlotOwner`` callbacks, which run on the trio thread for a whole step
+at a time through a single ``run_sync_soon``: at most one crossing per step, and fewer when trio
+is busy, since steps that finish before trio has taken the last delivery ride along with it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class NoFreeSlotError(RuntimeError):
 
 class SlotClosedError(RuntimeError):
     """The slot was released (or the scheduler stopped) while a submit was waiting."""
+
+
+class BackendLoadError(RuntimeError):
+    """The backend could not load: the runtime cannot start."""
 
 
 class BackendStepError(RuntimeError):
@@ -165,6 +170,10 @@ class Scheduler:
         self._started = trio.Event()
         self._finished = trio.Event()
         self._thread_error: BaseException | None = None
+        # Steps finished but not yet taken by trio.  When trio is busy, later steps join the
+        # delivery already on its way instead of making crossings of their own.
+        self._undelivered_lock = threading.Lock()
+        self._undelivered: list[StepOutcome] = []
         # Written only by the scheduler thread; read (approximately, while running) by trio.
         self._steps = 0
         self._frames = 0
@@ -209,8 +218,8 @@ class Scheduler:
         try:
             await self._started.wait()
             if self._finished.is_set():
-                raise RuntimeError(
-                    f"backend {self.backend.info.name!r} failed to load: {self._thread_error!r}"
+                raise BackendLoadError(
+                    f"backend {self.backend.info.name!r} failed to load: {self._thread_error}"
                 ) from self._thread_error
             task_status.started(self)
             await self._finished.wait()
@@ -238,8 +247,15 @@ class Scheduler:
             queued_frames=self.inbox.total_queued(),
         )
 
+    def _take_deliveries(self) -> None:
+        """Runs on the trio thread: every step finished since the last delivery, in order."""
+        with self._undelivered_lock:
+            outcomes, self._undelivered = self._undelivered, []
+        for outcome in outcomes:
+            self._deliver(outcome)
+
     def _deliver(self, outcome: StepOutcome) -> None:
-        """Runs on the trio thread: hand each row's result to its session."""
+        """Hand each row's result to its session."""
         owners = outcome.owners
         if outcome.error is not None:
             for owner in owners:
@@ -319,7 +335,7 @@ class Scheduler:
             log.exception("backend failed to %s slot %d", control.op.value, control.slot)
             if control.op is ControlOp.OPEN:
                 outcome = StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), exc)
-                self._to_trio(HandoffKind.OUTPUT_DELIVERY, self._deliver, outcome)
+                self._publish(outcome)
 
     def _step(self, batch: Batch) -> None:
         n = len(batch.rows)
@@ -346,4 +362,12 @@ class Scheduler:
         if n > self._max_batch:
             self._max_batch = n
         self._step_time.record(stepped - started)
-        self._to_trio(HandoffKind.OUTPUT_DELIVERY, self._deliver, outcome)
+        self._publish(outcome)
+
+    def _publish(self, outcome: StepOutcome) -> None:
+        """Queue a step for trio; only the first of a run of undelivered steps crosses over."""
+        with self._undelivered_lock:
+            self._undelivered.append(outcome)
+            first = len(self._undelivered) == 1
+        if first:
+            self._to_trio(HandoffKind.OUTPUT_DELIVERY, self._take_deliveries)

@@ -106,10 +106,14 @@ class Session:
                 self._cancel_scope = nursery.cancel_scope
                 nursery.start_soon(self._write_loop)
                 await self._read_loop()
-        except trio.Cancelled:
+        except BaseException as exc:
             cancelled = True
             if self._finish_reason is None:
-                self._finish(SHUTDOWN, None, GOING_AWAY)
+                if _only_cancellation(exc):
+                    self._finish(SHUTDOWN, None, GOING_AWAY)
+                else:
+                    log.exception("session %s failed", self.lease.session_id)
+                    self._finish(ERROR, "internal error", INTERNAL_ERROR)
             raise
         finally:
             self._release()
@@ -188,22 +192,26 @@ class Session:
     async def _read_loop(self) -> None:
         transport = self._transport
         protocol = self._protocol
-        while True:
-            try:
-                message = await transport.receive()
-            except TransportClosed:
-                self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
-                return
-            event = protocol.parse(message)
-            kind = type(event)
-            if kind is AudioIn:
-                await self._take_audio(event.payload)
-            elif kind is InputEnd:
-                break
-            elif kind is ProtocolError:
-                await self._reject(event)
-            elif kind is not Ignored:
-                raise AssertionError(f"unexpected event {event!r}")
+        try:
+            message = await transport.receive()
+            while True:
+                event = protocol.parse(message)
+                kind = type(event)
+                if kind is AudioIn:
+                    await self._take_audio(event.payload)
+                elif kind is InputEnd:
+                    break
+                elif kind is ProtocolError:
+                    await self._reject(event)
+                elif kind is not Ignored:
+                    raise AssertionError(f"unexpected event {event!r}")
+                try:
+                    message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
+                except trio.WouldBlock:
+                    message = await transport.receive()
+        except TransportClosed:
+            self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
+            return
         await self._end_input()
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
@@ -318,3 +326,10 @@ class Session:
                 await transport.send(protocol.audio(tail))
             except TransportClosed:
                 self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
+
+
+def _only_cancellation(exc: BaseException) -> bool:
+    """True when ``exc`` is a cancellation, or a group of nothing but cancellations."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancellation(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)

@@ -16,6 +16,7 @@ from conftest import (
     PATIENCE,
     ControlledBackend,
     RecordingOwner,
+    SessionRun,
     backend_info,
     cut_points,
     frame_of,
@@ -179,9 +180,10 @@ async def test_step_error_reaches_exactly_that_steps_sessions_and_the_scheduler_
         np.testing.assert_array_equal(d.outputs[0], synthetic_out(d_first, lease_d.session_id, 0))
         assert c.failures == [] and d.failures == []
         assert scheduler.ready
-        # The failed step still cost exactly one delivery, like every other step.
+        # The failed step was delivered like any other: at most one crossing per step.
         stats = runtime.handoffs.statistics()
-        assert stats[HandoffKind.OUTPUT_DELIVERY] == scheduler.statistics().steps == len(backend.step_rows)
+        assert scheduler.statistics().steps == len(backend.step_rows)
+        assert 1 <= stats[HandoffKind.OUTPUT_DELIVERY] <= len(backend.step_rows)
         for lease in (lease_a, lease_b, lease_c, lease_d):
             lease.release()
 
@@ -202,7 +204,7 @@ async def test_stalled_backend_stops_sessions_at_inbox_depth_then_everything_com
 
     async with open_runtime(config, backend=backend) as runtime:
         inbox = runtime.scheduler.inbox
-        runs: dict[int, object] = {}
+        runs: dict[int, SessionRun] = {}
 
         async def session(i: int) -> None:
             runs[i] = await run_session(runtime, workloads[i], wire, session_id=i + 1)
@@ -367,33 +369,66 @@ async def test_idle_scheduler_is_woken_exactly_once_per_frame_and_each_step_is_o
     async with open_runtime(config) as runtime:
         scheduler = runtime.scheduler
         inbox = scheduler.inbox
+        handoffs = runtime.handoffs
 
         def idle() -> bool:
             # The scheduler thread is asleep with nothing to do (no trio-side effect marks this).
             with inbox._lock:
-                return inbox._state is _State.IDLE
+                return inbox._state is _State.IDLE and not inbox._controls
 
+        assert handoffs.statistics()[HandoffKind.LIFECYCLE] == 1  # "started"
         owner = RecordingOwner()
         lease = scheduler.open_slot(owner)
-        before = runtime.handoffs.statistics()
-        assert before[HandoffKind.SCHEDULER_WAKE] == 0
-        assert before[HandoffKind.OUTPUT_DELIVERY] == 0
-        assert before[HandoffKind.LIFECYCLE] == 1  # "started"
         for k in range(3):
             await wait_until(idle, "the scheduler went idle")
+            before = handoffs.statistics()
+            steps_before = scheduler.statistics().steps
             frame = frame_of(0.1 * (k + 1))
             assert lease.submit_nowait(frame)
             await owner.wait_for(outputs=k + 1)
-            stats = runtime.handoffs.statistics()
-            assert stats[HandoffKind.SCHEDULER_WAKE] == k + 1
-            assert stats[HandoffKind.OUTPUT_DELIVERY] == k + 1
-            assert scheduler.statistics().steps == k + 1
+            after = handoffs.statistics()
+            # one frame into an idle scheduler: one wake, one step, one delivery, nothing else
+            assert after[HandoffKind.SCHEDULER_WAKE] - before[HandoffKind.SCHEDULER_WAKE] == 1
+            assert scheduler.statistics().steps - steps_before == 1
+            assert after[HandoffKind.OUTPUT_DELIVERY] - before[HandoffKind.OUTPUT_DELIVERY] == 1
+            assert after.offloads == 0
             np.testing.assert_array_equal(owner.outputs[k], synthetic_out(frame, lease.session_id, k))
-        assert runtime.handoffs.statistics().offloads == 0
         lease.release()
 
 
-async def test_each_step_is_exactly_one_output_delivery_for_many_sessions():
+async def test_a_busy_scheduler_is_not_woken_by_puts():
+    config = make_config("runtime.slots=4", "runtime.inbox_depth=4", "runtime.gather_window_ms=0")
+    backend = ControlledBackend(config, stalled=True)
+    async with open_runtime(config, backend=backend) as runtime:
+        scheduler = runtime.scheduler
+        handoffs = runtime.handoffs
+        owners = [RecordingOwner() for _ in range(3)]
+        leases = [scheduler.open_slot(owner) for owner in owners]
+        frames = {i: [frame_of(0.1 * i + 0.01 * k) for k in range(3)] for i in range(3)}
+        try:
+            leases[0].submit_nowait(frames[0][0])
+            await backend.wait_stalled()  # the scheduler thread is busy inside step 1
+            before = handoffs.statistics()[HandoffKind.SCHEDULER_WAKE]
+            for i, lease in enumerate(leases):
+                for frame in frames[i][1 if i == 0 else 0:]:
+                    assert lease.submit_nowait(frame)
+            # A burst of puts (several first-in-queue among them) into a busy scheduler: no wakes.
+            assert handoffs.statistics()[HandoffKind.SCHEDULER_WAKE] == before
+        finally:
+            backend.release()
+        for i, owner in enumerate(owners):
+            await owner.wait_for(outputs=3)
+            for k, frame in enumerate(frames[i]):
+                np.testing.assert_array_equal(owner.outputs[k], synthetic_out(frame, leases[i].session_id, k))
+        # it went on to step without being woken: 1 + 3 steps of up to 3 rows each
+        assert backend.step_rows[0] == [leases[0].slot]
+        assert sum(len(rows) for rows in backend.step_rows) == 9
+        assert handoffs.statistics()[HandoffKind.SCHEDULER_WAKE] == before
+        for lease in leases:
+            lease.release()
+
+
+async def test_every_step_is_delivered_once_in_order_with_at_most_one_crossing_each():
     config = make_config("runtime.slots=8", "backend.name=synthetic")
     wire = spec("pcm_f32le")
     async with open_runtime(config) as runtime:
@@ -414,9 +449,11 @@ async def test_each_step_is_exactly_one_output_delivery_for_many_sessions():
         sched = runtime.scheduler.statistics()
         stats = runtime.handoffs.statistics()
         assert sched.frames == frames == sum(len(model_frames(w, wire)) for w in workloads)
-        assert stats[HandoffKind.OUTPUT_DELIVERY] == sched.steps
-        assert sched.steps <= frames
-        assert 1 <= stats[HandoffKind.SCHEDULER_WAKE] <= frames
+        # At most one crossing per step (one exactly while trio keeps up, fewer when several
+        # finished steps ride along with one delivery) ...
+        assert 1 <= stats[HandoffKind.OUTPUT_DELIVERY] <= sched.steps <= frames
+        # ... and wakes only for puts, opens and closes that found the scheduler waiting.
+        assert 1 <= stats[HandoffKind.SCHEDULER_WAKE] <= frames + 2 * len(workloads)
         assert stats.offloads == 0
         for i, run in enumerate(runs):
             assert bytes(run.client.audio) == synthetic_wire(model_frames(workloads[i], wire), 100 + i, wire)

@@ -35,7 +35,7 @@ from conftest import (
     synthetic_wire,
     wire_messages,
 )
-from duplexrt.audio import make_decoder
+from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.handoffs import OFFLOAD_KINDS, HandoffKind
 from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.transport import INTERNAL_ERROR, memory_transport_pair
@@ -43,7 +43,7 @@ from duplexrt.transport import INTERNAL_ERROR, memory_transport_pair
 SYNTHETIC = ("backend.name=synthetic",)
 
 
-def pcm_workload(wire_format: str, frames: float, seed: int) -> tuple[list[bytes], object]:
+def pcm_workload(wire_format: str, frames: float, seed: int) -> tuple[list[bytes], AudioSpec]:
     """About ``frames`` frames of noise at the format's default rate, cut into messages of varied
     lengths that are not multiples of a frame."""
     wire = spec(wire_format)
@@ -107,7 +107,7 @@ async def test_pcm_and_g711_sessions_use_no_worker_threads(wire_format):
     assert stats.executor_submissions == 0
     for kind in OFFLOAD_KINDS:
         assert stats[kind] == 0, kind
-    assert stats[HandoffKind.OUTPUT_DELIVERY] == sched.steps
+    assert 1 <= stats[HandoffKind.OUTPUT_DELIVERY] <= sched.steps
     assert stats[HandoffKind.LIFECYCLE] == 1  # "started" (read while it still runs)
     total = 0
     for (messages, wire, session_id), run in zip(workloads, runs, strict=True):
