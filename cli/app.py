@@ -13,6 +13,7 @@ import typer
 
 from duplexrt.audio import AudioFormat, AudioFormatError
 from duplexrt.config import ConfigError, load_config
+from duplexrt.scheduler import BackendLoadError
 
 app = typer.Typer(
     name="duplexrt",
@@ -137,7 +138,7 @@ def simulate(
     show = sys.stderr.isatty() if progress is None else progress
     try:
         report = trio.run(lambda: run_simulation(cfg, options, progress=show))
-    except (ConfigError, AudioFormatError) as exc:
+    except (ConfigError, AudioFormatError, BackendLoadError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(format_table(report))
     if json_path is not None:

@@ -18,7 +18,7 @@ class FrameStatistics:
     preprocess_us: Summary
     enqueue_us: Summary
     latency_us: Summary
-    delivery_us: Summary
+    step_to_sent_us: Summary
 
 
 class FrameMetrics:
@@ -36,7 +36,7 @@ class FrameMetrics:
         #: Submitted to the inbox → handed to the transport (nanoseconds).
         self.latency = Histogram()
         #: The step that made it finished → handed to the transport (nanoseconds).
-        self.delivery = Histogram()
+        self.step_to_sent = Histogram()
 
     def statistics(self) -> FrameStatistics:
         return FrameStatistics(
@@ -47,5 +47,5 @@ class FrameMetrics:
             preprocess_us=self.preprocess.summary().scaled(1e3),
             enqueue_us=self.enqueue.summary().scaled(1e3),
             latency_us=self.latency.summary().scaled(1e3),
-            delivery_us=self.delivery.summary().scaled(1e3),
+            step_to_sent_us=self.step_to_sent.summary().scaled(1e3),
         )

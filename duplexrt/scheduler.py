@@ -179,6 +179,8 @@ class Scheduler:
         self._frames = 0
         self._max_batch = 0
         self._step_time = Histogram()
+        #: Step finished → its outputs handed to the sessions (written on the trio thread).
+        self.delivery_delay = Histogram()
 
     # -- trio side -------------------------------------------------------------------------
 
@@ -251,7 +253,9 @@ class Scheduler:
         """Runs on the trio thread: every step finished since the last delivery, in order."""
         with self._undelivered_lock:
             outcomes, self._undelivered = self._undelivered, []
+        now = time.perf_counter_ns()
         for outcome in outcomes:
+            self.delivery_delay.record(now - outcome.stepped_ns)
             self._deliver(outcome)
 
     def _deliver(self, outcome: StepOutcome) -> None:

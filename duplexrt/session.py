@@ -310,10 +310,10 @@ class Session:
                 return
             now = time.perf_counter_ns()
             latency = metrics.latency
-            delivery = metrics.delivery
+            step_to_sent = metrics.step_to_sent
             for item in items:
                 latency.record(now - item[2])
-                delivery.record(now - item[3])
+                step_to_sent.record(now - item[3])
             count = len(items)
             self._sent += count
             metrics.frames_out += count

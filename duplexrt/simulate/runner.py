@@ -125,6 +125,7 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
     handoffs_before = runtime.handoffs.statistics()
     scheduler_before = runtime.scheduler.statistics()
     step_time_before = runtime.scheduler.step_time_snapshot()
+    delivery_before = runtime.scheduler.delivery_delay.snapshot()
     usage_before = _Usage.now()
     started = time.perf_counter()
 
@@ -246,7 +247,8 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
         preprocess_us=frames.preprocess_us,
         enqueue_us=frames.enqueue_us,
         latency_ms=frames.latency_us.scaled(1e3),
-        delivery_ms=frames.delivery_us.scaled(1e3),
+        delivery_ms=runtime.scheduler.delivery_delay.snapshot().minus(delivery_before).summary().scaled(1e6),
+        step_to_sent_ms=frames.step_to_sent_us.scaled(1e3),
         steps=steps,
         mean_batch=step_frames / steps if steps else 0.0,
         step_ms=step_time.summary().scaled(1e6),
