@@ -17,6 +17,7 @@ from duplexrt.backends import Backend, create_backend
 from duplexrt.config import Config
 from duplexrt.handoffs import HandoffStatistics, Handoffs
 from duplexrt.metrics import FrameMetrics, FrameStatistics
+from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.scheduler import BackendLoadError, Scheduler, SchedulerStatistics
@@ -50,17 +51,19 @@ class Runtime:
         return AudioSpec.create(AudioFormat.parse(format) if isinstance(format, str) else format,
                                 sample_rate, model_rate=self.config.audio.sample_rate)
 
-    async def serve(self, transport: Transport, *, input_spec: AudioSpec | None = None,
-                    output_spec: AudioSpec | None = None, protocol: RawProtocol | None = None,
+    async def serve(self, transport: Transport, protocol: Translator | None = None, *,
+                    input_spec: AudioSpec | None = None, output_spec: AudioSpec | None = None,
                     session_id: int | None = None) -> SessionEnd:
         """Serve one session over ``transport`` until it ends.
 
-        Raises NoFreeSlotError at once when every slot is taken: admission is the caller's call.
+        ``protocol`` defaults to the raw protocol in ``input_spec`` (PCM f32 at the model rate)
+        and ``output_spec`` (the same as the input).  Raises NoFreeSlotError at once when every
+        slot is taken: admission is the caller's call.
         """
-        input_spec = input_spec or self.audio_spec()
-        output_spec = output_spec or input_spec
-        session = Session(self, transport, protocol or RawProtocol(), input_spec, output_spec, session_id)
-        return await session.run()
+        if protocol is None:
+            input_spec = input_spec or self.audio_spec()
+            protocol = RawProtocol(input_spec, output_spec or input_spec)
+        return await Session(self, transport, protocol, session_id).run()
 
     def statistics(self) -> RuntimeStatistics:
         return RuntimeStatistics(

@@ -27,20 +27,32 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
-from duplexrt.audio import AudioFormatError, AudioSpec, Framer, make_decoder, make_encoder
+from duplexrt.audio import AudioFormatError, Framer, make_decoder, make_encoder
 from duplexrt.handoffs import HandoffKind
-from duplexrt.protocols.events import AudioIn, Ignored, InputEnd, ProtocolError, SessionEnd
+from duplexrt.protocols.base import Translator
+from duplexrt.protocols.events import (
+    AudioIn,
+    ClearInput,
+    ClearOutput,
+    Event,
+    Ignored,
+    InputEnd,
+    ProtocolError,
+    Reconfigure,
+    Reply,
+    SessionEnd,
+)
 from duplexrt.scheduler import SlotClosedError
 from duplexrt.transport import (
     GOING_AWAY,
     INTERNAL_ERROR,
     NORMAL_CLOSURE,
+    Message,
     Transport,
     TransportClosed,
 )
 
 if TYPE_CHECKING:
-    from duplexrt.protocols.raw import RawProtocol
     from duplexrt.runtime import Runtime
 
 log = logging.getLogger("duplexrt.session")
@@ -57,16 +69,17 @@ SHUTDOWN = "shutdown"
 class Session:
     """Serves one client over ``transport``.  ``run`` returns how the session ended."""
 
-    def __init__(self, runtime: Runtime, transport: Transport, protocol: RawProtocol,
-                 input_spec: AudioSpec, output_spec: AudioSpec, session_id: int | None = None) -> None:
+    def __init__(self, runtime: Runtime, transport: Transport, protocol: Translator,
+                 session_id: int | None = None) -> None:
         config = runtime.config
         self._runtime = runtime
         self._transport = transport
         self._protocol = protocol
         self._requested_id = session_id
+        self._model_rate = config.audio.sample_rate
         self._frame_seconds = config.audio.frame_seconds
-        self._decoder = make_decoder(input_spec, config.audio.sample_rate)
-        self._encoder = make_encoder(output_spec, config.audio.sample_rate)
+        self._decoder = make_decoder(protocol.input_spec, self._model_rate)
+        self._encoder = make_encoder(protocol.output_spec, self._model_rate)
         self._framer = Framer(config.audio.frame_size)
         self._always_offload = config.runtime.offload == "always"
         self._inbox_depth = config.runtime.inbox_depth
@@ -90,6 +103,17 @@ class Session:
         self._close_code = NORMAL_CLOSURE
         self._cancel_scope: trio.CancelScope | None = None
         self.lease = None
+        protocol.attach(self)
+
+    @property
+    def frames_in(self) -> int:
+        """Model frames submitted so far (what the translator may read)."""
+        return self._submitted
+
+    @property
+    def frames_out(self) -> int:
+        """Model frames of output sent so far."""
+        return self._sent
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -104,6 +128,8 @@ class Session:
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel_scope = nursery.cancel_scope
+                if not await self._send_all(self._protocol.start()):
+                    return self.summary()
                 nursery.start_soon(self._write_loop)
                 await self._read_loop()
         except BaseException as exc:
@@ -158,7 +184,8 @@ class Session:
             return
         with trio.move_on_after(CLOSE_TIMEOUT):
             try:
-                await self._transport.send(self._protocol.end(end))
+                for message in self._protocol.end(end):
+                    await self._transport.send(message)
             except TransportClosed:
                 pass
         reason = end.error or end.reason
@@ -201,10 +228,8 @@ class Session:
                     await self._take_audio(event.payload)
                 elif kind is InputEnd:
                     break
-                elif kind is ProtocolError:
-                    await self._reject(event)
                 elif kind is not Ignored:
-                    raise AssertionError(f"unexpected event {event!r}")
+                    await self._handle(event)
                 try:
                     message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
                 except trio.WouldBlock:
@@ -213,6 +238,51 @@ class Session:
             self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
             return
         await self._end_input()
+
+    async def _handle(self, event: Event) -> None:
+        """Everything but audio: rare, so clarity over speed."""
+        if isinstance(event, ProtocolError):
+            await self._reject(event)
+        elif isinstance(event, Reply):
+            await self._send_all(event.messages)
+        elif isinstance(event, Reconfigure):
+            await self._reconfigure()
+            await self._send_all(event.messages)
+        elif isinstance(event, ClearInput):
+            self._framer.clear()
+            self._decoder = make_decoder(self._protocol.input_spec, self._model_rate)
+            await self._send_all(event.messages)
+        elif isinstance(event, ClearOutput):
+            dropped = len(self._outbox)
+            self._outbox.clear()
+            self._in_flight -= dropped
+            if self._credit:
+                self._credit.unpark_all()
+            await self._send_all(event.messages)
+        else:
+            raise AssertionError(f"unexpected event {event!r}")
+
+    async def _reconfigure(self) -> None:
+        """New wire formats: what the old decoder still held is model audio already, so it goes
+        on into the framer; the writer switches encoders between two batches."""
+        try:
+            tail = self._decoder.flush()
+        except AudioFormatError:
+            tail = np.zeros(0, dtype=np.float32)
+        self._decoder = make_decoder(self._protocol.input_spec, self._model_rate)
+        self._encoder = make_encoder(self._protocol.output_spec, self._model_rate)
+        for frame in self._framer.push(tail):
+            await self._submit(frame)
+
+    async def _send_all(self, messages: list[Message] | tuple[Message, ...]) -> bool:
+        """Send ``messages`` in order; False (and the session ends) if the client is gone."""
+        try:
+            for message in messages:
+                await self._transport.send(message)
+        except TransportClosed:
+            self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
+            return False
+        return True
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
         started = time.perf_counter_ns()
@@ -270,10 +340,7 @@ class Session:
             self._close_outbox()
 
     async def _reject(self, error: ProtocolError) -> None:
-        try:
-            await self._transport.send(self._protocol.error(error))
-        except TransportClosed:
-            self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
+        if not await self._send_all(self._protocol.error(error)):
             return
         if error.fatal:
             self._finish(ERROR, error.message, error.close_code)
@@ -285,47 +352,53 @@ class Session:
         transport = self._transport
         protocol = self._protocol
         metrics = self._runtime.metrics
-        while True:
-            if not outbox:
-                if self._outbox_done:
-                    break
-                await self._writer_lot.park()
-                continue
-            items = list(outbox)
-            outbox.clear()
-            samples = items[0][0] if len(items) == 1 else np.concatenate([item[0] for item in items])
-            try:
+        encoder = self._encoder
+        try:
+            while True:
+                if not outbox:
+                    if self._outbox_done:
+                        break
+                    await self._writer_lot.park()
+                    continue
+                if self._encoder is not encoder:  # the client switched formats
+                    tail = encoder.flush()
+                    encoder = self._encoder
+                    if tail:
+                        for message in protocol.audio_out(tail, 0):
+                            await transport.send(message)
+                items = list(outbox)
+                outbox.clear()
+                count = len(items)
+                samples = items[0][0] if count == 1 else np.concatenate([item[0] for item in items])
                 if self._always_offload:
                     payload = await self._runtime.handoffs.offload(
-                        HandoffKind.CONVERT_OFFLOAD, self._encoder.encode, samples)
+                        HandoffKind.CONVERT_OFFLOAD, encoder.encode, samples)
                 else:
-                    payload = self._encoder.encode(samples)
+                    payload = encoder.encode(samples)
                 if payload:
-                    await transport.send(protocol.audio(payload))
+                    for message in protocol.audio_out(payload, count):
+                        await transport.send(message)
                 for item in items:
                     if item[1]:
-                        await transport.send(protocol.text(item[1]))
-            except TransportClosed:
-                self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
-                return
-            now = time.perf_counter_ns()
-            latency = metrics.latency
-            step_to_sent = metrics.step_to_sent
-            for item in items:
-                latency.record(now - item[2])
-                step_to_sent.record(now - item[3])
-            count = len(items)
-            self._sent += count
-            metrics.frames_out += count
-            self._in_flight -= count
-            if self._credit:
-                self._credit.unpark_all()
-        tail = self._encoder.flush()
-        if tail:
-            try:
-                await transport.send(protocol.audio(tail))
-            except TransportClosed:
-                self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
+                        for message in protocol.text_out(item[1]):
+                            await transport.send(message)
+                now = time.perf_counter_ns()
+                latency = metrics.latency
+                step_to_sent = metrics.step_to_sent
+                for item in items:
+                    latency.record(now - item[2])
+                    step_to_sent.record(now - item[3])
+                self._sent += count
+                metrics.frames_out += count
+                self._in_flight -= count
+                if self._credit:
+                    self._credit.unpark_all()
+            tail = encoder.flush()
+            if tail:
+                for message in protocol.audio_out(tail, 0):
+                    await transport.send(message)
+        except TransportClosed:
+            self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
 
 
 def _only_cancellation(exc: BaseException) -> bool:

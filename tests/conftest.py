@@ -223,6 +223,7 @@ class ClientLog:
     messages_sent: int = 0
     audio_sent: int = 0
     got_audio: trio.Event = attrs.Factory(trio.Event)
+    pongs: int = 0
 
 
 async def receive_all(transport: MemoryTransport, log: ClientLog) -> None:
@@ -244,6 +245,8 @@ async def receive_all(transport: MemoryTransport, log: ClientLog) -> None:
                 log.errors.append(event)
             elif kind == "text":
                 log.texts.append(event["text"])
+            elif kind == "pong":
+                log.pongs += 1
             else:
                 raise AssertionError(f"unexpected server event {event!r}")
         else:

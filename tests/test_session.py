@@ -312,6 +312,7 @@ async def test_bad_input_gets_error_events_and_the_session_goes_on():
     assert bad_run.end.frames_out == len(frames) == frames_for(2500 + 3001 + 1777 + 4000)
     assert bytes(bad_run.client.audio) == synthetic_wire(frames, 1, s16)
     assert bad_run.client.close_code == 1000
+    assert bad_run.client.pongs == 1
 
     assert healthy_run.client.errors == []
     assert healthy_run.end.reason == "stop"

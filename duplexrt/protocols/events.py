@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import attrs
 
+from duplexrt.audio import AudioSpec
+from duplexrt.transport import Message, POLICY_VIOLATION
+
 
 @attrs.frozen
 class AudioIn:
-    """Client audio, still in the wire format."""
+    """Client audio, still in the wire format of the translator's current ``input_spec``."""
 
     payload: bytes | bytearray | memoryview
 
@@ -19,20 +22,55 @@ class InputEnd:
 
 @attrs.frozen
 class ProtocolError:
-    """The client sent something the protocol does not allow.  ``fatal`` ends the session."""
+    """The client sent something the protocol does not allow.
+
+    The session sends the protocol's error for it and goes on, unless ``fatal``: then it closes
+    with ``close_code`` (1003, 1007, 1008 or 1009) and the message as the reason.
+    """
 
     code: str
     message: str
-    close_code: int = 1008
+    close_code: int = POLICY_VIOLATION
     fatal: bool = False
+    #: The id of the client event that caused it, where the protocol has ids.
+    event_id: str | None = None
 
 
 @attrs.frozen
 class Ignored:
-    """A message the protocol accepts and has nothing to do with (a ping, an unknown kind)."""
+    """A message the protocol accepts and that needs nothing from the session (a ping)."""
 
 
-Event = AudioIn | InputEnd | ProtocolError | Ignored
+@attrs.frozen
+class Reply:
+    """Send these messages back, and nothing else (an acknowledgement, a pong)."""
+
+    messages: tuple[Message, ...]
+
+
+@attrs.frozen
+class Reconfigure:
+    """The client changed formats: the session rebuilds its decoder and encoder from the
+    translator's ``input_spec`` and ``output_spec``, then sends ``messages``."""
+
+    messages: tuple[Message, ...] = ()
+
+
+@attrs.frozen
+class ClearInput:
+    """Drop the audio received but not yet cut into a whole frame, then send ``messages``."""
+
+    messages: tuple[Message, ...] = ()
+
+
+@attrs.frozen
+class ClearOutput:
+    """Drop the model's audio not yet sent, then send ``messages``."""
+
+    messages: tuple[Message, ...] = ()
+
+
+Event = AudioIn | InputEnd | ProtocolError | Ignored | Reply | Reconfigure | ClearInput | ClearOutput
 
 
 @attrs.frozen
@@ -45,3 +83,9 @@ class SessionEnd:
     seconds_in: float
     seconds_out: float
     error: str | None = None
+
+
+__all__ = [
+    "AudioIn", "AudioSpec", "ClearInput", "ClearOutput", "Event", "Ignored", "InputEnd",
+    "ProtocolError", "Reconfigure", "Reply", "SessionEnd",
+]

@@ -1,10 +1,11 @@
 """The raw duplex protocol: binary messages are audio, text messages are JSON control.
 
-The cheapest framing there is, and the one ``duplexrt simulate`` speaks in process.
+The cheapest framing there is: audio goes as is in the format chosen when the session opened.
 
-Client → server text: ``{"type": "input.end"}`` (no more audio).
-Server → client text: ``{"type": "text", "text": ...}``, ``{"type": "error", "code": ...,
-"message": ...}``, and last ``{"type": "session.end", "reason": ..., "usage": {...}}``.
+Client → server text: ``{"type": "input.end"}`` (no more audio), ``{"type": "ping"}``.
+Server → client text: ``{"type": "session.created", "input": {...}, "output": {...}}`` first,
+``{"type": "text", "text": ...}``, ``{"type": "error", "code": ..., "message": ...}``, and last
+``{"type": "session.end", "reason": ..., "usage": {...}}``.
 """
 
 from __future__ import annotations
@@ -13,15 +14,34 @@ import json
 
 import attrs
 
-from duplexrt.protocols.events import AudioIn, Event, Ignored, InputEnd, ProtocolError, SessionEnd
-from duplexrt.transport import Message, UNSUPPORTED_DATA
+from duplexrt.audio import AudioSpec
+from duplexrt.protocols.base import Translator
+from duplexrt.protocols.events import AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd
+from duplexrt.transport import Message
+
+_PONG = json.dumps({"type": "pong"})
 
 
-class RawProtocol:
-    """Translates raw-protocol messages to events and back.  Holds no state between messages."""
+class RawProtocol(Translator):
+    """Binary audio in a fixed format, JSON control."""
+
+    def __init__(self, input_spec: AudioSpec, output_spec: AudioSpec | None = None,
+                 *, announce: bool = False) -> None:
+        self.input_spec = input_spec
+        self.output_spec = output_spec or input_spec
+        self._announce = announce
+
+    def start(self) -> list[Message]:
+        if not self._announce:
+            return []
+        return [json.dumps({
+            "type": "session.created",
+            "input": {"format": self.input_spec.format.value, "sample_rate": self.input_spec.sample_rate},
+            "output": {"format": self.output_spec.format.value, "sample_rate": self.output_spec.sample_rate},
+        })]
 
     def parse(self, message: Message) -> Event:
-        if isinstance(message, bytes | bytearray | memoryview):
+        if not isinstance(message, str):
             return AudioIn(message)
         try:
             data = json.loads(message)
@@ -33,26 +53,23 @@ class RawProtocol:
         if kind == "input.end":
             return InputEnd()
         if kind == "ping":
-            return Ignored()
+            return Reply((_PONG,))
         return ProtocolError("unknown_event", f"unknown event type {kind!r}; expected input.end or ping")
 
-    def audio(self, payload: bytes) -> Message:
-        return payload
+    def audio_out(self, payload: bytes, frames: int) -> list[Message]:
+        return [payload]
 
-    def text(self, text: str) -> Message:
-        return json.dumps({"type": "text", "text": text})
+    def text_out(self, text: str) -> list[Message]:
+        return [json.dumps({"type": "text", "text": text})]
 
-    def error(self, error: ProtocolError) -> Message:
-        return json.dumps({"type": "error", "code": error.code, "message": error.message})
+    def error(self, error: ProtocolError) -> list[Message]:
+        return [json.dumps({"type": "error", "code": error.code, "message": error.message})]
 
-    def end(self, end: SessionEnd) -> Message:
+    def end(self, end: SessionEnd) -> list[Message]:
         usage = attrs.asdict(end)
         reason = usage.pop("reason")
         error = usage.pop("error")
         body: dict[str, object] = {"type": "session.end", "reason": reason, "usage": usage}
         if error is not None:
             body["error"] = error
-        return json.dumps(body)
-
-
-__all__ = ["RawProtocol", "UNSUPPORTED_DATA"]
+        return [json.dumps(body)]

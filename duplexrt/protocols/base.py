@@ -1,0 +1,70 @@
+"""The contract between a session and a wire protocol.
+
+A translator is sans-IO: it turns each client message into one event for the session, and each
+thing the session has to say (audio, model text, an error, the end) into the protocol's messages.
+It never touches a socket, a clock or the runtime, so it is tested with plain calls.
+
+The session calls ``audio_out`` for every batch of model audio it sends, so translators keep that
+path to a list of one message where they can.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+from duplexrt.audio import AudioSpec
+from duplexrt.protocols.events import Event, ProtocolError, SessionEnd
+from duplexrt.transport import Message
+
+
+class SessionProgress(Protocol):
+    """Live counters of the session, readable by its translator."""
+
+    @property
+    def frames_in(self) -> int:
+        """Model frames submitted so far."""
+        ...
+
+    @property
+    def frames_out(self) -> int:
+        """Model frames of output sent so far."""
+        ...
+
+
+class Translator(abc.ABC):
+    """One session's protocol state machine."""
+
+    #: The format the client sends audio in, and the one it receives (both may change on a
+    #: ``Reconfigure`` event).
+    input_spec: AudioSpec
+    output_spec: AudioSpec
+
+    def attach(self, progress: SessionProgress) -> None:
+        """Called once by the session before ``start``: the counters the translator may read."""
+        self.progress = progress
+
+    def start(self) -> list[Message]:
+        """Messages to send as soon as the session is open (a handshake, ``session.created``)."""
+        return []
+
+    @abc.abstractmethod
+    def parse(self, message: Message) -> Event:
+        """One client message, as one event."""
+
+    @abc.abstractmethod
+    def audio_out(self, payload: bytes, frames: int) -> list[Message]:
+        """Messages carrying ``payload`` (``frames`` model frames of output, in ``output_spec``)."""
+
+    def text_out(self, text: str) -> list[Message]:
+        """Messages carrying model text; none by default."""
+        return []
+
+    @abc.abstractmethod
+    def error(self, error: ProtocolError) -> list[Message]:
+        """The protocol's error message for ``error``."""
+
+    @abc.abstractmethod
+    def end(self, end: SessionEnd) -> list[Message]:
+        """The last messages of the session: usage and the finish reason, as the protocol says
+        them.  Also used when the server shuts down (reason ``shutdown``)."""
