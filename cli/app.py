@@ -49,14 +49,16 @@ SetOption = Annotated[
     typer.Option("--set", help="Override any config key: --set runtime.inbox_depth=8 (repeatable)."),
 ]
 BackendOption = Annotated[
-    Optional[str], typer.Option("--backend", "-b", help="Model backend: echo (default) or synthetic.")
+    Optional[str], typer.Option("--backend", "-b", help="Model backend: echo (default) or synthetic.",
+                                envvar="DUPLEXRT_BACKEND")
 ]
 BackendOptionOption = Annotated[
     Optional[list[str]],
     typer.Option("--backend-option", "-o",
                  help="A backend option KEY=VALUE, e.g. -o step_ms=20 -o slot_us=50 (repeatable)."),
 ]
-SlotsOption = Annotated[Optional[int], typer.Option("--slots", help="Sessions served at once (batch rows).")]
+SlotsOption = Annotated[Optional[int], typer.Option("--slots", help="Sessions served at once (batch rows).",
+                                                    envvar="DUPLEXRT_SLOTS")]
 OffloadOption = Annotated[
     Optional[Offload],
     typer.Option("--offload", help="counted: worker threads only for encoded formats and full inboxes; "
@@ -150,6 +152,53 @@ def simulate(
         typer.echo(f"... and {len(failures) - 20} more guard failures", err=True)
     if failures:
         raise typer.Exit(1)
+
+
+@app.command()
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="Address to listen on (default 127.0.0.1).",
+                                                envvar="DUPLEXRT_HOST")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port to listen on (default 8000; 0 picks a free one).",
+                                                envvar="DUPLEXRT_PORT")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="Require this key from clients, as "
+                                                        "'Authorization: Bearer KEY' or ?api_key=KEY.",
+                                                   envvar="DUPLEXRT_API_KEY")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.",
+                                           envvar="DUPLEXRT_LOG_LEVEL")] = "warning",
+    config: ConfigOption = None,
+    backend: BackendOption = None,
+    backend_option: BackendOptionOption = None,
+    slots: SlotsOption = None,
+    offload: OffloadOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Serve the model over WebSocket on one port:
+
+    \b
+      /v1/realtime   OpenAI Realtime protocol (?duplex=1 for a continuous response)
+      /api/chat      Kyutai Moshi protocol (Ogg Opus), for Moshi's web client
+      /v1/duplex     raw PCM (?format=pcm_f32le|pcm_s16le|g711_ulaw|g711_alaw&rate=HZ)
+      GET /healthz, /readyz, /metrics (Prometheus)
+
+    SIGINT or SIGTERM stops accepting, tells every session it is closing and drains within
+    server.shutdown_grace_s; a second signal stops at once."""
+    from duplexrt.server import serve as run_server
+
+    logging.getLogger().setLevel(log_level.upper())
+    try:
+        overrides = _overrides(backend, backend_option, slots, offload, set_)
+        if host is not None:
+            overrides.append(f"server.host={_quoted(host)}")
+        if port is not None:
+            overrides.append(f"server.port={port}")
+        if api_key is not None:
+            overrides.append(f"server.api_key={_quoted(api_key)}")
+        cfg = load_config(config, overrides)
+        trio.run(run_server, cfg)
+    except (ConfigError, BackendLoadError) as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:
+        raise _fail(f"cannot listen: {exc}") from None
 
 
 def main() -> None:

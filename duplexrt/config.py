@@ -78,10 +78,10 @@ class RuntimeConfig:
     offload: str = attrs.field(default="counted", validator=_one_of("runtime.offload", OFFLOAD_POLICIES))
 
 
-def _is_string(key: str):
+def _is_string(key: str, *, may_be_empty: bool = False):
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
+        if not isinstance(value, str) or not (value or may_be_empty):
+            raise ConfigError(f"{key} must be a {'' if may_be_empty else 'non-empty '}string, got {value!r}")
 
     return check
 
@@ -101,16 +101,44 @@ class BackendConfig:
 
 
 @attrs.frozen(kw_only=True)
+class ServerConfig:
+    """``duplexrt serve``: where it listens and how it treats connections."""
+
+    host: str = attrs.field(default="127.0.0.1", validator=_is_string("server.host"))
+    port: int = attrs.field(default=8000, validator=_int_range("server.port", 0, 65535))
+    #: Empty: no key needed.  Otherwise clients send it as a Bearer token or ``?api_key=``.
+    api_key: str = attrs.field(default="", validator=_is_string("server.api_key", may_be_empty=True))
+    #: Largest WebSocket message on /v1/duplex and /api/chat (1 MiB: 5 s of f32 audio).
+    max_message_bytes: int = attrs.field(
+        default=1 << 20, validator=_int_range("server.max_message_bytes", 1024, 1 << 30))
+    #: Largest message on /v1/realtime, where audio travels as base64 inside JSON.
+    realtime_max_message_bytes: int = attrs.field(
+        default=16 << 20, validator=_int_range("server.realtime_max_message_bytes", 1024, 1 << 30))
+    #: A client must finish its HTTP request head within this time.
+    handshake_timeout_s: float = attrs.field(
+        default=10.0, validator=_float_range("server.handshake_timeout_s", 0.1, 3600))
+    #: ... and send its first message within this time once the WebSocket is open.
+    first_message_timeout_s: float = attrs.field(
+        default=10.0, validator=_float_range("server.first_message_timeout_s", 0.1, 3600))
+    #: On SIGINT/SIGTERM, how long sessions get to finish what they have before being cut.
+    shutdown_grace_s: float = attrs.field(
+        default=5.0, validator=_float_range("server.shutdown_grace_s", 0.0, 3600))
+
+
+@attrs.frozen(kw_only=True)
 class Config:
     audio: AudioConfig = attrs.field(factory=AudioConfig)
     runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
     backend: BackendConfig = attrs.field(factory=BackendConfig)
+    server: ServerConfig = attrs.field(factory=ServerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=True)
 
 
-_SECTIONS: dict[str, type] = {"audio": AudioConfig, "runtime": RuntimeConfig, "backend": BackendConfig}
+_SECTIONS: dict[str, type] = {
+    "audio": AudioConfig, "runtime": RuntimeConfig, "backend": BackendConfig, "server": ServerConfig,
+}
 
 
 def _build(data: Mapping[str, Any], origin: str) -> Config:

@@ -97,6 +97,20 @@ class Histogram:
             diff.min = max(self.min, _lower_bound(used[0]))
         return diff
 
+    def cumulative(self, bounds: list[int]) -> list[int]:
+        """How many values were at most each of ``bounds`` (ascending), to bucket resolution:
+        for exporting in formats with fixed bucket edges (Prometheus)."""
+        counts = self._counts
+        result = []
+        total = 0
+        bucket = 0
+        for bound in bounds:
+            while bucket < len(counts) and _lower_bound(bucket) <= bound:
+                total += counts[bucket]
+                bucket += 1
+            result.append(total)
+        return result
+
     def merge(self, other: Histogram) -> None:
         for i, n in enumerate(other._counts):
             if n:

@@ -179,6 +179,8 @@ class Scheduler:
         self._frames = 0
         self._max_batch = 0
         self._step_time = Histogram()
+        #: Rows per step (written by the scheduler thread).
+        self.batch_sizes = Histogram()
         #: Step finished → its outputs handed to the sessions (written on the trio thread).
         self.delivery_delay = Histogram()
 
@@ -366,6 +368,7 @@ class Scheduler:
         if n > self._max_batch:
             self._max_batch = n
         self._step_time.record(stepped - started)
+        self.batch_sizes.record(n)
         self._publish(outcome)
 
     def _publish(self, outcome: StepOutcome) -> None:

@@ -102,6 +102,7 @@ class Session:
         self._finish_error: str | None = None
         self._close_code = NORMAL_CLOSURE
         self._cancel_scope: trio.CancelScope | None = None
+        self._reader_scope: trio.CancelScope | None = None
         self.lease = None
         protocol.attach(self)
 
@@ -131,7 +132,10 @@ class Session:
                 if not await self._send_all(self._protocol.start()):
                     return self.summary()
                 nursery.start_soon(self._write_loop)
-                await self._read_loop()
+                with trio.CancelScope() as self._reader_scope:
+                    await self._read_loop()
+                if self._reader_scope.cancelled_caught:  # shutdown(): drain what was taken
+                    await self._end_input()
         except BaseException as exc:
             cancelled = True
             if self._finish_reason is None:
@@ -161,6 +165,17 @@ class Session:
             seconds_out=round(self._sent * self._frame_seconds, 6),
             error=self._finish_error,
         )
+
+    def shutdown(self) -> None:
+        """The server is stopping: take no more input, finish the frames already taken, then end
+        with reason ``shutdown``.  Whoever calls this also bounds how long that may take."""
+        if self._finish_reason is None:
+            self._finish_reason = SHUTDOWN
+            self._close_code = GOING_AWAY
+        if self._reader_scope is not None:
+            self._reader_scope.cancel()
+        elif self._cancel_scope is not None:
+            self._cancel_scope.cancel()
 
     def _finish(self, reason: str, error: str | None, close_code: int) -> None:
         """Record why the session ends (the first reason wins) and stop its tasks."""

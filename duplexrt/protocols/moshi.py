@@ -1,0 +1,156 @@
+"""Kyutai's Moshi protocol (``/api/chat``), so Moshi's and Hibiki's own clients can talk to duplexrt.
+
+Every message is binary; its first byte is the kind and the rest its payload:
+
+====  ==========  =====================================================================
+kind  name        payload
+====  ==========  =====================================================================
+0     handshake   server → client, first: protocol version and model version (u32 LE)
+1     audio       Ogg Opus pages, 24 kHz mono, the stream cut anywhere (both ways)
+2     text        UTF-8 model text (server → client)
+3     control     one byte: 0 start, 1 endTurn, 2 pause, 3 restart
+4     metadata    UTF-8 JSON
+5     error       UTF-8 error description
+6     ping        no payload; "currently unused"
+====  ==========  =====================================================================
+
+What Kyutai's code does (kyutai-labs/moshi: ``rust/protocol.md``, ``moshi/moshi/server.py``,
+``moshi/moshi/client.py``, ``rust/moshi-backend/src/stream_both.rs``,
+``rust/moshi-server/src/lm.rs``, ``rust/moshi-cli/src/multistream.rs``, the web client's
+``client/src/protocol/encoder.ts`` and ``pages/Conversation/hooks/use*.ts``; and
+kyutai-labs/hibiki-zero's ``state.py`` and web page), and what this translator does about it:
+
+* Handshake.  The Python servers (moshi, moshi_mlx, hibiki-zero) send a bare ``b"\\x00"``; both
+  Rust servers send ``b"\\x00"`` and eight zero bytes (protocol version 0 and model version 0, as
+  ``protocol.md`` documents).  Every client reads only the first byte: the web client marks the
+  socket connected on kind 0 whatever follows, moshi-cli and the Python client skip it.  We send the
+  documented nine-byte form.
+* Control codes are start, endTurn, pause and restart, "not used in full streaming mode": every
+  Kyutai server ignores them, and none means "no more input" (endTurn is the end of a speaking
+  turn, not of the stream).  So control messages are ignored, and the protocol has no end of input:
+  a session ends when the client hangs up.
+* Ping (6) is answered by no Kyutai server; we ignore it too.  So are client handshake, text,
+  metadata and error messages, and kinds we do not know (``protocol.md``: "messages with an unknown
+  message type should be discarded").  An audio message with no payload is ignored as well (Kyutai's
+  gradio client sends ``b"\\x01"`` whenever its Opus writer returned nothing).
+* Metadata.  The Rust backend sends a metadata message of its own settings with every session, and
+  every client tolerates metadata it does not understand: the web client parses the JSON, fails to
+  match it against its server-info schema, logs that and moves on; the Python client and moshi-cli
+  log "unknown"/"unsupported" and move on.  So we may send the optional ``metadata`` given to the
+  constructor after the handshake, and a ``{"type": "session.end", ...}`` metadata message last.
+  The web client parses every kind-4 payload with ``JSON.parse``, so it must be strict JSON (no NaN).
+  The web client's decoder throws on kinds above 7 (we never send any).
+* Errors go as kind 5 with the message.  Kyutai's servers skip text (``str``) WebSocket messages
+  and empty ones silently; we are stricter: a text message is a fatal ``text_not_supported``
+  (close code 1003), an empty one gets an ``empty_message`` error and the session goes on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from duplexrt.audio import AudioFormat, AudioSpec
+from duplexrt.protocols.base import Translator
+from duplexrt.protocols.events import AudioIn, Event, Ignored, ProtocolError, SessionEnd
+from duplexrt.transport import UNSUPPORTED_DATA, Message
+
+__all__ = [
+    "AUDIO", "CONTROL", "CONTROL_CODES", "ERROR", "HANDSHAKE", "HANDSHAKE_MESSAGE", "METADATA",
+    "MoshiProtocol", "PING", "SAMPLE_RATE", "TEXT",
+]
+
+#: Message kinds (the first byte of every message).
+HANDSHAKE = 0
+AUDIO = 1
+TEXT = 2
+CONTROL = 3
+METADATA = 4
+ERROR = 5
+PING = 6
+
+#: The payload byte of a control message, as Kyutai's clients name them.
+CONTROL_CODES = {"start": 0, "end_turn": 1, "pause": 2, "restart": 3}
+
+#: The Opus stream's rate, both ways: the protocol has no way to choose another.
+SAMPLE_RATE = 24000
+
+#: Kind 0, protocol version 0 (u32 LE), model version 0 (u32 LE): what Kyutai's Rust servers send.
+HANDSHAKE_MESSAGE = bytes(9)
+
+_AUDIO_PREFIX = b"\x01"
+_TEXT_PREFIX = b"\x02"
+_METADATA_PREFIX = b"\x04"
+_ERROR_PREFIX = b"\x05"
+
+_IGNORED = Ignored()
+_TEXT_NOT_SUPPORTED = ProtocolError(
+    "text_not_supported",
+    "the Moshi protocol only has binary messages (a kind byte, then the payload)",
+    close_code=UNSUPPORTED_DATA,
+    fatal=True,
+)
+_EMPTY_MESSAGE = ProtocolError("empty_message", "empty message: every message starts with its kind byte")
+
+
+def _metadata(data: Mapping[str, Any]) -> bytes:
+    """A kind-4 message: compact, strict JSON (the web client runs ``JSON.parse`` on it)."""
+    return _METADATA_PREFIX + json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+
+
+class MoshiProtocol(Translator):
+    """Kyutai's binary Moshi protocol: Ogg Opus at 24 kHz both ways, model text as kind 2.
+
+    ``metadata`` (a JSON object: model name, slots, ...) is sent as a kind-4 message right after the
+    handshake; it must serialise to strict JSON, which is checked here, not mid-session.
+    """
+
+    def __init__(self, *, model_rate: int = 24000, metadata: Mapping[str, Any] | None = None) -> None:
+        spec = AudioSpec.create(AudioFormat.OPUS, SAMPLE_RATE, model_rate=model_rate)
+        self.input_spec = spec
+        self.output_spec = spec
+        self._start: list[Message] = [HANDSHAKE_MESSAGE]
+        if metadata is not None:
+            if not isinstance(metadata, Mapping):
+                raise TypeError(f"metadata must be a mapping (a JSON object), got {type(metadata).__name__}")
+            self._start.append(_metadata(dict(metadata)))
+
+    def start(self) -> list[Message]:
+        return list(self._start)
+
+    def parse(self, message: Message) -> Event:
+        if isinstance(message, str):
+            return _TEXT_NOT_SUPPORTED
+        if not message:
+            return _EMPTY_MESSAGE
+        if message[0] == AUDIO and len(message) > 1:
+            return AudioIn(message[1:])
+        # Everything else is ignored: an empty audio message, the kinds a client has no business
+        # sending (handshake, text, metadata, error), control and ping (unused in full streaming
+        # mode, and answered by no Kyutai server), and kinds we do not know.
+        return _IGNORED
+
+    def audio_out(self, payload: bytes, frames: int) -> list[Message]:
+        return [_AUDIO_PREFIX + payload]
+
+    def text_out(self, text: str) -> list[Message]:
+        return [_TEXT_PREFIX + text.encode("utf-8", "replace")]
+
+    def error(self, error: ProtocolError) -> list[Message]:
+        return [_ERROR_PREFIX + error.message.encode("utf-8", "replace")]
+
+    def end(self, end: SessionEnd) -> list[Message]:
+        body: dict[str, Any] = {
+            "type": "session.end",
+            "reason": end.reason,
+            "usage": {
+                "frames_in": end.frames_in,
+                "frames_out": end.frames_out,
+                "seconds_in": end.seconds_in,
+                "seconds_out": end.seconds_out,
+            },
+        }
+        if end.error is not None:
+            body["error"] = end.error
+        return [_metadata(body)]

@@ -1,0 +1,595 @@
+"""The OpenAI Realtime protocol: JSON text events over a WebSocket, audio as base64 inside them.
+
+Both namings of the protocol are spoken.  The GA one (``response.output_audio.delta``, format
+objects such as ``{"type": "audio/pcm", "rate": 24000}`` under ``session.audio.input.format``) is
+the default; ``beta=True`` (a client that sent ``OpenAI-Beta: realtime=v1``) gets the beta event
+names (``response.audio.delta``) and the flat beta session object (``input_audio_format:
+"pcm16"``).  Either session shape is accepted from either kind of client.
+
+A full-duplex model speaks all the time; the protocol only decides what the client hears:
+
+* turn mode (the default): output audio goes to the client only while a response is active.
+  ``response.create`` opens one that answers all the input submitted so far: it completes once the
+  model's output has caught up with that input (one output frame per input frame).  Output outside
+  a response is dropped.
+* duplex mode (``duplex=True``, for ``/v1/realtime?duplex=1``): one open-ended response lasts the
+  whole session, so the client hears everything; ``response.cancel`` mutes the model until the next
+  ``response.create`` opens another open-ended response.
+
+One "token" of usage is one model frame (80 ms).  Conversation items are not modelled beyond the ids
+that events must carry: ``conversation.item.*`` events are answered with an ``unsupported_event``
+error and the session goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from binascii import a2b_base64, b2a_base64
+from collections.abc import Callable
+from typing import Any
+
+from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+from duplexrt.protocols.base import Translator
+from duplexrt.protocols.events import (
+    AudioIn,
+    ClearInput,
+    ClearOutput,
+    Event,
+    ProtocolError,
+    Reconfigure,
+    Reply,
+    SessionEnd,
+)
+from duplexrt.transport import UNSUPPORTED_DATA, Message
+
+__all__ = ["RealtimeProtocol"]
+
+#: The rates the protocol means when a format names none.
+_PCM_RATE = 24000
+_G711_RATE = 8000
+
+#: Wire format names, GA and beta alike, as the AudioFormat they mean.
+_FORMATS: dict[str, AudioFormat] = {
+    "audio/pcm": AudioFormat.PCM_S16LE,
+    "audio/pcmu": AudioFormat.G711_ULAW,
+    "audio/pcma": AudioFormat.G711_ALAW,
+    "pcm16": AudioFormat.PCM_S16LE,
+    "g711_ulaw": AudioFormat.G711_ULAW,
+    "g711_alaw": AudioFormat.G711_ALAW,
+}
+_FORMAT_NAMES = "audio/pcm, audio/pcmu, audio/pcma (beta: pcm16, g711_ulaw, g711_alaw)"
+_GA_NAMES = {
+    AudioFormat.PCM_S16LE: "audio/pcm",
+    AudioFormat.G711_ULAW: "audio/pcmu",
+    AudioFormat.G711_ALAW: "audio/pcma",
+}
+_BETA_NAMES = {
+    AudioFormat.PCM_S16LE: "pcm16",
+    AudioFormat.G711_ULAW: "g711_ulaw",
+    AudioFormat.G711_ALAW: "g711_alaw",
+}
+
+#: Client events of the protocol that this server does not implement.
+_UNSUPPORTED = (
+    "conversation.item.create",
+    "conversation.item.delete",
+    "conversation.item.retrieve",
+    "conversation.item.truncate",
+    "transcription_session.update",
+    "input_audio_buffer.dtmf",
+)
+
+#: Session fields that describe formats or identity: the server owns these in the session object.
+_OWN_FIELDS = frozenset({
+    "id", "object", "type", "model", "audio", "input_audio_format", "output_audio_format",
+    "modalities", "output_modalities",
+})
+
+#: SessionEnd.reason -> (response status, status_details reason).
+_END_STATUS = {
+    "stop": ("completed", None),
+    "client_closed": ("cancelled", "client_cancelled"),
+    "length": ("incomplete", "max_output_tokens"),
+    "shutdown": ("incomplete", "server_shutdown"),
+    "error": ("failed", "error"),
+}
+
+_BINARY = ProtocolError(
+    "binary_not_supported",
+    "binary messages are not part of the Realtime protocol; send audio as base64 in "
+    "input_audio_buffer.append events",
+    close_code=UNSUPPORTED_DATA,
+    fatal=True,
+)
+
+_session_ids = itertools.count(1)
+
+
+class _ZeroProgress:
+    """Counters for a translator no session has attached yet."""
+
+    frames_in = 0
+    frames_out = 0
+
+
+class _Response:
+    """The state of one response."""
+
+    __slots__ = ("id", "item_id", "target", "frames", "audio_sent", "transcript",
+                 "audio_prefix", "text_prefix")
+
+    def __init__(self, response_id: str, item_id: str, target: int | None,
+                 audio_type: str, text_type: str) -> None:
+        self.id = response_id
+        self.item_id = item_id
+        #: Turn mode: the response completes once this many frames of output have been sent.
+        #: None: open-ended (duplex mode).
+        self.target = target
+        self.frames = 0  # model frames of output sent in this response
+        self.audio_sent = False
+        self.transcript: list[str] = []
+        # Deltas are formatted by hand: the ids are ours and base64 needs no escaping, so the
+        # per-frame path skips json.dumps scanning tens of kilobytes of payload.
+        tail = (f'"response_id":"{response_id}","item_id":"{item_id}",'
+                f'"output_index":0,"content_index":0,"delta":')
+        self.audio_prefix = (f'{{"type":"{audio_type}",', tail)
+        self.text_prefix = (f'{{"type":"{text_type}",', tail)
+
+
+def _client_event_id(data: dict[str, Any]) -> str | None:
+    event_id = data.get("event_id")
+    return event_id if isinstance(event_id, str) else None
+
+
+def _usage(frames_in: int, frames_out: int) -> dict[str, Any]:
+    return {
+        "total_tokens": frames_in + frames_out,
+        "input_tokens": frames_in,
+        "output_tokens": frames_out,
+        "input_token_details": {"audio_tokens": frames_in, "text_tokens": 0},
+        "output_token_details": {"audio_tokens": frames_out, "text_tokens": 0},
+    }
+
+
+def _merge(target: dict[str, Any], update: dict[str, Any]) -> None:
+    """Merge ``update`` into ``target``, objects key by key, everything else replaced."""
+    for key, value in update.items():
+        old = target.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            _merge(old, value)
+        else:
+            target[key] = value
+
+
+class RealtimeProtocol(Translator):
+    """One session of the OpenAI Realtime protocol (GA or beta naming, turn or duplex mode)."""
+
+    def __init__(self, *, model_rate: int = 24000, beta: bool = False, duplex: bool = False,
+                 model: str = "duplexrt", session_id: str | None = None) -> None:
+        self.model_rate = model_rate
+        self.beta = beta
+        self.duplex = duplex
+        self.model = model
+        self.session_id = session_id or f"sess_{next(_session_ids)}"
+        self.input_spec = AudioSpec.create(AudioFormat.PCM_S16LE, _PCM_RATE, model_rate=model_rate)
+        self.output_spec = self.input_spec
+        self.progress = _ZeroProgress()
+        self._sample_bytes = 2
+        self._event_ids = itertools.count(1)
+        self._item_ids = itertools.count(1)
+        self._response_ids = itertools.count(1)
+        self._response: _Response | None = None
+        self._last_response_id: str | None = None
+        self._last_item_id: str | None = None
+        self._pending_input = False  # audio appended since the last commit or clear
+        self._fatal_sent = False
+        #: Session fields the client set that mean nothing to the server, echoed back as given.
+        self._extra: dict[str, Any] = {}
+        self._audio_extra: dict[str, dict[str, Any]] = {"input": {}, "output": {}}
+        if beta:
+            self._audio_delta = "response.audio.delta"
+            self._audio_done = "response.audio.done"
+            self._text_delta = "response.audio_transcript.delta"
+            self._text_done = "response.audio_transcript.done"
+        else:
+            self._audio_delta = "response.output_audio.delta"
+            self._audio_done = "response.output_audio.done"
+            self._text_delta = "response.output_audio_transcript.delta"
+            self._text_done = "response.output_audio_transcript.done"
+        handlers: dict[str, Callable[[dict[str, Any]], Event]] = {
+            "input_audio_buffer.append": self._append,
+            "input_audio_buffer.commit": self._commit,
+            "input_audio_buffer.clear": self._clear_input,
+            "output_audio_buffer.clear": self._clear_output,
+            "session.update": self._session_update,
+            "response.create": self._response_create,
+            "response.cancel": self._response_cancel,
+        }
+        for name in _UNSUPPORTED:
+            handlers[name] = self._unsupported
+        self._handlers = handlers
+
+    # -- server -> client ----------------------------------------------------------------------
+
+    def start(self) -> list[Message]:
+        messages = [self._event("session.created", session=self._session_object())]
+        if self.duplex:
+            messages.append(self._open_response(None))
+        return messages
+
+    def audio_out(self, payload: bytes, frames: int) -> list[Message]:
+        response = self._response
+        if response is None:
+            return []
+        head, tail = response.audio_prefix
+        message = (f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
+                   f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
+        response.audio_sent = True
+        response.frames += frames
+        target = response.target
+        if target is None or self.progress.frames_out + frames < target:
+            return [message]
+        return [message, *self._close_response("completed", None)]
+
+    def text_out(self, text: str) -> list[Message]:
+        response = self._response
+        if response is None or not text:
+            return []
+        response.transcript.append(text)
+        head, tail = response.text_prefix
+        return [f'{head}"event_id":"event_{next(self._event_ids)}",{tail}{json.dumps(text)}}}']
+
+    def error(self, error: ProtocolError) -> list[Message]:
+        if error.fatal:
+            self._fatal_sent = True
+        return [self._event("error", error={
+            "type": "invalid_request_error",
+            "code": error.code,
+            "message": error.message,
+            "param": None,
+            "event_id": error.event_id,
+        })]
+
+    def end(self, end: SessionEnd) -> list[Message]:
+        if self._response is None:
+            return []
+        status, reason = _END_STATUS.get(end.reason, ("incomplete", end.reason))
+        messages: list[Message] = []
+        error = None
+        if end.reason == "error":
+            if self._fatal_sent:  # the client's own error was already sent as such
+                error = {"type": "invalid_request_error", "code": None, "message": end.error}
+            else:
+                message = end.error or "internal server error"
+                error = {"type": "server_error", "code": "server_error", "message": message}
+                messages.append(self._event("error", error={**error, "param": None, "event_id": None}))
+        details: dict[str, Any] = {"type": status, "reason": reason}
+        if error is not None:
+            details["error"] = error
+        messages += self._close_response(status, details, _usage(end.frames_in, end.frames_out))
+        return messages
+
+    # -- client -> server ----------------------------------------------------------------------
+
+    def parse(self, message: Message) -> Event:
+        if not isinstance(message, str):
+            return _BINARY
+        try:
+            data = json.loads(message)
+        except (ValueError, RecursionError):
+            return ProtocolError("invalid_json", "client events must be JSON objects")
+        if type(data) is not dict:
+            return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"')
+        kind = data.get("type")
+        handler = self._handlers.get(kind) if type(kind) is str else None
+        if handler is None:
+            return self._bad_type(data, kind)
+        return handler(data)
+
+    def _bad_type(self, data: dict[str, Any], kind: object) -> ProtocolError:
+        if not isinstance(kind, str):
+            return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"',
+                                 event_id=_client_event_id(data))
+        return ProtocolError("unknown_event", f"unknown event type {kind[:100]!r}",
+                             event_id=_client_event_id(data))
+
+    def _append(self, data: dict[str, Any]) -> Event:
+        audio = data.get("audio")
+        if type(audio) is not str or not audio:
+            return self._bad_audio_field(data, audio)
+        try:
+            raw = a2b_base64(audio, strict_mode=True)
+        except ValueError:
+            return self._lenient_base64(data, audio)
+        if len(raw) % self._sample_bytes:
+            return self._bad_length(data, len(raw))
+        self._pending_input = True
+        return AudioIn(raw)
+
+    def _bad_audio_field(self, data: dict[str, Any], audio: object) -> ProtocolError:
+        event_id = _client_event_id(data)
+        if audio is None:
+            return ProtocolError("missing_required_parameter",
+                                 "input_audio_buffer.append needs 'audio': base64-encoded audio",
+                                 event_id=event_id)
+        if not isinstance(audio, str):
+            return ProtocolError("invalid_type", "'audio' must be a string of base64-encoded audio, "
+                                 f"got {type(audio).__name__}", event_id=event_id)
+        return ProtocolError("invalid_value", "'audio' is empty: it must hold at least one sample",
+                             event_id=event_id)
+
+    def _lenient_base64(self, data: dict[str, Any], audio: str) -> Event:
+        """Base64 with line breaks (MIME style) is accepted; anything else is an error."""
+        try:
+            raw = a2b_base64(audio.replace("\r", "").replace("\n", ""), strict_mode=True)
+        except ValueError:
+            return ProtocolError("invalid_base64", "'audio' is not valid base64",
+                                 event_id=_client_event_id(data))
+        if not raw:
+            return self._bad_audio_field(data, "")
+        if len(raw) % self._sample_bytes:
+            return self._bad_length(data, len(raw))
+        self._pending_input = True
+        return AudioIn(raw)
+
+    def _bad_length(self, data: dict[str, Any], size: int) -> ProtocolError:
+        return ProtocolError(
+            "invalid_audio_length",
+            f"'audio' decodes to {size} bytes, not a whole number of {self._sample_bytes}-byte "
+            f"samples of {self._format_name(self.input_spec)}",
+            event_id=_client_event_id(data),
+        )
+
+    def _commit(self, data: dict[str, Any]) -> Event:
+        if not self._pending_input:
+            return ProtocolError("input_audio_buffer_commit_empty",
+                                 "nothing to commit: no audio was appended since the last commit or clear",
+                                 event_id=_client_event_id(data))
+        self._pending_input = False
+        item_id = self._new_item_id()
+        previous = self._last_item_id
+        self._last_item_id = item_id
+        return Reply((self._event("input_audio_buffer.committed",
+                                  previous_item_id=previous, item_id=item_id),))
+
+    def _clear_input(self, data: dict[str, Any]) -> Event:
+        self._pending_input = False
+        return ClearInput(messages=(self._event("input_audio_buffer.cleared"),))
+
+    def _clear_output(self, data: dict[str, Any]) -> Event:
+        response = self._response
+        messages: list[Message] = []
+        if response is not None and response.target is not None:
+            # The frames dropped now will never be sent, so a turn-mode response could not reach
+            # its target: clearing what it was saying cancels it.
+            messages += self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
+        response_id = response.id if response is not None else self._last_response_id
+        messages.append(self._event("output_audio_buffer.cleared", response_id=response_id))
+        return ClearOutput(messages=tuple(messages))
+
+    def _response_create(self, data: dict[str, Any]) -> Event:
+        if self._response is not None:
+            return ProtocolError("conversation_already_has_active_response",
+                                 f"response {self._response.id} is still in progress; "
+                                 "cancel it or wait for its response.done",
+                                 event_id=_client_event_id(data))
+        if self.duplex:
+            return Reply((self._open_response(None),))
+        progress = self.progress
+        target = progress.frames_in
+        created = self._open_response(target)
+        if progress.frames_out < target:
+            return Reply((created,))
+        return Reply((created, *self._close_response("completed", None)))
+
+    def _response_cancel(self, data: dict[str, Any]) -> Event:
+        response = self._response
+        wanted = data.get("response_id")
+        if response is None or (isinstance(wanted, str) and wanted and wanted != response.id):
+            what = f"response {wanted!r} is not" if isinstance(wanted, str) and wanted else "no response is"
+            return ProtocolError("response_cancel_not_active", f"{what} in progress",
+                                 event_id=_client_event_id(data))
+        return Reply(tuple(self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})))
+
+    def _unsupported(self, data: dict[str, Any]) -> Event:
+        return ProtocolError("unsupported_event",
+                             f"{data['type']} is not supported by this server; the session goes on",
+                             event_id=_client_event_id(data))
+
+    # -- session.update ---------------------------------------------------------------------------
+
+    def _session_update(self, data: dict[str, Any]) -> Event:
+        event_id = _client_event_id(data)
+
+        def invalid(code: str, message: str) -> ProtocolError:
+            return ProtocolError(code, message, event_id=event_id)
+
+        session = data.get("session")
+        if session is None:
+            return invalid("missing_required_parameter", "session.update needs a 'session' object")
+        if type(session) is not dict:
+            return invalid("invalid_type", "'session' must be an object")
+        kind = session.get("type")
+        if kind is not None and kind != "realtime":
+            return invalid("invalid_value", f"session.type must be 'realtime', got {kind!r}")
+        specs: dict[str, AudioSpec] = {}
+        audio_extra: dict[str, dict[str, Any]] = {}
+        audio = session.get("audio")
+        if audio is not None:
+            if type(audio) is not dict:
+                return invalid("invalid_type", "session.audio must be an object")
+            for direction in ("input", "output"):
+                part = audio.get(direction)
+                if part is None:
+                    continue
+                if type(part) is not dict:
+                    return invalid("invalid_type", f"session.audio.{direction} must be an object")
+                audio_extra[direction] = {k: v for k, v in part.items() if k != "format"}
+                if part.get("format") is not None:
+                    spec = self._parse_format(part["format"], f"session.audio.{direction}.format", event_id)
+                    if isinstance(spec, ProtocolError):
+                        return spec
+                    specs[direction] = spec
+        for direction in ("input", "output"):
+            field = f"{direction}_audio_format"
+            value = session.get(field)
+            if value is None:
+                continue
+            spec = self._parse_format(value, f"session.{field}", event_id)
+            if isinstance(spec, ProtocolError):
+                return spec
+            if direction in specs and specs[direction] != spec:
+                return invalid("invalid_value",
+                               f"session.audio.{direction}.format ({self._format_name(specs[direction])}) "
+                               f"and session.{field} ({self._format_name(spec)}) disagree")
+            specs[direction] = spec
+        # Everything checked: apply.
+        _merge(self._extra, {k: v for k, v in session.items() if k not in _OWN_FIELDS})
+        for direction, extra in audio_extra.items():
+            _merge(self._audio_extra[direction], extra)
+        new_input = specs.get("input", self.input_spec)
+        new_output = specs.get("output", self.output_spec)
+        changed = new_input != self.input_spec or new_output != self.output_spec
+        self.input_spec = new_input
+        self.output_spec = new_output
+        self._sample_bytes = new_input.format.bytes_per_sample or 1
+        updated = self._event("session.updated", session=self._session_object())
+        if changed:
+            return Reconfigure(messages=(updated,))
+        # Same formats: the session's decoder and encoder keep their state (no resampler restart).
+        return Reply((updated,))
+
+    def _parse_format(self, value: object, field: str, event_id: str | None) -> AudioSpec | ProtocolError:
+        """A GA format object ({"type": "audio/pcm", "rate": 24000}) or a format name (GA or beta)."""
+        if isinstance(value, str):
+            name, rate = value, None
+        elif type(value) is dict:
+            name, rate = value.get("type"), value.get("rate")
+            field += ".type"
+            if not isinstance(name, str):
+                return ProtocolError("invalid_value", f"{field} must be one of {_FORMAT_NAMES}; got {name!r}",
+                                     event_id=event_id)
+        else:
+            return ProtocolError("invalid_type", f"{field} must be a format object or name, got {value!r}",
+                                 event_id=event_id)
+        fmt = _FORMATS.get(name.strip().lower())
+        if fmt is None:
+            return ProtocolError("unsupported_audio_format",
+                                 f"{field}: unsupported audio format {name[:100]!r}; allowed: {_FORMAT_NAMES}",
+                                 event_id=event_id)
+        if rate is None:
+            rate = _PCM_RATE if fmt is AudioFormat.PCM_S16LE else _G711_RATE
+        elif isinstance(rate, float) and rate.is_integer():
+            rate = int(rate)
+        try:
+            return AudioSpec.create(fmt, rate, model_rate=self.model_rate)
+        except AudioFormatError as exc:
+            rate_field = field.removesuffix(".type") + ".rate"
+            return ProtocolError("invalid_value", f"{rate_field}: {exc}", event_id=event_id)
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        return json.dumps({"type": kind, "event_id": f"event_{next(self._event_ids)}", **fields})
+
+    def _new_item_id(self) -> str:
+        return f"item_{next(self._item_ids)}"
+
+    def _format_name(self, spec: AudioSpec) -> str:
+        names = _BETA_NAMES if self.beta else _GA_NAMES
+        name = names.get(spec.format, spec.format.value)
+        return f"{name} at {spec.sample_rate} Hz"
+
+    def _format_object(self, spec: AudioSpec) -> dict[str, Any]:
+        body: dict[str, Any] = {"type": _GA_NAMES.get(spec.format, spec.format.value)}
+        if spec.format is AudioFormat.PCM_S16LE or spec.sample_rate != _G711_RATE:
+            body["rate"] = spec.sample_rate
+        return body
+
+    def _session_object(self) -> dict[str, Any]:
+        if self.beta:
+            session: dict[str, Any] = {
+                "id": self.session_id,
+                "object": "realtime.session",
+                "model": self.model,
+                "modalities": ["audio", "text"],
+                "input_audio_format": _BETA_NAMES.get(self.input_spec.format, self.input_spec.format.value),
+                "output_audio_format": _BETA_NAMES.get(self.output_spec.format, self.output_spec.format.value),
+            }
+            # pcm16 means 24 kHz in the beta protocol; say so when the client chose another rate.
+            for direction, spec in (("input", self.input_spec), ("output", self.output_spec)):
+                if spec.format is AudioFormat.PCM_S16LE and spec.sample_rate != _PCM_RATE:
+                    session[f"{direction}_audio_sample_rate"] = spec.sample_rate
+            if self._audio_extra["input"] or self._audio_extra["output"]:
+                session["audio"] = {k: dict(v) for k, v in self._audio_extra.items() if v}
+        else:
+            session = {
+                "id": self.session_id,
+                "object": "realtime.session",
+                "type": "realtime",
+                "model": self.model,
+                "output_modalities": ["audio"],
+                "audio": {
+                    "input": {"format": self._format_object(self.input_spec), **self._audio_extra["input"]},
+                    "output": {"format": self._format_object(self.output_spec), **self._audio_extra["output"]},
+                },
+            }
+        for key, value in self._extra.items():
+            session.setdefault(key, value)
+        return session
+
+    def _response_object(self, response: _Response, status: str, details: dict[str, Any] | None,
+                         usage: dict[str, Any] | None, output: list[dict[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": response.id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": details,
+            "output": output,
+            "usage": usage,
+        }
+        if self.beta:
+            body["modalities"] = ["audio", "text"]
+        else:
+            body["output_modalities"] = ["audio"]
+        return body
+
+    def _open_response(self, target: int | None) -> str:
+        response = _Response(f"resp_{next(self._response_ids)}", self._new_item_id(), target,
+                             self._audio_delta, self._text_delta)
+        self._response = response
+        self._last_response_id = response.id
+        return self._event("response.created",
+                           response=self._response_object(response, "in_progress", None, None, []))
+
+    def _close_response(self, status: str, details: dict[str, Any] | None,
+                        usage: dict[str, Any] | None = None) -> list[Message]:
+        """The events that end the active response, which is then closed."""
+        response = self._response
+        assert response is not None
+        self._response = None
+        messages: list[Message] = []
+        where = {"response_id": response.id, "item_id": response.item_id, "output_index": 0, "content_index": 0}
+        transcript = "".join(response.transcript)
+        output = []
+        if response.audio_sent or transcript:
+            if response.audio_sent:
+                messages.append(self._event(self._audio_done, **where))
+            if transcript:
+                messages.append(self._event(self._text_done, **where, transcript=transcript))
+            self._last_item_id = response.item_id
+            output.append({
+                "id": response.item_id,
+                "object": "realtime.item",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed" if status == "completed" else "incomplete",
+                "content": [{"type": "audio" if self.beta else "output_audio", "transcript": transcript}],
+            })
+        if usage is None:
+            frames_in = response.target if response.target is not None else self.progress.frames_in
+            usage = _usage(frames_in, response.frames)
+        messages.append(self._event("response.done",
+                                    response=self._response_object(response, status, details, usage, output)))
+        return messages

@@ -1,0 +1,260 @@
+"""The server: one TCP port, WebSocket sessions on three routes, plain HTTP for the rest.
+
+Each connection is read up to the end of its request head first.  A WebSocket upgrade to a known
+route is checked (API key, free slot, route options) and handed, bytes and all, to trio-websocket;
+anything else is answered as plain HTTP (health, readiness, metrics).  Whatever one connection
+does, the handler catches it: a misbehaving client never takes the server down.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections import Counter
+
+import trio
+import trio_websocket
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+
+from duplexrt.backends import Backend
+from duplexrt.config import Config
+from duplexrt.runtime import Runtime, open_runtime
+from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
+from duplexrt.server.metrics import RuntimeCollector, metrics_text
+from duplexrt.server.routes import ROUTES
+from duplexrt.server.streams import PrefixedStream
+from duplexrt.server.websocket import WebSocketTransport
+from duplexrt.transport import GOING_AWAY
+
+log = logging.getLogger("duplexrt.server")
+
+#: How long a refused or finished connection gets to take its last bytes.
+_CLOSE_TIMEOUT = 2.0
+
+
+class Server:
+    """Serves a runtime on ``config.server.host:port``.  ``await nursery.start(server.run)``
+    returns once it listens (``server.ports`` then holds the bound ports)."""
+
+    def __init__(self, config: Config, backend: Backend | None = None) -> None:
+        self.config = config
+        self._backend = backend
+        self.runtime: Runtime | None = None
+        self.ports: list[int] = []
+        #: Connections refused before a session started, by reason (exported as a metric).
+        self.refused: Counter[str] = Counter()
+        self._admitted = 0
+        self._open_connections = 0
+        self._all_closed = trio.lowlevel.ParkingLot()
+        self._draining = False
+        self._accept_scope: trio.CancelScope | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(RuntimeCollector(self))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the model, listen, serve.  Returns after ``shutdown()`` has drained."""
+        settings = self.config.server
+        async with open_runtime(self.config, self._backend) as runtime:
+            self.runtime = runtime
+            listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
+            self.ports = sorted({listener.socket.getsockname()[1] for listener in listeners})
+            async with trio.open_nursery() as connections:
+                with trio.CancelScope() as self._accept_scope:
+                    task_status.started(self)
+                    await trio.serve_listeners(self._handle, listeners, handler_nursery=connections)
+                await self._drain()
+                connections.cancel_scope.cancel()
+
+    def shutdown(self) -> None:
+        """Stop accepting, tell every session it is closing, and let ``run`` drain and return."""
+        if self._draining:
+            return
+        self._draining = True
+        log.info("shutting down: %d session(s) to drain", len(self.runtime.sessions) if self.runtime else 0)
+        if self._accept_scope is not None:
+            self._accept_scope.cancel()
+
+    async def _drain(self) -> None:
+        assert self.runtime is not None
+        for session in list(self.runtime.sessions):
+            session.shutdown()
+        with trio.move_on_after(self.config.server.shutdown_grace_s):
+            while self._open_connections:
+                await self._all_closed.park()
+
+    # -- connections -----------------------------------------------------------------------------
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self._open_connections += 1
+        try:
+            await self._serve_connection(stream)
+        except BaseException as exc:
+            _reraise_cancellation_only(exc)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+            self._open_connections -= 1
+            if not self._open_connections:
+                self._all_closed.unpark_all()
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        settings = self.config.server
+        head: RequestHead | None = None
+        with trio.move_on_after(settings.handshake_timeout_s):
+            try:
+                head, received = await read_request_head(stream)
+            except BadRequest as exc:
+                await self._respond(stream, exc.status, exc.reason)
+                return
+        if head is None:
+            self.refused["handshake_timeout"] += 1
+            await self._respond(stream, 408, "the request head did not arrive in time")
+            return
+        route = ROUTES.get(head.path)
+        if not head.wants_websocket:
+            if route is not None:
+                await self._respond(stream, 426, f"{head.path} is a WebSocket endpoint",
+                                    [("upgrade", "websocket")])
+            else:
+                await self._plain_http(stream, head)
+            return
+        if route is None:
+            self.refused["not_found"] += 1
+            await self._respond(stream, 404, f"no WebSocket route {head.path}; try {', '.join(ROUTES)}")
+            return
+        if not self._authorized(head):
+            self.refused["unauthorized"] += 1
+            await self._respond(stream, 401, "a valid API key is required (Authorization: Bearer KEY, "
+                                             "or ?api_key=KEY)", [("www-authenticate", "Bearer")])
+            return
+        if self._draining:
+            self.refused["shutting_down"] += 1
+            await self._respond(stream, 503, "the server is shutting down")
+            return
+        runtime = self.runtime
+        assert runtime is not None
+        if self._admitted >= runtime.scheduler.slots:
+            self.refused["no_free_slot"] += 1
+            await self._respond(stream, 503, f"all {runtime.scheduler.slots} session slots are in use; "
+                                             "try again later", [("retry-after", "1")])
+            return
+        try:
+            translator = route.translator(head, self.config)
+        except BadRequest as exc:
+            self.refused["bad_options"] += 1
+            await self._respond(stream, exc.status, exc.reason)
+            return
+        self._admitted += 1  # no await since the check above: admission cannot be raced
+        try:
+            await self._serve_websocket(stream, received, route.max_message_bytes(self.config), translator)
+        finally:
+            self._admitted -= 1
+
+    async def _serve_websocket(self, stream: trio.SocketStream, received: bytes, max_message: int,
+                               translator) -> None:
+        assert self.runtime is not None
+        async with trio.open_nursery() as nursery:
+            request = await trio_websocket.wrap_server_stream(
+                nursery, PrefixedStream(stream, received), message_queue_size=4,
+                max_message_size=max_message, receive_buffer_size=None)
+            ws = await request.accept()
+            transport = WebSocketTransport(ws, self.config.server.first_message_timeout_s)
+            try:
+                await self.runtime.serve(transport, translator)
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
+                    await ws.aclose(GOING_AWAY if self._draining else 1000)
+                nursery.cancel_scope.cancel()
+
+    def _authorized(self, head: RequestHead) -> bool:
+        expected = self.config.server.api_key
+        if not expected:
+            return True
+        offered = head.query.get("api_key", "")
+        authorization = head.header("authorization")
+        if authorization.lower().startswith("bearer "):
+            offered = authorization[7:].strip()
+        return hmac.compare_digest(offered.encode(), expected.encode())
+
+    # -- plain HTTP ------------------------------------------------------------------------------
+
+    async def _plain_http(self, stream: trio.SocketStream, head: RequestHead) -> None:
+        if head.method not in ("GET", "HEAD"):
+            await self._respond(stream, 405, "only GET is served here", [("allow", "GET")])
+            return
+        runtime = self.runtime
+        assert runtime is not None
+        if head.path == "/healthz":
+            await self._respond(stream, 200, "ok")
+        elif head.path == "/readyz":
+            scheduler = runtime.scheduler
+            free = scheduler.slots - self._admitted
+            ready = scheduler.ready and not self._draining and free > 0
+            body = {"ready": ready, "model_loaded": scheduler.ready, "draining": self._draining,
+                    "backend": runtime.backend.info.name, "slots": scheduler.slots, "free_slots": free,
+                    "sessions": runtime.metrics.sessions_active}
+            await self._respond(stream, 200 if ready else 503, json.dumps(body), content_type="application/json")
+        elif head.path == "/metrics":
+            await self._send(stream, response_bytes(200, metrics_text(self.registry), CONTENT_TYPE_LATEST))
+        elif head.path == "/":
+            routes = "\n".join(f"  ws  {path}  ({route.name})" for path, route in ROUTES.items())
+            await self._respond(stream, 200, f"duplexrt\n{routes}\n  GET /healthz /readyz /metrics\n")
+        else:
+            await self._respond(stream, 404, f"nothing at {head.path}")
+
+    async def _respond(self, stream: trio.SocketStream, status: int, text: str,
+                       extra_headers: list[tuple[str, str]] | None = None,
+                       content_type: str = "text/plain; charset=utf-8") -> None:
+        body = text.encode() + (b"" if text.endswith("\n") or content_type != "text/plain; charset=utf-8" else b"\n")
+        await self._send(stream, response_bytes(status, body, content_type, extra_headers))
+
+    async def _send(self, stream: trio.SocketStream, data: bytes) -> None:
+        with trio.move_on_after(_CLOSE_TIMEOUT):
+            try:
+                await stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+
+def _reraise_cancellation_only(exc: BaseException) -> None:
+    """Log what a connection raised; let only cancellation through, so one connection's failure
+    never reaches the server's nursery."""
+    if isinstance(exc, trio.Cancelled):
+        raise exc
+    if isinstance(exc, BaseExceptionGroup):
+        cancelled, rest = exc.split(trio.Cancelled)
+        if rest is not None:
+            log.error("a connection failed", exc_info=rest)
+        if cancelled is not None:
+            raise cancelled
+        return
+    log.error("a connection failed", exc_info=exc)
+
+
+async def serve(config: Config, backend: Backend | None = None) -> None:
+    """Run a server until SIGINT or SIGTERM, then drain and return.  A second signal stops at
+    once without waiting for the grace period."""
+    import signal
+
+    server = Server(config, backend)
+
+    async def watch_signals(nursery: trio.Nursery, task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            task_status.started()
+            async for signum in signals:
+                log.warning("received %s", signal.Signals(signum).name)
+                if server._draining:
+                    nursery.cancel_scope.cancel()
+                server.shutdown()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch_signals, nursery)
+        async with trio.open_nursery() as inner:
+            await inner.start(server.run)
+            log.warning("duplexrt serving %s on %s port(s) %s (backend %s, %d slots)",
+                        ", ".join(ROUTES), config.server.host, ", ".join(map(str, server.ports)),
+                        config.backend.name, config.runtime.slots)
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,85 @@
+"""Just enough HTTP/1.1 to read a request head and answer plain requests, via h11."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from urllib.parse import parse_qs, urlsplit
+
+import attrs
+import h11
+import trio
+
+#: A request head larger than this is refused (431): nothing legitimate needs more.
+MAX_HEAD_BYTES = 64 * 1024
+
+
+@attrs.frozen
+class RequestHead:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
+
+    @property
+    def wants_websocket(self) -> bool:
+        return "websocket" in self.headers.get("upgrade", "").lower()
+
+    def header(self, name: str, default: str = "") -> str:
+        return self.headers.get(name.lower(), default)
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+async def read_request_head(stream: trio.abc.Stream) -> tuple[RequestHead, bytes]:
+    """Read until a whole request head has arrived.  Returns it and every byte read, so the
+    connection can be handed on unchanged.  Raises BadRequest for anything malformed."""
+    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    received = bytearray()
+    while True:
+        try:
+            event = parser.next_event()
+        except h11.RemoteProtocolError as exc:
+            status = exc.error_status_hint
+            raise BadRequest(status, "request head too large" if status == 431 else
+                             f"malformed HTTP request: {exc}") from None
+        if isinstance(event, h11.Request):
+            return _head_of(event), bytes(received)
+        if event is h11.NEED_DATA:
+            data = await stream.receive_some(16384)
+            if not data:
+                raise BadRequest(400, "connection closed before a whole request head arrived")
+            received += data
+            parser.receive_data(data)
+            continue
+        raise BadRequest(400, "expected an HTTP request")
+
+
+def _head_of(request: h11.Request) -> RequestHead:
+    target = request.target.decode("latin-1")
+    parts = urlsplit(target)
+    query = {key: values[-1] for key, values in parse_qs(parts.query, keep_blank_values=True).items()}
+    headers: dict[str, str] = {}
+    for name, value in request.headers:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    return RequestHead(request.method.decode("ascii"), parts.path or "/", query, headers)
+
+
+def response_bytes(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
+                   extra_headers: list[tuple[str, str]] | None = None) -> bytes:
+    """A complete HTTP/1.1 response that closes the connection."""
+    writer = h11.Connection(h11.SERVER)
+    # h11 needs to have seen a request before it will write a response.
+    writer.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    writer.next_event()
+    headers = [("content-type", content_type), ("content-length", str(len(body))), ("connection", "close"),
+               *(extra_headers or [])]
+    phrase = HTTPStatus(status).phrase.encode() if status in HTTPStatus._value2member_map_ else b""
+    return (writer.send(h11.Response(status_code=status, headers=headers, reason=phrase))
+            + writer.send(h11.Data(data=body)) + writer.send(h11.EndOfMessage()))

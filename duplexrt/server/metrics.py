@@ -1,0 +1,64 @@
+"""Prometheus metrics, read from the runtime's own counters at scrape time.
+
+Nothing is recorded for Prometheus on the hot path: the runtime already keeps counters and
+fixed-size histograms, and this collector turns them into Prometheus families when scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from duplexrt.histogram import Histogram
+
+_SECONDS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12]
+_BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def _histogram(name: str, doc: str, histogram: Histogram, bounds: list[float], scale: float) -> HistogramMetricFamily:
+    edges = [int(b * scale) for b in bounds]
+    cumulative = histogram.cumulative(edges)
+    buckets = [(repr(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", histogram.count)]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=histogram.total / scale)
+
+
+class RuntimeCollector:
+    def __init__(self, server) -> None:  # duplexrt.server.app.Server
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        runtime = self._server.runtime
+        if runtime is None:  # not started yet
+            return
+        scheduler = runtime.scheduler
+        metrics = runtime.metrics
+        handoffs = runtime.handoffs.statistics()
+        yield GaugeMetricFamily("duplexrt_sessions_active", "Sessions being served now.", metrics.sessions_active)
+        yield CounterMetricFamily("duplexrt_sessions_opened", "Sessions opened since start.", metrics.sessions_opened)
+        refused = CounterMetricFamily("duplexrt_connections_refused", "WebSocket connections refused, by reason.",
+                                      labels=["reason"])
+        for reason, count in sorted(self._server.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
+        yield GaugeMetricFamily("duplexrt_slots", "Slots (batch rows) of the model.", scheduler.slots)
+        yield GaugeMetricFamily("duplexrt_slots_free", "Slots free for new sessions.", scheduler.free_slots)
+        yield CounterMetricFamily("duplexrt_frames_in", "Model frames submitted by sessions.", metrics.frames_in)
+        yield CounterMetricFamily("duplexrt_frames_out", "Model frames sent back to clients.", metrics.frames_out)
+        stats = scheduler.statistics()
+        yield CounterMetricFamily("duplexrt_steps", "Batched model steps.", stats.steps)
+        by_kind = CounterMetricFamily("duplexrt_handoffs", "Thread crossings, by kind.", labels=["kind"])
+        for kind, count in sorted(handoffs.by_kind.items()):
+            by_kind.add_metric([kind], count)
+        yield by_kind
+        yield _histogram("duplexrt_batch_size", "Sessions per model step.", scheduler.batch_sizes.snapshot(),
+                         _BATCH, 1)
+        yield _histogram("duplexrt_step_seconds", "Time the model took per step.",
+                         scheduler.step_time_snapshot(), _SECONDS, 1e9)
+        yield _histogram("duplexrt_frame_latency_seconds", "A frame's submit to its output being sent.",
+                         metrics.latency, _SECONDS, 1e9)
+
+
+def metrics_text(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
