@@ -76,6 +76,31 @@ class RuntimeConfig:
     #: ``counted``: only encoded formats and full inboxes use worker threads.  ``always``: every
     #: conversion and submit hops through a worker thread (the reference behaviour, for comparison).
     offload: str = attrs.field(default="counted", validator=_one_of("runtime.offload", OFFLOAD_POLICIES))
+    #: A session that reaches this much input ends with finish reason ``length`` (0: no limit
+    #: beyond the model's own context).
+    max_session_seconds: float = attrs.field(
+        default=0.0, validator=_float_range("runtime.max_session_seconds", 0.0, 7 * 24 * 3600.0))
+
+
+def _is_bool(key: str):
+    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class MetricsConfig:
+    """What the runtime measures beyond usage, which is always exact."""
+
+    #: Per-frame stage timing (received, decoded, submitted, stepped, delivered, sent) into
+    #: fixed-size histograms.  Off, sessions still report exact usage and finish reasons.
+    collect_stage_metrics: bool = attrs.field(default=True, validator=_is_bool("metrics.collect_stage_metrics"))
+    #: A periodic one-line summary in the log (``duplexrt serve``); needs the stage metrics.
+    log_stats: bool = attrs.field(default=True, validator=_is_bool("metrics.log_stats"))
+    log_stats_interval_s: float = attrs.field(
+        default=10.0, validator=_float_range("metrics.log_stats_interval_s", 0.1, 86400.0))
 
 
 def _is_string(key: str, *, may_be_empty: bool = False):
@@ -131,6 +156,14 @@ class Config:
     runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
     backend: BackendConfig = attrs.field(factory=BackendConfig)
     server: ServerConfig = attrs.field(factory=ServerConfig)
+    metrics: MetricsConfig = attrs.field(factory=MetricsConfig)
+
+    def __attrs_post_init__(self) -> None:
+        if self.metrics.log_stats and not self.metrics.collect_stage_metrics:
+            raise ConfigError(
+                "metrics.log_stats (--log-stats) needs metrics.collect_stage_metrics "
+                "(--collect-stage-metrics): turn log_stats off too (--no-log-stats), or keep collecting"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=True)
@@ -138,6 +171,7 @@ class Config:
 
 _SECTIONS: dict[str, type] = {
     "audio": AudioConfig, "runtime": RuntimeConfig, "backend": BackendConfig, "server": ServerConfig,
+    "metrics": MetricsConfig,
 }
 
 
@@ -164,7 +198,10 @@ def _build(data: Mapping[str, Any], origin: str) -> Config:
             sections[name] = cls(**values)
         except ConfigError as exc:
             raise ConfigError(f"{origin}: {exc}") from None
-    return Config(**sections)
+    try:
+        return Config(**sections)
+    except ConfigError as exc:
+        raise ConfigError(f"{origin}: {exc}") from None
 
 
 def _parse_value(text: str) -> Any:

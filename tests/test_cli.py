@@ -53,3 +53,15 @@ def test_simulate_runs_as_a_real_process_and_writes_json(tmp_path):
     assert data["ok"] is True
     assert data["rounds"][0]["frames_out"] == 15
     assert data["settings"]["config"]["backend"]["name"] == "synthetic"
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """An editable install finds subpackages anyway; a wheel only ships what pyproject lists."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "duplexrt").rglob("__init__.py")}
+    assert found <= listed, f"missing from pyproject packages: {sorted(found - listed)}"
+    assert "duplexrt_cli" in listed

@@ -35,6 +35,9 @@ class BackendInfo:
     slots: int
     #: ``"cpu"`` or a torch device string; batch buffers are pinned when it is a GPU.
     device: str = "cpu"
+    #: The model's own context limit in frames per session, if it has one: a session reaching it
+    #: ends with finish reason ``length``.
+    max_session_frames: int | None = None
 
 
 class Backend(abc.ABC):

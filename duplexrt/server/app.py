@@ -15,7 +15,7 @@ from collections import Counter
 
 import trio
 import trio_websocket
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
 
 from duplexrt.backends import Backend
 from duplexrt.config import Config
@@ -51,6 +51,8 @@ class Server:
         self._accept_scope: trio.CancelScope | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(self))
+        # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
+        ProcessCollector(registry=self.registry)
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -1,0 +1,953 @@
+"""The OpenAI Realtime translator: plain calls first (GA and beta naming, turn and duplex mode),
+then whole sessions through the real runtime and the echo model.
+
+The translator tests drive it with a fake progress object whose counters the test sets, standing
+in for the session that would otherwise count frames in and out.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import threading
+
+import attrs
+import numpy as np
+import pytest
+import trio
+
+from conftest import PATIENCE, backend_info
+from duplexrt.audio import AudioFormat, AudioSpec, make_decoder, make_encoder
+from duplexrt.backends.echo import EchoBackend
+from duplexrt.config import load_config
+from duplexrt.protocols.events import (
+    AudioIn,
+    ClearInput,
+    ClearOutput,
+    ProtocolError,
+    Reconfigure,
+    Reply,
+    SessionEnd,
+)
+from duplexrt.protocols.realtime import RealtimeProtocol
+from duplexrt.runtime import open_runtime
+from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+
+MODEL_RATE = 24000
+FRAME = 1920
+ULAW_FRAME_BYTES = 640  # 80 ms of 8 kHz G.711
+PCM_FRAME_BYTES = FRAME * 2
+
+
+@attrs.define
+class FakeProgress:
+    """FAKE: the session's counters, set by the test."""
+
+    frames_in: int = 0
+    frames_out: int = 0
+
+
+def make(*, beta: bool = False, duplex: bool = False, **kwargs) -> tuple[RealtimeProtocol, FakeProgress]:
+    protocol = RealtimeProtocol(beta=beta, duplex=duplex, **kwargs)
+    progress = FakeProgress()
+    protocol.attach(progress)
+    return protocol, progress
+
+
+def send(protocol: RealtimeProtocol, kind: str, **fields):
+    return protocol.parse(json.dumps({"type": kind, **fields}))
+
+
+def decoded(messages) -> list[dict]:
+    return [json.loads(m) for m in messages]
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def names(beta: bool) -> dict[str, str]:
+    if beta:
+        return {"delta": "response.audio.delta", "done": "response.audio.done",
+                "text": "response.audio_transcript.delta", "text_done": "response.audio_transcript.done"}
+    return {"delta": "response.output_audio.delta", "done": "response.output_audio.done",
+            "text": "response.output_audio_transcript.delta",
+            "text_done": "response.output_audio_transcript.done"}
+
+
+def usage(frames_in: int, frames_out: int) -> dict:
+    return {
+        "total_tokens": frames_in + frames_out,
+        "input_tokens": frames_in,
+        "output_tokens": frames_out,
+        "input_token_details": {"audio_tokens": frames_in, "text_tokens": 0},
+        "output_token_details": {"audio_tokens": frames_out, "text_tokens": 0},
+    }
+
+
+def assert_error(event, code: str, event_id: str | None = None, *, contains: str = "") -> ProtocolError:
+    assert isinstance(event, ProtocolError), event
+    assert event.code == code, event
+    assert event.event_id == event_id
+    assert not event.fatal
+    assert contains in event.message, event.message
+    return event
+
+
+both_namings = pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+
+
+# -- start ------------------------------------------------------------------------------------------
+
+
+def test_ga_session_created_describes_pcm16_at_24k():
+    protocol, _ = make(model="echo-1", session_id="sess_abc")
+    [created] = decoded(protocol.start())
+    assert created["type"] == "session.created"
+    assert created["event_id"].startswith("event_")
+    assert created["session"] == {
+        "id": "sess_abc", "object": "realtime.session", "type": "realtime", "model": "echo-1",
+        "output_modalities": ["audio"],
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}},
+                  "output": {"format": {"type": "audio/pcm", "rate": 24000}}},
+    }
+    assert protocol.input_spec == protocol.output_spec == AudioSpec.create("pcm_s16le", 24000, model_rate=MODEL_RATE)
+
+
+def test_beta_session_created_uses_the_flat_shape():
+    protocol, _ = make(beta=True)
+    [created] = decoded(protocol.start())
+    session = created["session"]
+    assert session["id"].startswith("sess_")
+    assert session["object"] == "realtime.session"
+    assert session["model"] == "duplexrt"
+    assert session["modalities"] == ["audio", "text"]
+    assert session["input_audio_format"] == session["output_audio_format"] == "pcm16"
+    assert "audio" not in session and "type" not in session
+
+
+def test_session_ids_differ_between_sessions_unless_given():
+    first, _ = make()
+    second, _ = make()
+    ids = {decoded(p.start())[0]["session"]["id"] for p in (first, second)}
+    assert len(ids) == 2
+
+
+@both_namings
+def test_duplex_start_opens_a_response_for_the_whole_session(beta):
+    protocol, _ = make(beta=beta, duplex=True)
+    created, response = decoded(protocol.start())
+    assert created["type"] == "session.created"
+    assert response["type"] == "response.created"
+    assert response["response"]["id"].startswith("resp_")
+    assert response["response"]["object"] == "realtime.response"
+    assert response["response"]["status"] == "in_progress"
+    assert response["response"]["output"] == []
+    assert response["response"]["usage"] is None
+    assert created["event_id"] != response["event_id"]
+
+
+# -- parse: what is not a valid event ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("message", [b"\x00\x01", bytearray(b"abc")])
+def test_binary_messages_are_fatal_with_1003(message):
+    protocol, _ = make()
+    event = protocol.parse(message)
+    assert isinstance(event, ProtocolError)
+    assert event.code == "binary_not_supported"
+    assert event.fatal and event.close_code == 1003
+
+
+@pytest.mark.parametrize("text", ["not json", "{", "[" * 100_000])
+def test_text_that_is_not_json_is_an_error_not_the_end(text):
+    protocol, _ = make()
+    assert_error(protocol.parse(text), "invalid_json")
+
+
+@pytest.mark.parametrize("text", ['[1, 2]', '"session.update"', '{}', '{"type": 3}', '{"type": null}'])
+def test_events_need_an_object_with_a_string_type(text):
+    protocol, _ = make()
+    assert_error(protocol.parse(text), "invalid_event")
+
+
+def test_invalid_event_keeps_the_client_event_id():
+    protocol, _ = make()
+    assert_error(protocol.parse('{"type": 1, "event_id": "evt_1"}'), "invalid_event", "evt_1")
+
+
+def test_unknown_event_is_named():
+    protocol, _ = make()
+    assert_error(send(protocol, "session.explode", event_id="evt_9"), "unknown_event", "evt_9",
+                 contains="session.explode")
+
+
+@pytest.mark.parametrize("kind", [
+    "conversation.item.create", "conversation.item.delete", "conversation.item.truncate",
+    "conversation.item.retrieve", "transcription_session.update",
+])
+def test_known_but_unsupported_events_are_errors_that_do_not_end_the_session(kind):
+    protocol, _ = make()
+    assert_error(send(protocol, kind, event_id="evt_u"), "unsupported_event", "evt_u", contains=kind)
+
+
+# -- input_audio_buffer.append ----------------------------------------------------------------------
+
+
+def test_append_decodes_base64_audio():
+    protocol, _ = make()
+    audio = bytes(range(256)) * 15
+    event = send(protocol, "input_audio_buffer.append", audio=b64(audio))
+    assert event == AudioIn(audio)
+
+
+def test_append_accepts_mime_style_line_breaks():
+    protocol, _ = make()
+    audio = bytes(range(200))
+    event = send(protocol, "input_audio_buffer.append", audio=base64.encodebytes(audio).decode())
+    assert event == AudioIn(audio)
+
+
+@pytest.mark.parametrize("audio", ["not base64!", "QU=J", "QUJDRA", "=QUJD", "QUJDRA==x", "QUJD\u00e9"])
+def test_append_rejects_bad_base64(audio):
+    protocol, _ = make()
+    assert_error(send(protocol, "input_audio_buffer.append", audio=audio, event_id="evt_b"),
+                 "invalid_base64", "evt_b")
+
+
+def test_append_rejects_half_a_pcm16_sample_naming_the_byte_count():
+    protocol, _ = make()
+    assert_error(send(protocol, "input_audio_buffer.append", audio=b64(b"\x01\x02\x03"), event_id="e3"),
+                 "invalid_audio_length", "e3", contains="3 bytes")
+
+
+def test_append_accepts_any_byte_count_of_g711():
+    protocol, _ = make()
+    assert isinstance(send(protocol, "session.update", session={"input_audio_format": "g711_ulaw"}), Reconfigure)
+    assert send(protocol, "input_audio_buffer.append", audio=b64(b"\x01\x02\x03")) == AudioIn(b"\x01\x02\x03")
+
+
+@pytest.mark.parametrize(("fields", "code"), [
+    ({}, "missing_required_parameter"),
+    ({"audio": None}, "missing_required_parameter"),
+    ({"audio": ""}, "invalid_value"),
+    ({"audio": 12}, "invalid_type"),
+    ({"audio": ["AAAA"]}, "invalid_type"),
+])
+def test_append_without_audio_is_an_error(fields, code):
+    protocol, _ = make()
+    assert_error(send(protocol, "input_audio_buffer.append", event_id="evt_m", **fields), code, "evt_m")
+
+
+def test_errors_without_a_client_event_id_carry_none():
+    protocol, _ = make()
+    assert_error(send(protocol, "input_audio_buffer.append", audio="!!"), "invalid_base64", None)
+
+
+# -- session.update ---------------------------------------------------------------------------------
+
+
+@both_namings
+def test_ga_session_update_to_pcmu_reconfigures(beta):
+    protocol, _ = make(beta=beta)
+    event = send(protocol, "session.update", event_id="evt_s", session={
+        "type": "realtime",
+        "audio": {"input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcma"}}},
+    })
+    assert isinstance(event, Reconfigure)
+    assert protocol.input_spec == AudioSpec(AudioFormat.G711_ULAW, 8000)
+    assert protocol.output_spec == AudioSpec(AudioFormat.G711_ALAW, 8000)
+    [updated] = decoded(event.messages)
+    assert updated["type"] == "session.updated"
+    session = updated["session"]
+    if beta:
+        assert session["input_audio_format"] == "g711_ulaw"
+        assert session["output_audio_format"] == "g711_alaw"
+    else:
+        assert session["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+        assert session["audio"]["output"]["format"] == {"type": "audio/pcma"}
+
+
+@both_namings
+def test_beta_session_update_strings_reconfigure(beta):
+    protocol, _ = make(beta=beta)
+    event = send(protocol, "session.update", session={"input_audio_format": "g711_alaw",
+                                                       "output_audio_format": "g711_ulaw"})
+    assert isinstance(event, Reconfigure)
+    assert protocol.input_spec == AudioSpec(AudioFormat.G711_ALAW, 8000)
+    assert protocol.output_spec == AudioSpec(AudioFormat.G711_ULAW, 8000)
+    session = decoded(event.messages)[0]["session"]
+    if beta:
+        assert (session["input_audio_format"], session["output_audio_format"]) == ("g711_alaw", "g711_ulaw")
+    else:
+        assert session["audio"]["input"]["format"] == {"type": "audio/pcma"}
+    # and back to PCM
+    event = send(protocol, "session.update", session={"input_audio_format": "pcm16"})
+    assert isinstance(event, Reconfigure)
+    assert protocol.input_spec == AudioSpec(AudioFormat.PCM_S16LE, 24000)
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 24000, 44100, 48000])
+def test_pcm_rates_that_the_runtime_can_resample_are_accepted(rate):
+    protocol, _ = make()
+    event = send(protocol, "session.update", session={
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": rate}},
+                  "output": {"format": {"type": "audio/pcm", "rate": float(rate)}}}})
+    assert isinstance(event, Reconfigure if rate != 24000 else Reply)
+    assert protocol.input_spec == protocol.output_spec == AudioSpec(AudioFormat.PCM_S16LE, rate)
+    session = decoded(event.messages)[0]["session"]
+    assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": rate}
+
+
+def test_beta_session_object_names_a_pcm_rate_other_than_24k():
+    protocol, _ = make(beta=True)
+    event = send(protocol, "session.update", session={"audio": {"input": {"format": {"type": "audio/pcm",
+                                                                                      "rate": 16000}}}})
+    session = decoded(event.messages)[0]["session"]
+    assert session["input_audio_format"] == "pcm16"
+    assert session["input_audio_sample_rate"] == 16000
+    assert "output_audio_sample_rate" not in session
+
+
+@pytest.mark.parametrize(("session", "code", "field"), [
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 22050}}}}, "invalid_value",
+     "session.audio.input.format.rate"),
+    ({"audio": {"output": {"format": {"type": "audio/pcm", "rate": "24000"}}}}, "invalid_value",
+     "session.audio.output.format.rate"),
+    ({"audio": {"input": {"format": {"type": "audio/opus"}}}}, "unsupported_audio_format",
+     "session.audio.input.format.type"),
+    ({"audio": {"input": {"format": {"rate": 24000}}}}, "invalid_value", "session.audio.input.format.type"),
+    ({"audio": {"output": {"format": 24000}}}, "invalid_type", "session.audio.output.format"),
+    ({"input_audio_format": "pcm24"}, "unsupported_audio_format", "session.input_audio_format"),
+    ({"output_audio_format": "opus"}, "unsupported_audio_format", "session.output_audio_format"),
+])
+def test_unsupported_formats_are_refused_and_change_nothing(session, code, field):
+    protocol, _ = make()
+    before = (protocol.input_spec, protocol.output_spec)
+    error = assert_error(send(protocol, "session.update", session=session, event_id="evt_f"), code, "evt_f",
+                         contains=field)
+    if code == "unsupported_audio_format":
+        assert "audio/pcm, audio/pcmu, audio/pcma" in error.message
+    if "rate" in field and "22050" in json.dumps(session):
+        assert "8000, 16000, 24000, 44100, 48000" in error.message
+    assert (protocol.input_spec, protocol.output_spec) == before
+
+
+def test_a_bad_output_format_leaves_a_good_input_format_unapplied():
+    protocol, _ = make()
+    assert_error(send(protocol, "session.update", session={"input_audio_format": "g711_ulaw",
+                                                           "output_audio_format": "mp3"}),
+                 "unsupported_audio_format")
+    assert protocol.input_spec == AudioSpec(AudioFormat.PCM_S16LE, 24000)
+    # so pcm16 length rules still apply
+    assert_error(send(protocol, "input_audio_buffer.append", audio=b64(b"abc")), "invalid_audio_length")
+
+
+def test_both_shapes_agreeing_is_fine_disagreeing_is_not():
+    protocol, _ = make()
+    event = send(protocol, "session.update", session={"input_audio_format": "g711_ulaw",
+                                                       "audio": {"input": {"format": {"type": "audio/pcmu"}}}})
+    assert isinstance(event, Reconfigure)
+    assert_error(send(protocol, "session.update", session={"input_audio_format": "pcm16",
+                                                           "audio": {"input": {"format": {"type": "audio/pcma"}}}}),
+                 "invalid_value", contains="disagree")
+    assert protocol.input_spec.format is AudioFormat.G711_ULAW
+
+
+@pytest.mark.parametrize(("session", "code"), [
+    (None, "missing_required_parameter"),
+    ("pcm16", "invalid_type"),
+    ({"type": "transcription"}, "invalid_value"),
+    ({"audio": "pcm16"}, "invalid_type"),
+    ({"audio": {"input": "pcm16"}}, "invalid_type"),
+])
+def test_malformed_session_objects_are_refused(session, code):
+    protocol, _ = make()
+    fields = {} if session is None else {"session": session}
+    assert_error(send(protocol, "session.update", event_id="evt_x", **fields), code, "evt_x")
+
+
+@both_namings
+def test_other_session_fields_are_accepted_and_echoed(beta):
+    protocol, _ = make(beta=beta)
+    event = send(protocol, "session.update", session={
+        "instructions": "be brief", "voice": "alloy", "turn_detection": None,
+        "tools": [{"type": "function", "name": "f"}], "model": "gpt-4o", "modalities": ["text"],
+        "audio": {"output": {"voice": "marin", "speed": 1.1}, "input": {"noise_reduction": None}},
+    })
+    assert isinstance(event, Reply)  # no format changed: the codecs keep their state
+    session = decoded(event.messages)[0]["session"]
+    assert session["instructions"] == "be brief"
+    assert session["voice"] == "alloy"
+    assert session["turn_detection"] is None
+    assert session["tools"] == [{"type": "function", "name": "f"}]
+    assert session["model"] == "duplexrt"  # the server's own fields stay the server's
+    if beta:
+        assert session["modalities"] == ["audio", "text"]  # not the client's ["text"]
+    else:
+        assert session["output_modalities"] == ["audio"] and "modalities" not in session
+    assert session["audio"]["output"]["voice"] == "marin"
+    if not beta:
+        assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
+    # later updates merge
+    event = send(protocol, "session.update", session={"instructions": "be long"})
+    session = decoded(event.messages)[0]["session"]
+    assert (session["instructions"], session["voice"]) == ("be long", "alloy")
+
+
+# -- buffers ----------------------------------------------------------------------------------------
+
+
+def test_commit_acknowledges_with_item_ids_chained():
+    protocol, _ = make()
+    send(protocol, "input_audio_buffer.append", audio=b64(b"\0\0"))
+    first = send(protocol, "input_audio_buffer.commit")
+    assert isinstance(first, Reply)
+    [committed] = decoded(first.messages)
+    assert committed["type"] == "input_audio_buffer.committed"
+    assert committed["previous_item_id"] is None
+    assert committed["item_id"].startswith("item_")
+    send(protocol, "input_audio_buffer.append", audio=b64(b"\0\0"))
+    [second] = decoded(send(protocol, "input_audio_buffer.commit").messages)
+    assert second["previous_item_id"] == committed["item_id"]
+    assert second["item_id"] != committed["item_id"]
+
+
+def test_commit_with_nothing_appended_is_an_error():
+    protocol, _ = make()
+    assert_error(send(protocol, "input_audio_buffer.commit", event_id="c0"), "input_audio_buffer_commit_empty", "c0")
+    send(protocol, "input_audio_buffer.append", audio=b64(b"\0\0"))
+    assert isinstance(send(protocol, "input_audio_buffer.commit"), Reply)
+    assert_error(send(protocol, "input_audio_buffer.commit"), "input_audio_buffer_commit_empty")
+
+
+def test_input_clear_clears_and_empties_the_commit():
+    protocol, _ = make()
+    send(protocol, "input_audio_buffer.append", audio=b64(b"\0\0"))
+    event = send(protocol, "input_audio_buffer.clear")
+    assert isinstance(event, ClearInput)
+    assert [m["type"] for m in decoded(event.messages)] == ["input_audio_buffer.cleared"]
+    assert_error(send(protocol, "input_audio_buffer.commit"), "input_audio_buffer_commit_empty")
+
+
+def test_output_clear_with_no_response():
+    protocol, _ = make()
+    event = send(protocol, "output_audio_buffer.clear")
+    assert isinstance(event, ClearOutput)
+    [cleared] = decoded(event.messages)
+    assert cleared["type"] == "output_audio_buffer.cleared"
+    assert cleared["response_id"] is None
+
+
+@both_namings
+def test_output_clear_cancels_a_turn_response(beta):
+    protocol, progress = make(beta=beta)
+    progress.frames_in = 4
+    send(protocol, "response.create")
+    protocol.audio_out(b"\0\0", 1)
+    event = send(protocol, "output_audio_buffer.clear")
+    assert isinstance(event, ClearOutput)
+    types = [m["type"] for m in decoded(event.messages)]
+    assert types == [names(beta)["done"], "response.done", "output_audio_buffer.cleared"]
+    done = decoded(event.messages)[1]["response"]
+    assert done["status"] == "cancelled"
+    assert done["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+    assert protocol.audio_out(b"\0\0", 1) == []
+
+
+# -- responses, turn mode ---------------------------------------------------------------------------
+
+
+@both_namings
+def test_output_outside_a_response_is_dropped(beta):
+    protocol, _ = make(beta=beta)
+    protocol.start()
+    assert protocol.audio_out(b"\1\2" * 10, 1) == []
+    assert protocol.text_out("hello") == []
+
+
+@both_namings
+def test_a_response_carries_output_until_it_has_caught_up_with_the_input(beta):
+    n = names(beta)
+    protocol, progress = make(beta=beta)
+    progress.frames_in, progress.frames_out = 5, 1
+    created = send(protocol, "response.create", event_id="evt_r")
+    assert isinstance(created, Reply)
+    [event] = decoded(created.messages)
+    assert event["type"] == "response.created"
+    response = event["response"]
+    assert response["object"] == "realtime.response"
+    assert response["status"] == "in_progress"
+    assert response["output"] == [] and response["usage"] is None
+    response_id = response["id"]
+
+    progress.frames_in = 7  # input after response.create belongs to no response
+    [delta] = decoded(protocol.audio_out(b"\x01\x02\x03\x04", 2))
+    assert delta == {"type": n["delta"], "event_id": delta["event_id"], "response_id": response_id,
+                     "item_id": delta["item_id"], "output_index": 0, "content_index": 0,
+                     "delta": b64(b"\x01\x02\x03\x04")}
+    item_id = delta["item_id"]
+    assert item_id.startswith("item_")
+    progress.frames_out = 3
+    [text] = decoded(protocol.text_out("hel"))
+    assert text["type"] == n["text"] and text["delta"] == "hel"
+    assert (text["response_id"], text["item_id"]) == (response_id, item_id)
+    protocol.text_out("lo")
+
+    last = decoded(protocol.audio_out(b"\x05\x06", 2))  # 3 + 2 >= 5: done
+    assert [m["type"] for m in last] == [n["delta"], n["done"], n["text_done"], "response.done"]
+    assert last[0]["delta"] == b64(b"\x05\x06")
+    assert last[1] == {"type": n["done"], "event_id": last[1]["event_id"], "response_id": response_id,
+                       "item_id": item_id, "output_index": 0, "content_index": 0}
+    assert last[2]["transcript"] == "hello"
+    done = last[3]["response"]
+    assert done["id"] == response_id
+    assert done["status"] == "completed"
+    assert done["usage"] == usage(5, 4)
+    [item] = done["output"]
+    assert item["id"] == item_id and item["role"] == "assistant" and item["status"] == "completed"
+    assert item["content"] == [{"type": "audio" if beta else "output_audio", "transcript": "hello"}]
+
+    progress.frames_out = 5
+    assert protocol.audio_out(b"\x07\x08", 1) == []  # the response is over
+    assert protocol.text_out("x") == []
+
+
+@both_namings
+def test_a_response_with_nothing_left_to_say_is_done_at_once(beta):
+    protocol, progress = make(beta=beta)
+    progress.frames_in = progress.frames_out = 3
+    event = send(protocol, "response.create")
+    assert isinstance(event, Reply)
+    created, done = decoded(event.messages)
+    assert (created["type"], done["type"]) == ("response.created", "response.done")
+    assert done["response"]["id"] == created["response"]["id"]
+    assert done["response"]["status"] == "completed"
+    assert done["response"]["output"] == []
+    assert done["response"]["usage"] == usage(3, 0)
+    assert protocol.audio_out(b"\0\0", 1) == []
+
+
+def test_a_response_with_no_progress_attached_is_done_at_once():
+    protocol = RealtimeProtocol()  # no session attached: counters read as zero
+    created, done = decoded(send(protocol, "response.create").messages)
+    assert done["response"]["status"] == "completed"
+
+
+def test_one_response_at_a_time():
+    protocol, progress = make()
+    progress.frames_in = 2
+    send(protocol, "response.create")
+    assert_error(send(protocol, "response.create", event_id="evt_2"),
+                 "conversation_already_has_active_response", "evt_2")
+    [delta] = decoded(protocol.audio_out(b"\0\0", 1))  # the first goes on
+    assert delta["response_id"] == "resp_1"
+
+
+@both_namings
+def test_cancel_ends_the_response(beta):
+    protocol, progress = make(beta=beta)
+    progress.frames_in = 10
+    [created] = decoded(send(protocol, "response.create").messages)
+    protocol.audio_out(b"\0\0" * 4, 2)
+    event = send(protocol, "response.cancel")
+    assert isinstance(event, Reply)
+    audio_done, done = decoded(event.messages)
+    assert audio_done["type"] == names(beta)["done"]
+    assert done["type"] == "response.done"
+    assert done["response"]["id"] == created["response"]["id"]
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+    assert done["response"]["usage"] == usage(10, 2)
+    assert done["response"]["output"][0]["status"] == "incomplete"
+    assert protocol.audio_out(b"\0\0", 1) == []
+    assert_error(send(protocol, "response.cancel", event_id="evt_c"), "response_cancel_not_active", "evt_c")
+
+
+def test_cancel_of_another_response_id_is_refused():
+    protocol, progress = make()
+    progress.frames_in = 1
+    send(protocol, "response.create")
+    assert_error(send(protocol, "response.cancel", response_id="resp_999"), "response_cancel_not_active",
+                 contains="resp_999")
+    assert len(protocol.audio_out(b"\0\0", 0)) == 1  # still active
+    assert isinstance(send(protocol, "response.cancel", response_id="resp_1"), Reply)
+
+
+def test_a_new_response_after_the_last_one_targets_the_new_input():
+    protocol, progress = make()
+    progress.frames_in = 2
+    send(protocol, "response.create")
+    protocol.audio_out(b"\0\0", 2)
+    progress.frames_in, progress.frames_out = 6, 4  # 2 frames of output dropped between responses
+    [created] = decoded(send(protocol, "response.create").messages)
+    assert created["response"]["id"] == "resp_2"
+    assert len(protocol.audio_out(b"\0\0", 1)) == 1
+    progress.frames_out = 5
+    last = decoded(protocol.audio_out(b"\0\0", 1))
+    assert last[-1]["type"] == "response.done"
+    assert last[-1]["response"]["usage"] == usage(6, 2)
+
+
+def test_encoder_tails_are_forwarded_without_counting_frames():
+    protocol, progress = make()
+    progress.frames_in = 2
+    send(protocol, "response.create")
+    assert len(protocol.audio_out(b"\0\0", 0)) == 1
+    assert len(protocol.audio_out(b"\0\0", 0)) == 1
+    assert decoded(protocol.audio_out(b"\0\0", 2))[-1]["type"] == "response.done"
+
+
+def test_every_server_event_id_is_unique():
+    protocol, progress = make(duplex=True)
+    messages = list(protocol.start())
+    progress.frames_in = 3
+    for i in range(5):
+        messages += protocol.audio_out(b"\0\0", 1)
+        messages += protocol.text_out(f"t{i}")
+    messages += protocol.error(ProtocolError("x", "y"))
+    messages += send(protocol, "response.cancel").messages
+    messages += send(protocol, "response.create").messages
+    messages += protocol.end(SessionEnd("stop", 3, 3, 0.24, 0.24))
+    ids = [json.loads(m)["event_id"] for m in messages]
+    assert len(ids) == len(set(ids)) == len(messages)
+    assert all(i.startswith("event_") for i in ids)
+
+
+# -- responses, duplex mode -------------------------------------------------------------------------
+
+
+@both_namings
+def test_duplex_forwards_everything_until_cancelled(beta):
+    n = names(beta)
+    protocol, progress = make(beta=beta, duplex=True)
+    _, created = decoded(protocol.start())
+    response_id = created["response"]["id"]
+    for k in range(4):  # no input target: output never completes the response
+        [delta] = decoded(protocol.audio_out(bytes([k, k]), 1))
+        assert delta["type"] == n["delta"] and delta["response_id"] == response_id
+        progress.frames_out += 1
+    [text] = decoded(protocol.text_out("hi"))
+    assert text["type"] == n["text"]
+    assert_error(send(protocol, "response.create", event_id="d1"), "conversation_already_has_active_response", "d1")
+
+    # a clear drops the backlog but the implicit response goes on
+    clear = send(protocol, "output_audio_buffer.clear")
+    assert isinstance(clear, ClearOutput)
+    assert [m["type"] for m in decoded(clear.messages)] == ["output_audio_buffer.cleared"]
+    assert decoded(clear.messages)[0]["response_id"] == response_id
+    assert len(protocol.audio_out(b"\0\0", 1)) == 1
+
+    progress.frames_in = 9
+    cancel = decoded(send(protocol, "response.cancel").messages)
+    assert [m["type"] for m in cancel] == [n["done"], n["text_done"], "response.done"]
+    assert cancel[-1]["response"]["status"] == "cancelled"
+    assert cancel[-1]["response"]["usage"] == usage(9, 5)
+    assert protocol.audio_out(b"\0\0", 1) == []
+    assert protocol.text_out("muted") == []
+
+    [reopened] = decoded(send(protocol, "response.create").messages)
+    assert reopened["type"] == "response.created"
+    assert reopened["response"]["id"] != response_id
+    progress.frames_out = 100  # far past the input: still open-ended
+    [delta] = decoded(protocol.audio_out(b"\0\0", 1))
+    assert delta["response_id"] == reopened["response"]["id"]
+
+
+# -- error and end ----------------------------------------------------------------------------------
+
+
+def test_error_event_shape():
+    protocol, _ = make()
+    [event] = decoded(protocol.error(ProtocolError("invalid_base64", "bad audio", event_id="evt_7")))
+    assert event == {"type": "error", "event_id": event["event_id"], "error": {
+        "type": "invalid_request_error", "code": "invalid_base64", "message": "bad audio",
+        "param": None, "event_id": "evt_7"}}
+    [event] = decoded(protocol.error(ProtocolError("invalid_json", "x")))
+    assert event["error"]["event_id"] is None
+
+
+def test_end_without_a_response_says_nothing():
+    protocol, _ = make()
+    protocol.start()
+    assert protocol.end(SessionEnd("stop", 4, 4, 0.32, 0.32)) == []
+    assert protocol.end(SessionEnd("error", 4, 4, 0.32, 0.32, error="boom")) == []
+
+
+@pytest.mark.parametrize(("reason", "status", "detail"), [
+    ("stop", "completed", None),
+    ("client_closed", "cancelled", "client_cancelled"),
+    ("length", "incomplete", "max_output_tokens"),
+    ("shutdown", "incomplete", "server_shutdown"),
+])
+@both_namings
+def test_end_closes_the_active_response(beta, reason, status, detail):
+    protocol, progress = make(beta=beta, duplex=True)
+    protocol.start()
+    protocol.audio_out(b"\0\0", 1)
+    messages = decoded(protocol.end(SessionEnd(reason, 12, 11, 0.96, 0.88)))
+    assert [m["type"] for m in messages] == [names(beta)["done"], "response.done"]
+    response = messages[-1]["response"]
+    assert response["status"] == status
+    assert response["status_details"] == {"type": status, "reason": detail}
+    assert response["usage"] == usage(12, 11)
+
+
+def test_end_on_error_sends_a_server_error_first():
+    protocol, progress = make()
+    progress.frames_in = 5
+    send(protocol, "response.create")
+    messages = decoded(protocol.end(SessionEnd("error", 5, 2, 0.4, 0.16, error="model exploded")))
+    assert [m["type"] for m in messages] == ["error", "response.done"]
+    assert messages[0]["error"]["type"] == "server_error"
+    assert messages[0]["error"]["message"] == "model exploded"
+    response = messages[1]["response"]
+    assert response["status"] == "failed"
+    assert response["status_details"]["type"] == "failed"
+    assert response["status_details"]["error"]["message"] == "model exploded"
+    assert response["usage"] == usage(5, 2)
+
+
+def test_end_after_a_fatal_client_error_does_not_blame_the_server():
+    protocol, _ = make(duplex=True)
+    protocol.start()
+    fatal = protocol.parse(b"\0")
+    protocol.error(fatal)
+    messages = decoded(protocol.end(SessionEnd("error", 0, 0, 0.0, 0.0, error=fatal.message)))
+    assert [m["type"] for m in messages] == ["response.done"]
+    assert messages[0]["response"]["status"] == "failed"
+    assert messages[0]["response"]["status_details"]["error"]["type"] == "invalid_request_error"
+
+
+# -- whole sessions through the runtime --------------------------------------------------------------
+
+
+class GatedEcho(EchoBackend):
+    """FAKE (a test hook on the real echo model): while ``gate`` is clear, ``step`` waits on it.
+
+    In turn mode the client hears only what the model outputs after ``response.create``; the echo
+    model answers within a millisecond, so without the gate how much of the answer the response
+    would carry depends on thread timing.  The test holds the model until ``response.created``
+    has come back, then lets it run: bit for bit the echo model otherwise.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__(backend_info(config, "echo"), config.backend.options)
+        self.gate = threading.Event()
+
+    def step(self, rows, inputs, outputs):
+        if not self.gate.wait(PATIENCE):
+            raise RuntimeError("test gate never opened")
+        return super().step(rows, inputs, outputs)
+
+
+@attrs.define
+class RealtimeClient:
+    """A Realtime client over the in-memory transport: sends events, files every server event."""
+
+    transport: MemoryTransport
+    events: list[dict] = attrs.Factory(list)
+    closed: TransportClosed | None = None
+    _ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
+    _lot: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+
+    async def send(self, kind: str, **fields) -> str:
+        event_id = fields.pop("event_id", f"evt_client_{next(self._ids)}")
+        await self.transport.send(json.dumps({"type": kind, "event_id": event_id, **fields}))
+        return event_id
+
+    async def receive_all(self) -> None:
+        while True:
+            try:
+                message = await self.transport.receive()
+            except TransportClosed as closed:
+                self.closed = closed
+                self._lot.unpark_all()
+                return
+            assert isinstance(message, str), "the Realtime protocol sends only text"
+            self.events.append(json.loads(message))
+            self._lot.unpark_all()
+
+    async def wait_for(self, kind: str, count: int = 1) -> dict:
+        with trio.fail_after(PATIENCE):
+            while sum(e["type"] == kind for e in self.events) < count:
+                assert self.closed is None, f"closed while waiting for {kind}: {self.closed}"
+                await self._lot.park()
+        return [e for e in self.events if e["type"] == kind][count - 1]
+
+    async def wait_closed(self) -> TransportClosed:
+        with trio.fail_after(PATIENCE):
+            while self.closed is None:
+                await self._lot.park()
+        return self.closed
+
+    def audio(self, beta: bool = False) -> bytes:
+        kind = names(beta)["delta"]
+        return b"".join(base64.b64decode(e["delta"]) for e in self.events if e["type"] == kind)
+
+    def of_type(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+
+def tones(samples: int, rate: int) -> np.ndarray:
+    t = np.arange(samples) / rate
+    return (0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * np.sin(2 * np.pi * 1250 * t)).astype(np.float32)
+
+
+def encode(signal: np.ndarray, spec: AudioSpec) -> bytes:
+    encoder = make_encoder(spec, spec.sample_rate)
+    return encoder.encode(signal) + encoder.flush()
+
+
+def best_alignment(sent: np.ndarray, heard: np.ndarray, max_lag: int) -> tuple[int, float]:
+    """The lag (samples ``heard`` runs behind ``sent``) and the correlation there."""
+    best = (0, -1.0)
+    for lag in range(max_lag):
+        a = sent[: len(heard) - lag]
+        b = heard[lag: lag + len(a)]
+        corr = float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
+        if corr > best[1]:
+            best = (lag, corr)
+    return best
+
+
+@both_namings
+async def test_turn_session_in_pcmu_echoes_the_committed_audio(beta):
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    backend = GatedEcho(config)
+    ulaw = AudioSpec.create("g711_ulaw", model_rate=MODEL_RATE)
+    frames = 6
+    sent = encode(tones(frames * ULAW_FRAME_BYTES, 8000), ulaw)
+    assert len(sent) == frames * ULAW_FRAME_BYTES
+    chunks = [sent[:1280], sent[1280:1920], sent[1920:]]  # whole frames, unevenly grouped
+    # The frames the session will have submitted when response.create arrives: the 8 -> 24 kHz
+    # resampler holds a few samples back, so the last partial frame waits in the framer.
+    decoder = make_decoder(ulaw, MODEL_RATE)
+    expected_frames = sum(len(decoder.decode(c)) for c in chunks) // FRAME
+    assert expected_frames in (frames - 1, frames)
+
+    client_end, server_end = memory_transport_pair()
+    client = RealtimeClient(client_end)
+    result = {}
+    try:
+        async with open_runtime(config, backend) as runtime:
+            async def serve() -> None:
+                result["end"] = await runtime.serve(server_end, RealtimeProtocol(beta=beta))
+
+            with trio.fail_after(PATIENCE):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(serve)
+                    nursery.start_soon(client.receive_all)
+                    await client.wait_for("session.created")
+                    format_update = ({"input_audio_format": "g711_ulaw", "output_audio_format": "g711_ulaw"}
+                                     if beta else
+                                     {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcmu"}},
+                                                                    "output": {"format": {"type": "audio/pcmu"}}}})
+                    await client.send("session.update", session=format_update)
+                    updated = await client.wait_for("session.updated")
+                    await client.send("input_audio_buffer.append", audio=b64(chunks[0]))
+                    bad = await client.send("conversation.item.create", item={"type": "message"})
+                    await client.send("input_audio_buffer.append", audio=b64(chunks[1]))
+                    bad_audio = await client.send("input_audio_buffer.append", audio="%%%")
+                    await client.send("input_audio_buffer.append", audio=b64(chunks[2]))
+                    await client.send("input_audio_buffer.commit")
+                    await client.send("response.create")
+                    created = await client.wait_for("response.created")
+                    backend.gate.set()
+                    done = await client.wait_for("response.done")
+                    await client_end.close()
+                    await client.wait_closed()
+    finally:
+        backend.gate.set()
+
+    if beta:
+        assert updated["session"]["input_audio_format"] == "g711_ulaw"
+    else:
+        assert updated["session"]["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    errors = client.of_type("error")
+    assert [(e["error"]["code"], e["error"]["event_id"]) for e in errors] == [
+        ("unsupported_event", bad), ("invalid_base64", bad_audio)]
+    [committed] = client.of_type("input_audio_buffer.committed")
+    assert committed["previous_item_id"] is None
+
+    response = done["response"]
+    assert response["id"] == created["response"]["id"]
+    assert response["status"] == "completed"
+    assert response["usage"] == usage(expected_frames, expected_frames)
+    assert client.of_type(names(beta)["done"])[0]["response_id"] == response["id"]
+    kinds = [e["type"] for e in client.events]
+    assert kinds.index("response.created") < kinds.index(names(beta)["delta"])
+    assert kinds[-1] == "response.done"
+
+    heard = client.audio(beta)
+    # The 24 -> 8 kHz encoder holds its filter delay back until the stream ends (tens of samples).
+    assert expected_frames * ULAW_FRAME_BYTES - 400 <= len(heard) <= expected_frames * ULAW_FRAME_BYTES
+    # Same signal, delayed by the two resamplers (a few ms) and quantised twice by mu-law.
+    sent_audio = make_decoder(ulaw, 8000).decode(sent)
+    heard_audio = make_decoder(ulaw, 8000).decode(heard)
+    lag, corr = best_alignment(sent_audio, heard_audio, 200)
+    assert lag < 100
+    assert corr > 0.98, (lag, corr)
+    assert result["end"].reason == "client_closed"
+    assert result["end"].frames_out == expected_frames
+
+
+async def test_duplex_session_in_pcm16_echoes_every_byte():
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    pcm = AudioSpec.create("pcm_s16le", 24000, model_rate=MODEL_RATE)
+    frames = 7
+    sent = encode(tones(frames * FRAME, MODEL_RATE), pcm)
+    cuts = [0, 1000, 5002, 9000, 13000, 20000, len(sent)]  # even, but not on frame boundaries
+    client_end, server_end = memory_transport_pair()
+    client = RealtimeClient(client_end)
+    result = {}
+    async with open_runtime(config) as runtime:
+        async def serve() -> None:
+            result["end"] = await runtime.serve(server_end, RealtimeProtocol(duplex=True))
+
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve)
+                nursery.start_soon(client.receive_all)
+                created = await client.wait_for("response.created")
+                for start, stop in itertools.pairwise(cuts):
+                    await client.send("input_audio_buffer.append", audio=b64(sent[start:stop]))
+                while len(client.audio()) < len(sent):
+                    await client.wait_for(names(False)["delta"], len(client.of_type(names(False)["delta"])) + 1)
+                await client.send("response.cancel")
+                done = await client.wait_for("response.done")
+                await client_end.close()
+                await client.wait_closed()
+
+    assert client.audio() == sent  # pcm16 at the model rate: exact
+    assert done["response"]["id"] == created["response"]["id"]
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["usage"] == usage(frames, frames)
+    assert client.of_type("error") == []
+    assert result["end"].reason == "client_closed"
+
+
+async def test_a_binary_message_ends_the_session_with_1003():
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    client_end, server_end = memory_transport_pair()
+    client = RealtimeClient(client_end)
+    result = {}
+    async with open_runtime(config) as runtime:
+        async def serve() -> None:
+            result["end"] = await runtime.serve(server_end, RealtimeProtocol(duplex=True))
+
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve)
+                nursery.start_soon(client.receive_all)
+                await client.wait_for("response.created")
+                await client_end.send(b"\x00\x01")
+                closed = await client.wait_closed()
+
+    assert closed.code == 1003
+    kinds = [e["type"] for e in client.events]
+    assert kinds == ["session.created", "response.created", "error", "response.done"]
+    assert client.events[2]["error"]["code"] == "binary_not_supported"
+    assert client.events[3]["response"]["status"] == "failed"
+    assert result["end"].reason == "error"
