@@ -19,6 +19,10 @@ class FrameStatistics:
     enqueue_us: Summary
     latency_us: Summary
     step_to_sent_us: Summary
+    first_audio_us: Summary
+    jitter_us: Summary
+    late_frames: int
+    text_pieces: int
 
 
 class FrameMetrics:
@@ -37,6 +41,14 @@ class FrameMetrics:
         self.latency = Histogram()
         #: The step that made it finished → handed to the transport (nanoseconds).
         self.step_to_sent = Histogram()
+        #: Session opened → its first audio sent (nanoseconds).
+        self.first_audio = Histogram()
+        #: How far each send strays from one frame period after the previous (nanoseconds).
+        self.jitter = Histogram()
+        #: Frames whose submit → sent took longer than one frame period.
+        self.late_frames = 0
+        #: Pieces of model text sent.
+        self.text_pieces = 0
 
     def statistics(self) -> FrameStatistics:
         return FrameStatistics(
@@ -48,4 +60,8 @@ class FrameMetrics:
             enqueue_us=self.enqueue.summary().scaled(1e3),
             latency_us=self.latency.summary().scaled(1e3),
             step_to_sent_us=self.step_to_sent.summary().scaled(1e3),
+            first_audio_us=self.first_audio.summary().scaled(1e3),
+            jitter_us=self.jitter.summary().scaled(1e3),
+            late_frames=self.late_frames,
+            text_pieces=self.text_pieces,
         )

@@ -65,6 +65,8 @@ class StepOutcome:
     texts: Sequence[str] | None
     stepped_ns: int
     error: BaseException | None = None
+    #: The backend's own stage durations for this step, ``(name, ns)``.
+    stages: tuple[tuple[str, int], ...] = ()
 
 
 @attrs.frozen
@@ -183,6 +185,8 @@ class Scheduler:
         self.batch_sizes = Histogram()
         #: Step finished → its outputs handed to the sessions (written on the trio thread).
         self.delivery_delay = Histogram()
+        #: Per backend stage, its duration per step (written on the trio thread, once per step).
+        self.stage_time: dict[str, Histogram] = {}
 
     # -- trio side -------------------------------------------------------------------------
 
@@ -258,6 +262,11 @@ class Scheduler:
         now = time.perf_counter_ns()
         for outcome in outcomes:
             self.delivery_delay.record(now - outcome.stepped_ns)
+            for name, duration in outcome.stages:
+                stage = self.stage_time.get(name)
+                if stage is None:
+                    stage = self.stage_time[name] = Histogram()
+                stage.record(duration)
             self._deliver(outcome)
 
     def _deliver(self, outcome: StepOutcome) -> None:
@@ -362,7 +371,8 @@ class Scheduler:
         else:
             stepped = time.perf_counter_ns()
             # The only per-step allocation: trio keeps these rows after the buffer is reused.
-            outcome = StepOutcome(batch.owners, batch.stamps, outputs.copy(), texts, stepped)
+            outcome = StepOutcome(batch.owners, batch.stamps, outputs.copy(), texts, stepped,
+                                  stages=self.backend.last_stages)
         self._steps += 1
         self._frames += n
         if n > self._max_batch:

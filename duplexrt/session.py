@@ -53,6 +53,7 @@ from duplexrt.transport import (
 )
 
 if TYPE_CHECKING:
+    from duplexrt.metrics import FrameMetrics
     from duplexrt.runtime import Runtime
 
 log = logging.getLogger("duplexrt.session")
@@ -64,6 +65,7 @@ STOP = "stop"
 CLIENT_CLOSED = "client_closed"
 ERROR = "error"
 SHUTDOWN = "shutdown"
+LENGTH = "length"
 
 
 class Session:
@@ -104,6 +106,22 @@ class Session:
         self._cancel_scope: trio.CancelScope | None = None
         self._reader_scope: trio.CancelScope | None = None
         self.lease = None
+        # Usage: always exact, whatever is collected besides.
+        self._text_pieces = 0
+        self._opened_ns = 0
+        self._first_submit_ns = 0
+        self._last_sent_ns = 0
+        # Stage timing, only when asked for: a per-session summary kept in constant space.
+        self._collect = config.metrics.collect_stage_metrics
+        self._latency_sum_ns = 0
+        self._latency_max_ns = 0
+        self._late = 0
+        self._late_ns = int(self._frame_seconds * 1e9)
+        self._first_audio_ns = 0
+        limits = [runtime.backend.info.max_session_frames]
+        if config.runtime.max_session_seconds > 0:
+            limits.append(int(config.runtime.max_session_seconds / self._frame_seconds + 1e-9))
+        self._max_frames = min((limit for limit in limits if limit), default=None)
         protocol.attach(self)
 
     @property
@@ -125,6 +143,7 @@ class Session:
         metrics.sessions_opened += 1
         metrics.sessions_active += 1
         runtime.sessions.add(self)
+        self._opened_ns = time.perf_counter_ns()
         cancelled = False
         try:
             async with trio.open_nursery() as nursery:
@@ -152,9 +171,20 @@ class Session:
             end = self.summary()
             with trio.CancelScope(shield=True):
                 await self._say_goodbye(end)
-            if not cancelled:
-                log.debug("session %s ended: %s", self.lease.session_id, end)
+            self._log_end(end)
         return end
+
+    def _log_end(self, end: SessionEnd) -> None:
+        timing = ""
+        if self._collect and end.frames_out:
+            mean_ms = self._latency_sum_ns / end.frames_out / 1e6
+            first = (self._first_audio_ns - self._opened_ns) / 1e6 if self._first_audio_ns else float("nan")
+            timing = (f"; first audio after {first:.1f} ms, frame latency mean {mean_ms:.1f} ms "
+                      f"max {self._latency_max_ns / 1e6:.1f} ms, {self._late} late")
+        log.info("session %s ended: %s, %d frames in (%.2f s), %d out (%.2f s), %d text pieces, "
+                 "%.2f s generating%s%s", self.lease.session_id, end.reason, end.frames_in, end.seconds_in,
+                 end.frames_out, end.seconds_out, end.text_tokens_out, end.generation_seconds,
+                 f", error: {end.error}" if end.error else "", timing)
 
     def summary(self) -> SessionEnd:
         return SessionEnd(
@@ -164,14 +194,22 @@ class Session:
             seconds_in=round(self._submitted * self._frame_seconds, 6),
             seconds_out=round(self._sent * self._frame_seconds, 6),
             error=self._finish_error,
+            text_tokens_out=self._text_pieces,
+            generation_seconds=round(max(0, self._last_sent_ns - self._first_submit_ns) / 1e9, 6)
+            if self._first_submit_ns else 0.0,
         )
 
     def shutdown(self) -> None:
         """The server is stopping: take no more input, finish the frames already taken, then end
         with reason ``shutdown``.  Whoever calls this also bounds how long that may take."""
+        self._stop_input(SHUTDOWN, GOING_AWAY)
+
+    def _stop_input(self, reason: str, close_code: int) -> None:
+        """End the session after the frames already taken have been answered: the reader stops,
+        the writer finishes, the client gets full usage and ``reason``."""
         if self._finish_reason is None:
-            self._finish_reason = SHUTDOWN
-            self._close_code = GOING_AWAY
+            self._finish_reason = reason
+            self._close_code = close_code
         if self._reader_scope is not None:
             self._reader_scope.cancel()
         elif self._cancel_scope is not None:
@@ -315,11 +353,18 @@ class Session:
             await self._reject(ProtocolError("invalid_audio", str(exc)))
             return
         frames = self._framer.push(samples)
-        self._runtime.metrics.preprocess.record(time.perf_counter_ns() - started)
+        if self._collect:
+            self._runtime.metrics.preprocess.record(time.perf_counter_ns() - started)
         for frame in frames:
             await self._submit(frame)
 
     async def _submit(self, frame: np.ndarray) -> None:
+        if self._max_frames is not None and self._submitted >= self._max_frames:
+            # The session has had all the audio it may have: answer what was taken, then end
+            # with reason "length".  Inside the reader, the checkpoint lands the stop at once.
+            self._stop_input(LENGTH, NORMAL_CLOSURE)
+            await trio.lowlevel.checkpoint()
+            return
         while (self._submitted - self._delivered >= self._inbox_depth
                or self._in_flight >= self._max_in_flight):
             await self._credit.park()
@@ -332,10 +377,13 @@ class Session:
             self._finish(SHUTDOWN, "the runtime is stopping", GOING_AWAY)
             await trio.lowlevel.checkpoint()  # the cancellation just requested lands here
             raise
+        if not self._submitted:
+            self._first_submit_ns = started
         self._submitted += 1
         metrics = self._runtime.metrics
         metrics.frames_in += 1
-        metrics.enqueue.record(time.perf_counter_ns() - started)
+        if self._collect:
+            metrics.enqueue.record(time.perf_counter_ns() - started)
 
     async def _end_input(self) -> None:
         """Submit what the decoder and framer still hold, then let the writer finish."""
@@ -361,6 +409,29 @@ class Session:
             self._finish(ERROR, error.message, error.close_code)
 
     # -- writer ----------------------------------------------------------------------------------
+
+    def _record_sent(self, items: list[tuple[np.ndarray, str | None, int, int]], now: int,
+                     metrics: FrameMetrics) -> None:
+        """Stage timing for a batch just sent: a few integer operations per frame."""
+        latency = metrics.latency
+        step_to_sent = metrics.step_to_sent
+        late_ns = self._late_ns
+        for item in items:
+            value = now - item[2]
+            latency.record(value)
+            step_to_sent.record(now - item[3])
+            self._latency_sum_ns += value
+            if value > self._latency_max_ns:
+                self._latency_max_ns = value
+            if value > late_ns:
+                self._late += 1
+                metrics.late_frames += 1
+        if self._first_audio_ns:
+            # Jitter: how far this send strays from one frame period after the previous one.
+            metrics.jitter.record(abs(now - self._last_sent_ns - late_ns * len(items)))
+        else:
+            self._first_audio_ns = now
+            metrics.first_audio.record(now - self._opened_ns)
 
     async def _write_loop(self) -> None:
         outbox = self._outbox
@@ -395,14 +466,14 @@ class Session:
                         await transport.send(message)
                 for item in items:
                     if item[1]:
+                        self._text_pieces += 1
+                        metrics.text_pieces += 1
                         for message in protocol.text_out(item[1]):
                             await transport.send(message)
                 now = time.perf_counter_ns()
-                latency = metrics.latency
-                step_to_sent = metrics.step_to_sent
-                for item in items:
-                    latency.record(now - item[2])
-                    step_to_sent.record(now - item[3])
+                if self._collect:
+                    self._record_sent(items, now, metrics)
+                self._last_sent_ns = now
                 self._sent += count
                 metrics.frames_out += count
                 self._in_flight -= count

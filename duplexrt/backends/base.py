@@ -43,6 +43,10 @@ class BackendInfo:
 class Backend(abc.ABC):
     """A model stepped in batches over fixed slots.  Every method runs on the scheduler thread."""
 
+    #: After each step, a backend with stages (encode, LM, decode...) leaves here how long each
+    #: took, as ``(name, nanoseconds)`` pairs; the scheduler reports them per stage.
+    last_stages: tuple[tuple[str, int], ...] = ()
+
     def __init__(self, info: BackendInfo) -> None:
         self.info = info
 

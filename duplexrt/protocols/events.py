@@ -83,6 +83,10 @@ class SessionEnd:
     seconds_in: float
     seconds_out: float
     error: str | None = None
+    #: Pieces of model text sent (one per step that produced text).
+    text_tokens_out: int = 0
+    #: From the first frame submitted to the last output sent.
+    generation_seconds: float = 0.0
 
 
 __all__ = [

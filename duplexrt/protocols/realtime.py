@@ -142,13 +142,14 @@ def _client_event_id(data: dict[str, Any]) -> str | None:
     return event_id if isinstance(event_id, str) else None
 
 
-def _usage(frames_in: int, frames_out: int) -> dict[str, Any]:
+def _usage(frames_in: int, frames_out: int, text_out: int = 0) -> dict[str, Any]:
+    """One audio token per model frame, one text token per piece of model text."""
     return {
-        "total_tokens": frames_in + frames_out,
+        "total_tokens": frames_in + frames_out + text_out,
         "input_tokens": frames_in,
-        "output_tokens": frames_out,
+        "output_tokens": frames_out + text_out,
         "input_token_details": {"audio_tokens": frames_in, "text_tokens": 0},
-        "output_token_details": {"audio_tokens": frames_out, "text_tokens": 0},
+        "output_token_details": {"audio_tokens": frames_out, "text_tokens": text_out},
     }
 
 
@@ -230,6 +231,8 @@ class RealtimeProtocol(Translator):
         target = response.target
         if target is None or self.progress.frames_out + frames < target:
             return [message]
+        # The session sends a batch's text after its audio, so text from the batch that completes
+        # a turn response arrives after response.done and is dropped by text_out.
         return [message, *self._close_response("completed", None)]
 
     def text_out(self, text: str) -> list[Message]:
@@ -267,7 +270,8 @@ class RealtimeProtocol(Translator):
         details: dict[str, Any] = {"type": status, "reason": reason}
         if error is not None:
             details["error"] = error
-        messages += self._close_response(status, details, _usage(end.frames_in, end.frames_out))
+        usage = _usage(end.frames_in, end.frames_out, getattr(end, "text_tokens_out", 0))
+        messages += self._close_response(status, details, usage)
         return messages
 
     # -- client -> server ----------------------------------------------------------------------
@@ -589,7 +593,7 @@ class RealtimeProtocol(Translator):
             })
         if usage is None:
             frames_in = response.target if response.target is not None else self.progress.frames_in
-            usage = _usage(frames_in, response.frames)
+            usage = _usage(frames_in, response.frames, len(response.transcript))
         messages.append(self._event("response.done",
                                     response=self._response_object(response, status, details, usage, output)))
         return messages

@@ -25,6 +25,7 @@ from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.websocket import WebSocketTransport
+from duplexrt.stats_log import log_stats
 from duplexrt.transport import GOING_AWAY
 
 log = logging.getLogger("duplexrt.server")
@@ -64,6 +65,8 @@ class Server:
             listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
             self.ports = sorted({listener.socket.getsockname()[1] for listener in listeners})
             async with trio.open_nursery() as connections:
+                if self.config.metrics.log_stats:
+                    connections.start_soon(log_stats, runtime, self.config.metrics.log_stats_interval_s)
                 with trio.CancelScope() as self._accept_scope:
                     task_status.started(self)
                     await trio.serve_listeners(self._handle, listeners, handler_nursery=connections)

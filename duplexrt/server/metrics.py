@@ -56,8 +56,26 @@ class RuntimeCollector:
                          _BATCH, 1)
         yield _histogram("duplexrt_step_seconds", "Time the model took per step.",
                          scheduler.step_time_snapshot(), _SECONDS, 1e9)
+        yield CounterMetricFamily("duplexrt_text_pieces", "Pieces of model text sent.", metrics.text_pieces)
+        yield CounterMetricFamily("duplexrt_late_frames",
+                                  "Frames whose submit to sent took longer than one frame period.",
+                                  metrics.late_frames)
         yield _histogram("duplexrt_frame_latency_seconds", "A frame's submit to its output being sent.",
                          metrics.latency, _SECONDS, 1e9)
+        yield _histogram("duplexrt_time_to_first_audio_seconds", "Session opened to its first audio sent.",
+                         metrics.first_audio, _SECONDS, 1e9)
+        yield _histogram("duplexrt_frame_jitter_seconds",
+                         "How far each send strays from one frame period after the previous one.",
+                         metrics.jitter, _SECONDS, 1e9)
+        yield _histogram("duplexrt_delivery_seconds", "A step finished to its outputs reaching the sessions.",
+                         scheduler.delivery_delay, _SECONDS, 1e9)
+        stages = HistogramMetricFamily("duplexrt_stage_seconds", "Time per model step, by backend stage.",
+                                       labels=["stage"])
+        for name, histogram in sorted(scheduler.stage_time.items()):
+            edges = [int(b * 1e9) for b in _SECONDS]
+            buckets = [(repr(b), c) for b, c in zip(_SECONDS, histogram.cumulative(edges))]
+            stages.add_metric([name], buckets + [("+Inf", histogram.count)], histogram.total / 1e9)
+        yield stages
 
 
 def metrics_text(registry: CollectorRegistry) -> bytes:
