@@ -5,7 +5,8 @@ Runs, in one process and one sitting so that ratios compare like with like on a 
 1. burst, 96 sessions x 512 frames, pcm_f32le, synthetic backend at zero cost: the default offload
    policy and ``--offload always`` (the reference behaviour) alternated ``--pairs`` times;
 2. paced, 96 sessions, synthetic ``step_ms=20``: late frames and step-finished -> sent delay;
-3. burst host CPU per frame at 16, 96 and 512 sessions (flatness).
+3. burst host CPU per frame at 16, 96 and 512 sessions (flatness);
+4. burst 96 sessions: stage metrics collected against not collected, alternated ``--pairs`` times.
 
 Usage: python benchmarks/core.py [--pairs 3] [--frames 512] [--paced-frames 250] [--json out.json]
 """
@@ -81,6 +82,18 @@ def main() -> None:
               file=sys.stderr)
     results["scale"] = scale
 
+    print(f"4. burst 96 x {args.frames}: stage metrics on vs off, {args.pairs} pairs", file=sys.stderr)
+    collect_pairs = []
+    for i in range(args.pairs):
+        on = _run(["runtime.slots=96"], concurrency=96, frames=args.frames, warmup_frames=8)
+        off = _run(["runtime.slots=96", "metrics.collect_stage_metrics=false", "metrics.log_stats=false"],
+                   concurrency=96, frames=args.frames, warmup_frames=8)
+        collect_pairs.append({"on": on["cpu_us_per_frame"], "off": off["cpu_us_per_frame"],
+                              "ratio": on["cpu_us_per_frame"] / off["cpu_us_per_frame"]})
+        print(f"   pair {i + 1}: on {on['cpu_us_per_frame']:.1f} us/frame, off {off['cpu_us_per_frame']:.1f}, "
+              f"ratio {collect_pairs[-1]['ratio']:.3f}", file=sys.stderr)
+    results["collect"] = collect_pairs
+
     summary = {
         "burst_cpu_us_per_frame_median": statistics.median(p["counted"]["cpu_us_per_frame"] for p in pairs),
         "burst_voluntary_switches_per_frame_median": statistics.median(
@@ -90,6 +103,7 @@ def main() -> None:
         "paced_late_frames": paced["late_frames"],
         "paced_step_to_sent_p99_ms": paced["delivery_ms"]["p99"],
         "scale_cpu_us_per_frame_median": {k: statistics.median(v["cpu_us_per_frame"]) for k, v in scale.items()},
+        "collect_on_over_off_cpu_median": statistics.median(p["ratio"] for p in collect_pairs),
     }
     results["summary"] = summary
     print(json.dumps(summary, indent=2))

@@ -99,6 +99,7 @@ class Session:
         self._submitted = 0
         self._delivered = 0
         self._sent = 0
+        self._dropped = 0  # outputs thrown away at the client's request (ClearOutput)
         self._input_ended = False
         self._finish_reason: str | None = None
         self._finish_error: str | None = None
@@ -133,6 +134,11 @@ class Session:
     def frames_out(self) -> int:
         """Model frames of output sent so far."""
         return self._sent
+
+    @property
+    def frames_answered(self) -> int:
+        """Frames sent, plus those dropped by ClearOutput."""
+        return self._sent + self._dropped
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -309,6 +315,7 @@ class Session:
             dropped = len(self._outbox)
             self._outbox.clear()
             self._in_flight -= dropped
+            self._dropped += dropped
             if self._credit:
                 self._credit.unpark_all()
             await self._send_all(event.messages)
@@ -461,15 +468,17 @@ class Session:
                         HandoffKind.CONVERT_OFFLOAD, encoder.encode, samples)
                 else:
                     payload = encoder.encode(samples)
-                if payload:
-                    for message in protocol.audio_out(payload, count):
-                        await transport.send(message)
+                # Text first: a protocol that closes a turn on its last audio (realtime) must
+                # not find that turn's text arriving after it.
                 for item in items:
                     if item[1]:
                         self._text_pieces += 1
                         metrics.text_pieces += 1
                         for message in protocol.text_out(item[1]):
                             await transport.send(message)
+                if payload:
+                    for message in protocol.audio_out(payload, count):
+                        await transport.send(message)
                 now = time.perf_counter_ns()
                 if self._collect:
                     self._record_sent(items, now, metrics)

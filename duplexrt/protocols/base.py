@@ -31,6 +31,12 @@ class SessionProgress(Protocol):
         """Model frames of output sent so far."""
         ...
 
+    @property
+    def frames_answered(self) -> int:
+        """Input frames whose output is settled: sent, or dropped at the client's request
+        (``ClearOutput``).  What a translator waits on to know a turn has been answered."""
+        ...
+
 
 class Translator(abc.ABC):
     """One session's protocol state machine."""

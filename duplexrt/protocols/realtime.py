@@ -105,12 +105,17 @@ _BINARY = ProtocolError(
 
 _session_ids = itertools.count(1)
 
+#: Turn mode: at most this much model audio is held while no response is active (about five
+#: minutes of pcm16 at 24 kHz); beyond it the oldest is dropped.
+MAX_HELD_BYTES = 16 << 20
+
 
 class _ZeroProgress:
     """Counters for a translator no session has attached yet."""
 
     frames_in = 0
     frames_out = 0
+    frames_answered = 0
 
 
 class _Response:
@@ -184,6 +189,11 @@ class RealtimeProtocol(Translator):
         self._last_response_id: str | None = None
         self._last_item_id: str | None = None
         self._pending_input = False  # audio appended since the last commit or clear
+        # Turn mode: the model's audio that arrives before the client asks for a response is
+        # held (up to a bound) and given as that response's first deltas.  A fast model answers
+        # a turn before the client's response.create arrives; dropping that would lose the reply.
+        self._held: list[tuple[bytes, int]] = []
+        self._held_bytes = 0
         self._fatal_sent = False
         #: Session fields the client set that mean nothing to the server, echoed back as given.
         self._extra: dict[str, Any] = {}
@@ -222,6 +232,8 @@ class RealtimeProtocol(Translator):
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
         response = self._response
         if response is None:
+            if not self.duplex:
+                self._hold(payload, frames)
             return []
         head, tail = response.audio_prefix
         message = (f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
@@ -229,11 +241,31 @@ class RealtimeProtocol(Translator):
         response.audio_sent = True
         response.frames += frames
         target = response.target
-        if target is None or self.progress.frames_out + frames < target:
+        if target is None or self.progress.frames_answered + frames < target:
             return [message]
-        # The session sends a batch's text after its audio, so text from the batch that completes
-        # a turn response arrives after response.done and is dropped by text_out.
         return [message, *self._close_response("completed", None)]
+
+    def _hold(self, payload: bytes, frames: int) -> None:
+        self._held.append((payload, frames))
+        self._held_bytes += len(payload)
+        while self._held_bytes > MAX_HELD_BYTES and len(self._held) > 1:
+            dropped, _ = self._held.pop(0)
+            self._held_bytes -= len(dropped)
+
+    def _release_held(self) -> list[Message]:
+        """The held audio as the new response's first deltas (already counted as answered)."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        messages: list[Message] = []
+        response = self._response
+        for payload, frames in held:
+            if response is None:
+                break
+            head, tail = response.audio_prefix
+            messages.append(f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
+                            f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
+            response.audio_sent = True
+            response.frames += frames
+        return messages
 
     def text_out(self, text: str) -> list[Message]:
         response = self._response
@@ -270,7 +302,7 @@ class RealtimeProtocol(Translator):
         details: dict[str, Any] = {"type": status, "reason": reason}
         if error is not None:
             details["error"] = error
-        usage = _usage(end.frames_in, end.frames_out, getattr(end, "text_tokens_out", 0))
+        usage = _usage(end.frames_in, end.frames_out, end.text_tokens_out)
         messages += self._close_response(status, details, usage)
         return messages
 
@@ -363,6 +395,7 @@ class RealtimeProtocol(Translator):
 
     def _clear_output(self, data: dict[str, Any]) -> Event:
         response = self._response
+        self._held, self._held_bytes = [], 0
         messages: list[Message] = []
         if response is not None and response.target is not None:
             # The frames dropped now will never be sent, so a turn-mode response could not reach
@@ -383,9 +416,10 @@ class RealtimeProtocol(Translator):
         progress = self.progress
         target = progress.frames_in
         created = self._open_response(target)
-        if progress.frames_out < target:
-            return Reply((created,))
-        return Reply((created, *self._close_response("completed", None)))
+        deltas = self._release_held()
+        if progress.frames_answered < target:
+            return Reply((created, *deltas))
+        return Reply((created, *deltas, *self._close_response("completed", None)))
 
     def _response_cancel(self, data: dict[str, Any]) -> Event:
         response = self._response

@@ -1,0 +1,35 @@
+"""Importing the ``moshi`` package the way this backend needs it.
+
+The package decides at import time whether to wrap its hot functions in ``torch.compile``; on a CPU
+that makes the first steps take ~20 s, so ``NO_TORCH_COMPILE=1`` is set before the first import
+when the model is to run on a CPU (an explicit setting in the environment is left alone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from types import ModuleType
+
+from duplexrt.config import ConfigError
+
+log = logging.getLogger("duplexrt.backends.moshi")
+
+
+def import_moshi(device: str = "cpu") -> ModuleType:
+    """``moshi.models`` (loaders, LMGen, LMModel, MimiModel), imported for ``device``."""
+    if not device.startswith("cuda"):
+        if "moshi" not in sys.modules:
+            os.environ.setdefault("NO_TORCH_COMPILE", "1")
+        elif not os.environ.get("NO_TORCH_COMPILE"):
+            log.warning("moshi was imported before NO_TORCH_COMPILE=1 was set: the first CPU steps "
+                        "will be compiled by torch.compile (slow)")
+    try:
+        import moshi.models as models
+    except ImportError as exc:
+        raise ConfigError(
+            "backend.name = \"moshi\" needs the moshi package (pip install 'duplexrt[moshi]', or "
+            f"pip install --no-deps moshi==0.2.13 beside torch and numpy): {exc}"
+        ) from None
+    return models

@@ -1,0 +1,115 @@
+"""The official `openai` SDK's realtime client, unmodified, against a real `duplexrt serve`.
+
+The SDK client is synchronous (it uses the `websockets` library's sync client), so it runs in a
+worker thread while the server runs on trio in the test.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import trio
+
+from duplexrt.config import load_config
+from duplexrt.server import Server
+
+KEY = "sk-duplexrt-test"
+
+
+async def _server(nursery, *overrides: str) -> int:
+    config = load_config(None, ["server.port=0", "runtime.slots=4", "backend.options.delay_frames=0",
+                                f'server.api_key="{KEY}"', "metrics.log_stats=false", *overrides])
+    server = Server(config)
+    await nursery.start(server.run)
+    return server.ports[0]
+
+
+def _pcm16(seconds: float, seed: int) -> bytes:
+    samples = (np.random.default_rng(seed).standard_normal(int(24000 * seconds)) * 3000).astype("<i2")
+    return samples.tobytes()
+
+
+async def test_ga_realtime_client_streams_audio_and_gets_a_response(nursery):
+    from openai import OpenAI
+
+    port = await _server(nursery)
+    audio = _pcm16(0.8, seed=1)  # ten whole frames
+
+    def client() -> list:
+        sdk = OpenAI(api_key=KEY, base_url=f"http://127.0.0.1:{port}/v1")
+        events = []
+        with sdk.realtime.connect(model="duplexrt-echo") as connection:
+            connection.session.update(session={
+                "type": "realtime",
+                "output_modalities": ["audio"],
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}},
+                          "output": {"format": {"type": "audio/pcm", "rate": 24000}}},
+            })
+            for start in range(0, len(audio), 9600):
+                connection.input_audio_buffer.append(audio=base64.b64encode(audio[start:start + 9600]).decode())
+            connection.input_audio_buffer.commit()
+            connection.response.create()
+            for event in connection:
+                events.append(event)
+                if event.type == "response.done":
+                    break
+        return events
+
+    with trio.fail_after(30):
+        events = await trio.to_thread.run_sync(client)
+    types = [e.type for e in events]
+    assert types[0] == "session.created"
+    assert "session.updated" in types and "input_audio_buffer.committed" in types
+    assert "response.created" in types and types[-1] == "response.done"
+    returned = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    assert returned == audio  # echo, no delay: the very same pcm16
+    done = events[-1].response
+    assert done.status == "completed"
+    assert done.usage.input_token_details.audio_tokens == 10
+    assert done.usage.output_token_details.audio_tokens == 10
+
+
+async def test_sdk_with_a_wrong_key_is_refused(nursery):
+    from openai import OpenAI
+
+    port = await _server(nursery)
+
+    def client() -> str:
+        sdk = OpenAI(api_key="wrong", base_url=f"http://127.0.0.1:{port}/v1")
+        try:
+            with sdk.realtime.connect(model="x"):
+                return "connected"
+        except Exception as exc:  # websockets' InvalidStatus, surfaced by the SDK
+            return repr(exc)
+
+    outcome = await trio.to_thread.run_sync(client)
+    assert "401" in outcome
+
+
+async def test_beta_realtime_client_uses_beta_event_names(nursery):
+    from openai import OpenAI
+
+    port = await _server(nursery)
+    audio = _pcm16(0.32, seed=2)
+
+    def client() -> list:
+        sdk = OpenAI(api_key=KEY, base_url=f"http://127.0.0.1:{port}/v1",
+                     websocket_base_url=f"ws://127.0.0.1:{port}/v1")
+        events = []
+        with sdk.beta.realtime.connect(model="duplexrt-echo") as connection:
+            connection.session.update(session={"input_audio_format": "pcm16", "output_audio_format": "pcm16"})
+            connection.input_audio_buffer.append(audio=base64.b64encode(audio).decode())
+            connection.input_audio_buffer.commit()
+            connection.response.create()
+            for event in connection:
+                events.append(event)
+                if event.type == "response.done":
+                    break
+        return events
+
+    with trio.fail_after(30):
+        events = await trio.to_thread.run_sync(client)
+    returned = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.audio.delta")
+    assert returned == audio
+    assert events[-1].response.status == "completed"
