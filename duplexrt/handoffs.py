@@ -5,8 +5,9 @@ encoded format and submitting into a full inbox.  That promise is only worth som
 checked, so nothing in duplexrt calls ``trio.to_thread`` or ``TrioToken.run_sync_soon`` or signals
 the scheduler thread except through this module, which counts each crossing by kind.
 
-All counting happens on the trio thread (a delivery is counted when it *arrives* in trio), so every
-counter has a single writer and the figures are exact without a lock.
+Offloads and deliveries are counted on the trio thread (a delivery when it *arrives* in trio), so
+those counters have a single writer and need no lock.  A scheduler wake can also come from a worker
+thread (a blocked put that finally lands), so wakes are counted under a lock of their own.
 """
 
 from __future__ import annotations
@@ -78,10 +79,6 @@ class Handoffs:
         self._foreign_lock = threading.Lock()
         self._foreign_counts: dict[HandoffKind, int] = dict.fromkeys(HandoffKind, 0)
         self._limiter = trio.CapacityLimiter(64)
-
-    def count(self, kind: HandoffKind, n: int = 1) -> None:
-        """Record, on the trio thread, a crossing made by a mechanism of its own (a wake)."""
-        self._counts[kind] += n
 
     def count_from_any_thread(self, kind: HandoffKind) -> None:
         """Record a crossing from a thread that may not be trio's."""

@@ -111,16 +111,6 @@ class Histogram:
             result.append(total)
         return result
 
-    def merge(self, other: Histogram) -> None:
-        for i, n in enumerate(other._counts):
-            if n:
-                self._counts[i] += n
-        self.count += other.count
-        self.total += other.total
-        self.max = max(self.max, other.max)
-        if other.min >= 0 and (self.min < 0 or other.min < self.min):
-            self.min = other.min
-
     def percentile(self, q: float) -> float:
         """Value at quantile ``q`` (0..1): the midpoint of the bucket holding it, capped at max."""
         if self.count == 0:

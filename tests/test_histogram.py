@@ -217,24 +217,6 @@ def test_minus_with_nothing_in_between_is_empty():
     assert diff.summary() == Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
-def test_merge_equals_recording_everything_into_one():
-    rng = random.Random(17)
-    a = [rng.randrange(0, 10**6) for _ in range(500)]
-    b = [rng.randrange(10**3, 10**8) for _ in range(700)]
-    merged = recorded(a)
-    merged.merge(recorded(b))
-    assert merged.summary() == recorded(a + b).summary()
-
-
-def test_merge_of_empty_keeps_min():
-    histogram = recorded([7, 9])
-    histogram.merge(Histogram())
-    assert histogram.summary().min == 7
-    empty = Histogram()
-    empty.merge(recorded([7, 9]))
-    assert empty.summary().min == 7
-
-
 # -- bucket bounds ---------------------------------------------------------------------------------
 
 
