@@ -101,8 +101,11 @@ def simulate(
     message_ms: Annotated[float, typer.Option(help="Audio per client message, in ms (160 = two frames).")] = 160.0,
     mode: Annotated[Mode, typer.Option(help="burst: send as fast as the runtime takes it; "
                                             "paced: send in real time, as a live caller does.")] = Mode.burst,
-    format: Annotated[str, typer.Option("--format", help="Wire format both ways: pcm_f32le, pcm_s16le, "
-                                                          "g711_ulaw, g711_alaw or opus.")] = "pcm_f32le",
+    format: Annotated[Optional[str], typer.Option("--format", help="Wire format both ways: pcm_f32le, pcm_s16le, "
+                                                                   "g711_ulaw, g711_alaw or opus (default "
+                                                                   "pcm_f32le; with --url, the route's: "
+                                                                   "pcm_s16le on /v1/realtime, opus on "
+                                                                   "/api/chat).")] = None,
     sample_rate: Annotated[Optional[int], typer.Option(help="Wire sample rate (default: the model's; "
                                                             "8000 for G.711).")] = None,
     warmup_frames: Annotated[int, typer.Option(help="Frames per session in an unmeasured warm-up round.")] = 0,
@@ -112,6 +115,14 @@ def simulate(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON here.")] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
                                                      help="Progress bar (default: when stderr is a terminal).")] = None,
+    url: Annotated[Optional[str], typer.Option(
+        help="Load a running server instead: ws://HOST:PORT/ROUTE (/v1/duplex, /v1/realtime or /api/chat). "
+             "Each virtual session is a real WebSocket; server-side figures come from its /metrics, and "
+             "--backend/-o describe the server's backend for the guards (default: the backend its "
+             "/readyz names, with its default options).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="With --url: the server's API key (sent as "
+                                                        "'Authorization: Bearer KEY').",
+                                                   envvar="DUPLEXRT_API_KEY")] = None,
     config: ConfigOption = None,
     backend: BackendOption = None,
     backend_option: BackendOptionOption = None,
@@ -121,27 +132,48 @@ def simulate(
 ) -> None:
     """Drive virtual sessions through the real session pipeline, in process, and report what the
     host paid per frame: CPU, context switches, thread handoffs, latency.  Every session's output
-    is checked (complete, in order, expected content); a failed check exits with status 1."""
+    is checked (complete, in order, expected content); a failed check exits with status 1.
+
+    With --url, the same load goes over real WebSockets to a running server, and connection
+    errors (refused, HTTP 503 when its slots are full, closed early) are counted and fail the
+    guards."""
+    from duplexrt.client.connection import ConnectError
     from duplexrt.simulate.report import format_table
-    from duplexrt.simulate.runner import SimulateOptions, run_simulation
+    from duplexrt.simulate.runner import SimulateOptions, default_format, run_simulation
 
     try:
+        if url is not None and (slots is not None or offload is not None):
+            raise ConfigError("--slots and --offload configure the in-process runtime; with --url the "
+                              "server's own settings apply")
         overrides = _overrides(backend, backend_option, slots, offload, set_)
         cfg = load_config(config, overrides)
-        if slots is None and concurrency > cfg.runtime.slots:
+        if url is None and slots is None and concurrency > cfg.runtime.slots:
             cfg = load_config(config, [*overrides, f"runtime.slots={concurrency}"])
+        wire_format = format or (default_format(url) if url is not None else AudioFormat.PCM_F32LE.value)
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
-                                  mode=mode.value, format=AudioFormat.parse(format).value,
+                                  mode=mode.value, format=AudioFormat.parse(wire_format).value,
                                   sample_rate=sample_rate, warmup_frames=warmup_frames, repeat=repeat,
                                   late_ms=late_ms)
-        options.check(cfg)
+        options.check(cfg, slots=url is None)
     except (ConfigError, AudioFormatError) as exc:
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress
+    if url is None:
+        def run():
+            return run_simulation(cfg, options, progress=show)
+    else:
+        from duplexrt.simulate.runner import run_url_simulation
+
+        def run():
+            return run_url_simulation(cfg, options, url, api_key=api_key, progress=show,
+                                      adopt_server_backend=backend is None)
     try:
-        report = trio.run(lambda: run_simulation(cfg, options, progress=show))
+        report = trio.run(run)
     except (ConfigError, AudioFormatError, BackendLoadError) as exc:
         raise _fail(str(exc)) from None
+    except ConnectError as exc:  # the server could not be reached at all
+        typer.echo(f"duplexrt: error: {exc.message}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(format_table(report))
     if json_path is not None:
         json_path.write_text(report.to_json())
@@ -152,6 +184,50 @@ def simulate(
         typer.echo(f"... and {len(failures) - 20} more guard failures", err=True)
     if failures:
         raise typer.Exit(1)
+
+
+class ClientProtocolName(str, enum.Enum):
+    duplex = "duplex"
+    realtime = "realtime"
+    moshi = "moshi"
+
+
+@app.command()
+def client(
+    input_path: Annotated[Path, typer.Argument(metavar="IN.wav", help="Audio file to send (WAV, or anything "
+                                                                      "sphn reads); mixed to mono.")],
+    url: Annotated[str, typer.Option(help="ws://HOST:PORT/ROUTE: /v1/duplex (PCM f32 at the file's rate; "
+                                          "?format=&rate= to choose), /v1/realtime (pcm16 24 kHz; "
+                                          "?duplex=1 for one continuous response) or /api/chat (Opus).")],
+    out: Annotated[Path, typer.Option("--out", "-O", help="Where to write what comes back (WAV).")],
+    realtime: Annotated[bool, typer.Option("--realtime", help="Send in real time, one 80 ms message every "
+                                                              "80 ms, as a live caller does (default: as "
+                                                              "fast as the server takes it).")] = False,
+    api_key: Annotated[Optional[str], typer.Option(help="The server's API key (sent as 'Authorization: "
+                                                        "Bearer KEY').", envvar="DUPLEXRT_API_KEY")] = None,
+    protocol: Annotated[Optional[ClientProtocolName], typer.Option(
+        help="Speak this protocol whatever the URL's path (for a server behind a proxy).")] = None,
+    idle_timeout: Annotated[float, typer.Option(help="Once the input is sent, give up after this many "
+                                                     "seconds without a message.")] = 10.0,
+    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
+                                                     help="Progress bar (default: when stderr is a terminal).")] = None,
+) -> None:
+    """Stream an audio file to a running server and write what comes back to a WAV file.
+
+    Prints one line: seconds sent and received, and how the session ended.  Exit status 0 when
+    the session ended normally, 1 when the connection failed, the server refused it (HTTP 503:
+    no free slot), sent an error or closed abnormally, 2 for bad arguments."""
+    from duplexrt.client.stream import ClientRequest, run_client
+
+    if not idle_timeout > 0:
+        raise _fail(f"--idle-timeout must be positive, got {idle_timeout}")
+    request = ClientRequest(input_path=input_path, url=url, output_path=out, realtime=realtime,
+                            api_key=api_key, protocol=protocol.value if protocol else None,
+                            idle_timeout=idle_timeout)
+    show = sys.stderr.isatty() if progress is None else progress
+    code = trio.run(lambda: run_client(request, progress=show))
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()

@@ -21,9 +21,16 @@ def _synthetic(info: BackendInfo, options: Mapping[str, Any]) -> Backend:
     return SyntheticBackend(info, options)
 
 
+def _moshi(info: BackendInfo, options: Mapping[str, Any]) -> Backend:
+    from duplexrt.backends.moshi import MoshiBackend
+
+    return MoshiBackend(info, options)
+
+
 BACKENDS: dict[str, Callable[[BackendInfo, Mapping[str, Any]], Backend]] = {
     "echo": _echo,
     "synthetic": _synthetic,
+    "moshi": _moshi,
 }
 
 

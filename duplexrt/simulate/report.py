@@ -12,32 +12,63 @@ from duplexrt.histogram import Summary
 
 @attrs.frozen
 class RoundReport:
-    """One measured round: every figure is for this round alone."""
+    """One measured round: every figure is for this round alone.
+
+    In process (``target == "in-process"``) every figure is this process's: the runtime's counters
+    and the kernel's account of the whole process.  Against a running server (``--url``), the
+    client-side figures (elapsed, frames in and out, frame lag, late frames, real-time factor,
+    guards) come from the virtual clients; the server-side ones (``server_*``, handoffs, steps,
+    mean batch) from the differences between two scrapes of its ``/metrics``; the figures only
+    the in-process runtime has are None, and ``cpu_us_per_frame`` gives way to
+    ``server_cpu_us_per_frame`` and ``load_generator_cpu_us_per_frame``.
+    """
 
     mode: str
     sessions: int
     elapsed_s: float
     frames_in: int
     frames_out: int
-    cpu_us_per_frame: float
-    voluntary_switches: int
-    involuntary_switches: int
-    voluntary_switches_per_frame: float
-    involuntary_switches_per_frame: float
+    cpu_us_per_frame: float | None
+    voluntary_switches: int | None
+    involuntary_switches: int | None
+    voluntary_switches_per_frame: float | None
+    involuntary_switches_per_frame: float | None
     handoffs: dict[str, int]
-    executor_submissions: int
-    preprocess_us: Summary
-    enqueue_us: Summary
-    latency_ms: Summary
-    delivery_ms: Summary
-    step_to_sent_ms: Summary
-    steps: int
-    mean_batch: float
-    step_ms: Summary
+    executor_submissions: int | None
+    preprocess_us: Summary | None
+    enqueue_us: Summary | None
+    latency_ms: Summary | None
+    delivery_ms: Summary | None
+    step_to_sent_ms: Summary | None
+    steps: int | None
+    mean_batch: float | None
+    step_ms: Summary | None
     frame_lag_ms: Summary | None
     late_frames: int | None
     real_time_factor: float | None
     failures: list[str]
+    #: ``in-process``, or the WebSocket URL the clients connected to.
+    target: str = "in-process"
+    #: --url: sessions whose connection opened (and whose server greeted them).
+    sessions_connected: int | None = None
+    #: --url: connections that failed, by kind (refused, http_503, closed_early, idle_timeout, ...).
+    connection_errors: dict[str, int] = attrs.Factory(dict)
+    #: --url: the server process's CPU (process_cpu_seconds_total, 10 ms ticks) per frame it took in.
+    server_cpu_us_per_frame: float | None = None
+    #: --url: this process's own CPU per frame sent: what generating the load cost.
+    load_generator_cpu_us_per_frame: float | None = None
+    server_frames_in: int | None = None
+    server_frames_out: int | None = None
+    #: --url: mean model step time and mean frame latency (submitted to sent), from the server's
+    #: histograms' sums and counts (None where it does not collect them).
+    server_step_ms_mean: float | None = None
+    server_latency_ms_mean: float | None = None
+    #: --url: what could not be measured, and why (a failed scrape of /metrics).
+    notes: list[str] = attrs.Factory(list)
+
+    @property
+    def in_process(self) -> bool:
+        return self.target == "in-process"
 
     @property
     def ok(self) -> bool:
@@ -64,6 +95,8 @@ def _summary(s: Summary, digits: int = 2) -> str:
 
 def format_table(report: SimulationReport) -> str:
     """A plain-text table: one column per round."""
+    if report.rounds and not all(r.in_process for r in report.rounds):
+        return _format_url_table(report)
     rows: list[tuple[str, list[str]]] = []
 
     def add(name: str, fn) -> None:
@@ -86,11 +119,19 @@ def format_table(report: SimulationReport) -> str:
     add("scheduler steps", lambda r: str(r.steps))
     add("mean batch", lambda r: f"{r.mean_batch:.1f}")
     add("step time p50/p99 (ms)", lambda r: f"{r.step_ms.p50:.3f} / {r.step_ms.p99:.3f}")
+    _add_pacing_and_guards(report, add)
+    return _render(report, rows)
+
+
+def _add_pacing_and_guards(report: SimulationReport, add) -> None:
     if any(r.frame_lag_ms is not None for r in report.rounds):
         add("frame lag p50/p99/max (ms)", lambda r: _summary(r.frame_lag_ms) if r.frame_lag_ms else "-")
         add("late frames", lambda r: str(r.late_frames))
         add("real-time factor", lambda r: f"{r.real_time_factor:.3f}" if r.real_time_factor else "-")
     add("guards", lambda r: "ok" if r.ok else f"FAILED ({len(r.failures)})")
+
+
+def _render(report: SimulationReport, rows: list[tuple[str, list[str]]]) -> str:
     header = ["", *[f"round {i + 1}" for i in range(len(report.rounds))]]
     width0 = max(len(name) for name, _ in rows)
     widths = [max(len(header[i + 1]), *(len(v[i]) for _, v in rows)) for i in range(len(report.rounds))]
@@ -98,3 +139,37 @@ def format_table(report: SimulationReport) -> str:
     for name, values in rows:
         lines.append("  ".join([name.ljust(width0), *(v.rjust(w) for v, w in zip(values, widths))]))
     return "\n".join(lines)
+
+
+def _optional(value: float | int | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _format_url_table(report: SimulationReport) -> str:
+    """The table for a run against a server (``--url``): client-side figures, then the server's
+    (from its /metrics), then what generating the load cost this process."""
+    rows: list[tuple[str, list[str]]] = []
+
+    def add(name: str, fn) -> None:
+        rows.append((name, [fn(r) for r in report.rounds]))
+
+    add("elapsed (s)", lambda r: f"{r.elapsed_s:.3f}")
+    add("sessions connected / attempted", lambda r: f"{_optional(r.sessions_connected, 'd')} / {r.sessions}")
+    add("connection errors", lambda r: ", ".join(f"{k}: {v}" for k, v in sorted(r.connection_errors.items()))
+        or "none")
+    add("frames in / out (clients)", lambda r: f"{r.frames_in} / {r.frames_out}")
+    add("frames in / out (server)", lambda r: f"{_optional(r.server_frames_in, 'd')} / "
+                                              f"{_optional(r.server_frames_out, 'd')}")
+    add("server CPU per frame (µs)", lambda r: _optional(r.server_cpu_us_per_frame, ".2f"))
+    add("load-generator CPU per frame (µs)", lambda r: _optional(r.load_generator_cpu_us_per_frame, ".2f"))
+    kinds = sorted({k for r in report.rounds for k in r.handoffs})
+    for kind in kinds:
+        add(f"server handoffs: {kind}", lambda r, k=kind: str(r.handoffs.get(k, 0)))
+    add("server scheduler steps", lambda r: _optional(r.steps, "d"))
+    add("server mean batch", lambda r: _optional(r.mean_batch, ".1f"))
+    add("server step time mean (ms)", lambda r: _optional(r.server_step_ms_mean, ".3f"))
+    add("server frame latency mean (ms)", lambda r: _optional(r.server_latency_ms_mean, ".2f"))
+    _add_pacing_and_guards(report, add)
+    targets = sorted({r.target for r in report.rounds})
+    notes = [*report.settings.get("notes", []), *(n for r in report.rounds for n in r.notes)]
+    return "\n".join([f"server: {', '.join(targets)}", _render(report, rows), *(f"note: {n}" for n in notes)])

@@ -1,23 +1,53 @@
 """Drive N virtual sessions through the real session pipeline and measure what the host paid.
 
-Each virtual client gets an in-memory transport (the interface a network connection has) to a
-real ``Session`` on a real ``Runtime``: reader, decoder, framer, inbox, scheduler thread, writer.
-Resource usage is read from the kernel for the whole process, scheduler thread and load generator
-included, so nothing the runtime costs can hide.
+In process (``run_simulation``), each virtual client gets an in-memory transport (the interface a
+network connection has) to a real ``Session`` on a real ``Runtime``: reader, decoder, framer,
+inbox, scheduler thread, writer.  Resource usage is read from the kernel for the whole process,
+scheduler thread and load generator included, so nothing the runtime costs can hide.
+
+Against a running server (``run_url_simulation``, ``duplexrt simulate --url``), each virtual
+client is a real WebSocket speaking the route's protocol.  The runtime's counters are then in
+another process: its ``/metrics`` is scraped before and after each round and the server-side
+figures are the differences; this process's own CPU is reported apart, as the load generator's.
+
+Either way, each virtual client is the same code (``_VirtualClient`` driving a
+``duplexrt.client.Conversation``): it sends its workload's messages in a burst or paced,
+receives, keeps a CRC per output frame for the guards and, paced, measures each frame's lag.
+Only the transport and the protocol differ: an in-memory pair and the raw protocol in process; a
+WebSocket and the route's client protocol (``duplexrt.client.protocols``) over the network.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import resource
 import time
+import zlib
+from collections import Counter
+from functools import partial
 
 import attrs
+import numpy as np
+import sphn
 import trio
 
-from duplexrt.audio import AudioFormat, AudioSpec
-from duplexrt.backends import Backend
+from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec, make_decoder, make_encoder
+from duplexrt.backends import Backend, create_backend
+from duplexrt.backends.synthetic import MARKER_COUNT
+from duplexrt.client.connection import ConnectError, open_connection
+from duplexrt.client.conversation import CLOSED, COMPLETE, IDLE, Conversation
+from duplexrt.client.metrics import MetricsSnapshot, read_ready, scrape_metrics
+from duplexrt.client.protocols import (
+    Buffer,
+    ClientProtocol,
+    DuplexClient,
+    MoshiClient,
+    RealtimeClient,
+    UnknownRoute,
+    client_for_url,
+    query_of,
+    route_of,
+)
 from duplexrt.config import Config, ConfigError
 from duplexrt.histogram import Histogram
 from duplexrt.metrics import FrameMetrics
@@ -26,9 +56,12 @@ from duplexrt.simulate.checker import Checker, OutputRecord
 from duplexrt.simulate.progress import show_progress
 from duplexrt.simulate.report import RoundReport, SimulationReport
 from duplexrt.simulate.workload import Workload
-from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+from duplexrt.transport import MemoryTransport, memory_transport_pair
 
 MODES = ("burst", "paced")
+
+#: The wire format each route takes when ``--format`` is not given.
+ROUTE_FORMATS = {"duplex": "pcm_f32le", "realtime": "pcm_s16le", "moshi": "opus"}
 
 
 @attrs.frozen(kw_only=True)
@@ -45,14 +78,16 @@ class SimulateOptions:
     #: A frame whose output arrives later than this after its input was sent is late (paced).
     late_ms: float = 80.0
 
-    def check(self, config: Config) -> None:
+    def check(self, config: Config, *, slots: bool = True) -> None:
+        """Raise ConfigError for an impossible run.  ``slots=False`` against a server, whose own
+        slot count applies (more sessions than slots are refused there, and counted)."""
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         for name, value, low in (("--concurrency", self.concurrency, 1), ("--frames", self.frames, 1),
                                  ("--repeat", self.repeat, 1), ("--warmup-frames", self.warmup_frames, 0)):
             if value < low:
                 raise ConfigError(f"{name} must be at least {low}, got {value}")
-        if self.concurrency > config.runtime.slots:
+        if slots and self.concurrency > config.runtime.slots:
             raise ConfigError(
                 f"--concurrency {self.concurrency} exceeds runtime.slots = {config.runtime.slots}; "
                 f"raise it with --slots {self.concurrency}"
@@ -73,14 +108,120 @@ class _Usage:
         return cls(ru.ru_utime + ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw)
 
 
-@attrs.define
-class _ClientState:
-    record: OutputRecord
-    end: dict | None = None
-    errors: list[str] = attrs.Factory(list)
-    send_times: list[float] = attrs.Factory(list)
-    first_send: float | None = None
-    last_output: float | None = None
+# -- one virtual client, shared by both paths ------------------------------------------------------
+
+
+class _LagMeter:
+    """Paced mode: how long after its input was sent each output frame arrived."""
+
+    def __init__(self, workload: Workload, late_ms: float) -> None:
+        self.workload = workload
+        self.histogram = Histogram()
+        self.late_ns = int(late_ms * 1e6)
+        self.late = 0
+
+    def record(self, send_times: list[float], first_frame: int, count: int, now: float) -> None:
+        completing = self.workload.message_completing_frame
+        histogram = self.histogram
+        last = len(send_times) - 1
+        for frame in range(first_frame, first_frame + count):
+            value = int((now - send_times[min(completing(frame), last)]) * 1e9)
+            histogram.record(value)
+            if value > self.late_ns:
+                self.late += 1
+
+
+class _OpusFrames:
+    """Counts the model frames of an Ogg Opus stream as it arrives (decoding it), for clients
+    that must know when they have heard everything and, paced, when each frame arrived."""
+
+    def __init__(self, spec: AudioSpec, model_rate: int, frame_size: int) -> None:
+        self._reader = sphn.OpusStreamReader(spec.sample_rate)
+        self._frame_samples = frame_size * spec.sample_rate / model_rate
+        self._samples = 0
+        self.frames = 0
+
+    def add(self, data: Buffer) -> int:
+        self._samples += len(self._reader.append_bytes(bytes(data)))
+        frames = int(self._samples // self._frame_samples)
+        completed = frames - self.frames
+        self.frames = frames
+        return completed
+
+
+class _VirtualClient:
+    """One virtual session's client side: its conversation, what it received (reduced for the
+    guards), and, paced, the lag of each frame."""
+
+    __slots__ = ("index", "record", "meter", "counter", "conversation", "error")
+
+    def __init__(self, index: int, record: OutputRecord, meter: _LagMeter | None,
+                 counter: _OpusFrames | None = None) -> None:
+        self.index = index
+        self.record = record
+        self.meter = meter
+        #: Counts frames where the record cannot (Opus), when the count matters while running.
+        self.counter = counter
+        self.conversation: Conversation | None = None
+        #: --url: why the connection failed, if it did.
+        self.error: ConnectError | None = None
+
+    @property
+    def frames_heard(self) -> int:
+        return self.counter.frames if self.counter is not None else self.record.count
+
+    def on_audio(self, data: Buffer, now: float) -> None:
+        record = self.record
+        counter = self.counter
+        if counter is None:
+            before = record.count
+            completed = record.add(data)
+        else:
+            record.add(data)
+            before = counter.frames
+            completed = counter.add(data)
+        meter = self.meter
+        if meter is not None and completed:
+            meter.record(self.conversation.send_times, before, completed, now)
+
+    async def converse(self, transport, protocol: ClientProtocol, workload: Workload, *, paced: bool,
+                       offset: float, caught_up_at: int | None = None,
+                       idle_timeout: float | None = None) -> Conversation:
+        caught_up = None
+        if caught_up_at is not None:
+            caught_up = lambda: self.frames_heard >= caught_up_at  # noqa: E731
+        conversation = Conversation(transport, protocol, on_audio=self.on_audio, caught_up=caught_up,
+                                    idle_timeout=idle_timeout)
+        self.conversation = conversation
+        await conversation.run(workload.message_count, partial(workload.message, self.index),
+                               interval=workload.message_seconds if paced else None, offset=offset)
+        return conversation
+
+
+def _end_failures(index: int, conversation: Conversation) -> list[str]:
+    """What the server said went wrong with one session."""
+    failures = [f"session {index + 1}: server sent error {error}" for error in conversation.errors]
+    end = conversation.end
+    if end is not None and end.reason != "stop":
+        failures.append(f"session {index + 1}: ended with {end.reason!r}: {end.error}")
+    return failures
+
+
+def _pacing(clients: list[_VirtualClient], meter: _LagMeter | None, frames: int,
+            frame_seconds: float):
+    """Frame lag, late frames and real-time factor (paced mode; None for a burst)."""
+    if meter is None:
+        return None, None, None
+    ratios = [
+        (c.conversation.last_output - c.conversation.first_send) / (frames * frame_seconds)
+        for c in clients
+        if c.conversation is not None and c.conversation.first_send is not None
+        and c.conversation.last_output is not None
+    ]
+    return meter.histogram.summary().scaled(1e6), meter.late, (max(ratios) if ratios else math.nan)
+
+
+# -- in process --------------------------------------------------------------------------------------
 
 
 async def run_simulation(config: Config, options: SimulateOptions, *, backend: Backend | None = None,
@@ -113,12 +254,10 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
     workload = Workload(spec, model_rate=config.audio.sample_rate, frame_size=config.audio.frame_size,
                         frames=options.frames, message_ms=options.message_ms)
     checker = Checker(config, workload, spec, spec)
-    clients = [_ClientState(checker.new_record()) for _ in range(options.concurrency)]
     paced = options.mode == "paced"
+    meter = _LagMeter(workload, options.late_ms) if paced else None
+    clients = [_VirtualClient(i, checker.new_record(), meter) for i in range(options.concurrency)]
     frame_seconds = config.audio.frame_seconds
-    lag = Histogram()
-    late_ns = int(options.late_ms * 1e6)
-    late = 0
     failures: list[str] = []
 
     runtime.metrics = FrameMetrics()
@@ -136,61 +275,11 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
             failures.append(f"session {index + 1}: the server raised {exc!r}")
             await transport.close(1011, "server error")
 
-    async def send(index: int, transport: MemoryTransport, state: _ClientState) -> None:
-        start = trio.current_time() + (index / options.concurrency) * frame_seconds
-        try:
-            for i in range(workload.message_count):
-                if paced:
-                    await trio.sleep_until(start + (i + 1) * workload.message_seconds)
-                now = time.perf_counter()
-                if state.first_send is None:
-                    state.first_send = now
-                state.send_times.append(now)
-                message = workload.message(index, i)
-                try:
-                    transport.send_nowait(message)  # the load generator yields only when it must
-                except trio.WouldBlock:
-                    await transport.send(message)
-            await transport.send(json.dumps({"type": "input.end"}))
-        except TransportClosed:
-            pass
-
-    async def receive(transport: MemoryTransport, state: _ClientState) -> None:
-        nonlocal late
-        record = state.record
-        while True:
-            try:
-                try:
-                    message = transport.receive_nowait()
-                except trio.WouldBlock:
-                    message = await transport.receive()
-            except TransportClosed:
-                return
-            now = time.perf_counter()
-            if isinstance(message, str):
-                event = json.loads(message)
-                if event.get("type") == "session.end":
-                    state.end = event
-                elif event.get("type") == "error":
-                    state.errors.append(f"{event.get('code')}: {event.get('message')}")
-                continue
-            before = record.count
-            completed = record.add(message)
-            state.last_output = now
-            if paced and completed:
-                for frame in range(before, before + completed):
-                    sent = state.send_times[min(workload.message_completing_frame(frame), len(state.send_times) - 1)]
-                    value = int((now - sent) * 1e9)
-                    lag.record(value)
-                    if value > late_ns:
-                        late += 1
-
     async def client(index: int, transport: MemoryTransport) -> None:
-        state = clients[index]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send, index, transport, state)
-            await receive(transport, state)
-            nursery.cancel_scope.cancel()
+        # The raw protocol, as runtime.serve speaks it by default: no greeting.
+        protocol = DuplexClient(spec, spec, greets=False)
+        await clients[index].converse(transport, protocol, workload, paced=paced,
+                                      offset=(index / options.concurrency) * frame_seconds)
 
     total_frames = options.concurrency * options.frames
     async with trio.open_nursery() as outer:
@@ -210,24 +299,14 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
     frames = runtime.metrics.statistics()
 
     for index, state in enumerate(clients):
-        for error in state.errors:
-            failures.append(f"session {index + 1}: server sent error {error}")
-        if state.end is not None and state.end.get("reason") != "stop":
-            failures.append(f"session {index + 1}: ended with {state.end.get('reason')!r}: {state.end.get('error')}")
-        frames_out = state.end["usage"]["frames_out"] if state.end else None
+        conversation = state.conversation
+        failures.extend(_end_failures(index, conversation))
+        frames_out = conversation.end.frames_out if conversation.end else None
         failures.extend(checker.check_session(index, index + 1, state.record, frames_out))
 
     frames_in = frames.frames_in
     per_frame = max(frames_in, 1)
-    rtf = None
-    lag_summary = None
-    if paced:
-        lag_summary = lag.summary().scaled(1e6)
-        ratios = [
-            (s.last_output - s.first_send) / (options.frames * frame_seconds)
-            for s in clients if s.first_send is not None and s.last_output is not None
-        ]
-        rtf = max(ratios) if ratios else math.nan
+    lag_summary, late, rtf = _pacing(clients, meter, options.frames, frame_seconds)
     steps = scheduler.steps - scheduler_before.steps
     step_frames = scheduler.frames - scheduler_before.frames
     step_time = runtime.scheduler.step_time_snapshot().minus(step_time_before)
@@ -253,8 +332,345 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
         mean_batch=step_frames / steps if steps else 0.0,
         step_ms=step_time.summary().scaled(1e6),
         frame_lag_ms=lag_summary,
-        late_frames=late if paced else None,
+        late_frames=late,
         real_time_factor=rtf,
         failures=failures,
     )
 
+
+# -- against a running server ------------------------------------------------------------------------
+
+
+def default_format(url: str) -> str:
+    """The wire format ``simulate --url`` uses on ``url``'s route when ``--format`` is not given."""
+    try:
+        return ROUTE_FORMATS[route_of(url)]
+    except UnknownRoute as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@attrs.frozen
+class UrlTarget:
+    """Where the virtual clients connect and how they speak: one fresh protocol per session."""
+
+    url: str  # with the query the protocol needs
+    route: str
+    input_spec: AudioSpec
+    output_spec: AudioSpec
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def create(cls, url: str, options: SimulateOptions, config: Config) -> UrlTarget:
+        """Check that ``options`` fit the route; raises ConfigError naming the option."""
+        model_rate = config.audio.sample_rate
+        notes: list[str] = []
+        try:
+            route = route_of(url)
+            fmt = AudioFormat.parse(options.format)
+            if route == "duplex":
+                protocol = client_for_url(url, input_format=fmt.value, input_rate=options.sample_rate,
+                                          model_rate=model_rate)
+            else:
+                wanted = fmt.value, options.sample_rate
+                if route == "realtime":
+                    if wanted[0] != "pcm_s16le" or wanted[1] not in (None, 24000):
+                        raise ConfigError("/v1/realtime is simulated in pcm16 at 24 kHz: use --format "
+                                          "pcm_s16le (the default there) and no --sample-rate")
+                    if query_of(url).get("duplex", "").lower() not in ("1", "true", "yes"):
+                        notes.append("/v1/realtime is simulated in duplex mode (?duplex=1 added): one "
+                                     "continuous response, so each output frame is heard as it is made "
+                                     "(turn mode holds it until the client's response.create)")
+                    protocol = RealtimeClient(duplex=True, model_rate=model_rate)
+                else:
+                    if wanted[0] != "opus" or wanted[1] not in (None, 24000):
+                        raise ConfigError("/api/chat (Moshi) takes Ogg Opus at 24 kHz: use --format opus "
+                                          "(the default there) and no --sample-rate")
+                    protocol = MoshiClient()
+        except (UnknownRoute, AudioFormatError) as exc:
+            raise ConfigError(str(exc)) from None
+        return cls(protocol.url(url), route, protocol.input_spec, protocol.output_spec, tuple(notes))
+
+    def new_protocol(self, model_rate: int) -> ClientProtocol:
+        if self.route == "duplex":
+            return DuplexClient(self.input_spec, self.output_spec)
+        if self.route == "realtime":
+            return RealtimeClient(duplex=True, model_rate=model_rate)
+        return MoshiClient()
+
+
+async def run_url_simulation(config: Config, options: SimulateOptions, url: str, *,
+                             api_key: str | None = None, progress: bool = False,
+                             adopt_server_backend: bool = False, idle_timeout: float = 10.0,
+                             connect_timeout: float = 10.0) -> SimulationReport:
+    """The same load, guards and report as ``run_simulation``, over real WebSockets to the server
+    at ``url``.  ``config`` describes the server (its audio clock, and the backend whose output the
+    guards expect: ``--backend``/``-o``); with ``adopt_server_backend`` the backend's name is taken
+    from the server's /readyz instead.  Raises ConnectError if the server cannot be reached at all,
+    ConfigError for options that do not fit the route."""
+    options.check(config, slots=False)
+    target = UrlTarget.create(url, options, config)
+    notes = list(target.notes)
+    ready = await read_ready(target.url)  # also: is anything there?
+    server_backend = ready.get("backend") if ready else None
+    if isinstance(server_backend, str) and server_backend != config.backend.name:
+        if adopt_server_backend:
+            config = attrs.evolve(config, backend=attrs.evolve(config.backend, name=server_backend))
+            notes.append(f"the server runs the {server_backend!r} backend (from /readyz): checked as that")
+        else:
+            notes.append(f"the server says it runs {server_backend!r}; checking output as --backend "
+                         f"{config.backend.name!r} says")
+    if config.backend.name in ("echo", "synthetic"):
+        create_backend(config)  # its options are checked (and their defaults known) as the server's
+    if config.backend.name == "echo" and "delay_frames" not in config.backend.options:
+        notes.append("checking against echo with delay_frames = 2 (the server's default); say otherwise "
+                     "with -o delay_frames=N")
+    rounds: list[RoundReport] = []
+    if options.warmup_frames:
+        warm = attrs.evolve(options, frames=options.warmup_frames)
+        report = await _run_url_round(config, warm, target, "warm-up", progress, api_key, idle_timeout,
+                                      connect_timeout)
+        if not report.ok:
+            rounds.append(report)
+    for i in range(options.repeat):
+        rounds.append(await _run_url_round(config, options, target, f"round {i + 1}/{options.repeat}",
+                                           progress, api_key, idle_timeout, connect_timeout))
+    settings = {
+        "options": attrs.asdict(options),
+        "config": config.to_dict(),
+        "wire": {"format": target.input_spec.format.value, "sample_rate": target.input_spec.sample_rate},
+        "url": target.url,
+        "route": target.route,
+        "server": {k: v for k, v in (ready or {}).items() if not k.startswith("_")},
+        "notes": notes,
+    }
+    return SimulationReport(settings=settings, rounds=rounds)
+
+
+async def _scrape(url: str, notes: list[str]) -> MetricsSnapshot | None:
+    try:
+        return await scrape_metrics(url)
+    except ConnectError as exc:
+        notes.append(f"/metrics: {exc.message}")
+        return None
+
+
+async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTarget, label: str,
+                         progress: bool, api_key: str | None, idle_timeout: float,
+                         connect_timeout: float) -> RoundReport:
+    model_rate = config.audio.sample_rate
+    frame_size = config.audio.frame_size
+    frame_seconds = config.audio.frame_seconds
+    workload = Workload(target.input_spec, model_rate=model_rate, frame_size=frame_size,
+                        frames=options.frames, message_ms=options.message_ms)
+    checker = Checker(config, workload, target.input_spec, target.output_spec)
+    paced = options.mode == "paced"
+    meter = _LagMeter(workload, options.late_ms) if paced else None
+    opus_out = target.output_spec.format is AudioFormat.OPUS
+    clients = [
+        _VirtualClient(i, checker.new_record(), meter,
+                       _OpusFrames(target.output_spec, model_rate, frame_size) if opus_out else None)
+        for i in range(options.concurrency)
+    ]
+    concurrency = options.concurrency
+    settled = 0
+    all_settled = trio.Event()
+    go = trio.Event()
+    connected: set[int] = set()
+    notes: list[str] = []
+
+    def settle() -> None:
+        nonlocal settled
+        settled += 1
+        if settled == concurrency:
+            all_settled.set()
+
+    async def session(index: int) -> None:
+        state = clients[index]
+        protocol = target.new_protocol(model_rate)
+        try:
+            async with open_connection(target.url, protocol, api_key=api_key,
+                                       timeout=connect_timeout) as (transport, _greeting):
+                connected.add(index)
+                settle()
+                await go.wait()
+                await state.converse(transport, protocol, workload, paced=paced,
+                                     offset=(index / concurrency) * frame_seconds,
+                                     caught_up_at=options.frames if protocol.needs_catch_up else None,
+                                     idle_timeout=idle_timeout)
+        except ConnectError as exc:
+            state.error = exc
+            if index not in connected:
+                settle()
+
+    total_frames = concurrency * options.frames
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as nursery:
+            for index in range(concurrency):
+                nursery.start_soon(session, index)
+            await all_settled.wait()  # every connection open (or failed): now the clock starts
+            before = await _scrape(target.url, notes)
+            usage_before = _Usage.now()
+            started = time.perf_counter()
+            if progress:
+                outer.start_soon(show_progress, label, lambda: sum(c.frames_heard for c in clients), total_frames)
+            go.set()
+        elapsed = time.perf_counter() - started
+        usage = _Usage.now()
+        outer.cancel_scope.cancel()
+    after = await _scrape(target.url, notes)
+
+    failures: list[str] = []
+    errors: Counter[str] = Counter()
+    frames_in = 0
+    for index, state in enumerate(clients):
+        if state.error is not None:
+            errors[state.error.kind] += 1
+            failures.append(f"session {index + 1}: {state.error.message}")
+            continue
+        conversation = state.conversation
+        if conversation is None:  # pragma: no cover - every connected session converses
+            continue
+        frames_in += _frames_sent(workload, conversation)
+        if conversation.outcome == CLOSED and conversation.end is None:
+            errors["closed_early"] += 1
+            failures.append(f"session {index + 1}: {conversation.describe()}")
+        elif conversation.outcome == IDLE:
+            errors["idle_timeout"] += 1
+            failures.append(f"session {index + 1}: {conversation.describe()}, "
+                            f"having heard {state.frames_heard} of {options.frames} frames")
+        failures.extend(_end_failures(index, conversation))
+        if conversation.end is not None:
+            frames_out = conversation.end.frames_out
+        elif conversation.outcome == COMPLETE:
+            frames_out = state.frames_heard  # the protocol has no goodbye: what the client heard
+        else:
+            frames_out = None
+        failures.extend(_check_url_session(checker, index, state.record, frames_out))
+    if errors:
+        summary = ", ".join(f"{count} {kind}" for kind, count in sorted(errors.items()))
+        failures.insert(0, f"connection errors: {summary}")
+    frames_out_heard = sum(c.frames_heard for c in clients)
+    lag_summary, late, rtf = _pacing(clients, meter, options.frames, frame_seconds)
+    server = _server_figures(before, after)
+    return RoundReport(
+        mode=options.mode,
+        sessions=concurrency,
+        elapsed_s=elapsed,
+        frames_in=frames_in,
+        frames_out=frames_out_heard,
+        cpu_us_per_frame=None,
+        voluntary_switches=None,
+        involuntary_switches=None,
+        voluntary_switches_per_frame=None,
+        involuntary_switches_per_frame=None,
+        handoffs=server["handoffs"],
+        executor_submissions=None,
+        preprocess_us=None,
+        enqueue_us=None,
+        latency_ms=None,
+        delivery_ms=None,
+        step_to_sent_ms=None,
+        steps=server["steps"],
+        mean_batch=server["mean_batch"],
+        step_ms=None,
+        frame_lag_ms=lag_summary,
+        late_frames=late,
+        real_time_factor=rtf,
+        failures=failures,
+        target=target.url,
+        sessions_connected=len(connected),
+        connection_errors=dict(sorted(errors.items())),
+        server_cpu_us_per_frame=server["cpu_us_per_frame"],
+        load_generator_cpu_us_per_frame=(usage.cpu - usage_before.cpu) * 1e6 / max(frames_in, 1),
+        server_frames_in=server["frames_in"],
+        server_frames_out=server["frames_out"],
+        server_step_ms_mean=server["step_ms_mean"],
+        server_latency_ms_mean=server["latency_ms_mean"],
+        notes=notes,
+    )
+
+
+def _check_url_session(checker: Checker, index: int, record: OutputRecord, frames_out: int | None) -> list[str]:
+    """The guards for one session of a server.  The synthetic backend tags its output with the
+    server's own session id, which no protocol reports: it is found from the first frame."""
+    if checker.config.backend.name != "synthetic" or not checker.checks_content:
+        return checker.check_session(index, index + 1, record, frames_out)
+    session_id = _synthetic_session_id(checker, index, record)
+    if session_id is None:
+        return [f"session {index + 1}: its first output frame is no synthetic frame of its input for any "
+                "session id", *checker.check_session(index, index + 1, record, frames_out)]
+    label = f"session {session_id}:"
+    return [f"session {index + 1}:{problem[len(label):]}" if problem.startswith(label) else problem
+            for problem in checker.check_session(index, session_id, record, frames_out)]
+
+
+def _synthetic_session_id(checker: Checker, index: int, record: OutputRecord) -> int | None:
+    """Which session id (modulo the marker count: all that the output depends on) made the first
+    output frames this session received, or None."""
+    inputs = checker.model_inputs(index)[:3]  # enough for any resampler's look-ahead
+    if not inputs:
+        return None
+    size = checker.frame_bytes
+    if size is not None:
+        if not record.count:
+            return None
+        wanted = int(record.crcs[0])
+    else:
+        try:
+            received = make_decoder(checker.output_spec, checker.model_rate).decode(b"".join(record.chunks))
+        except AudioFormatError:
+            return None
+    for candidate in range(MARKER_COUNT):
+        encoder = make_encoder(checker.output_spec, checker.model_rate)
+        wire = b"".join(encoder.encode(frame) for frame in checker.model_outputs(candidate, inputs))
+        if size is not None:
+            if len(wire) >= size and zlib.crc32(wire[:size]) == wanted:
+                return candidate
+            continue
+        made = make_decoder(checker.output_spec, checker.model_rate).decode(wire)
+        common = min(len(made), len(received), checker.frame_size)
+        if common and np.array_equal(made[:common], received[:common]):
+            return candidate
+    return None
+
+
+def _frames_sent(workload: Workload, conversation: Conversation) -> int:
+    """Model frames whose input the client sent in full."""
+    if conversation.input_done:
+        return workload.frames
+    sent = conversation.messages_sent
+    return sum(1 for frame in range(workload.frames) if workload.message_completing_frame(frame) < sent)
+
+
+def _server_figures(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> dict:
+    """What the server's /metrics say it did between two scrapes."""
+    figures: dict = {"handoffs": {}, "steps": None, "mean_batch": None, "cpu_us_per_frame": None,
+                     "frames_in": None, "frames_out": None, "step_ms_mean": None, "latency_ms_mean": None}
+    if before is None or after is None:
+        return figures
+
+    def delta(name: str) -> float | None:
+        return after.delta(before, name)
+
+    def as_int(value: float | None) -> int | None:
+        return None if value is None else int(round(value))
+
+    frames_in = as_int(delta("duplexrt_frames_in_total"))
+    steps = as_int(delta("duplexrt_steps_total"))
+    cpu = delta("process_cpu_seconds_total")
+    then = before.by_label("duplexrt_handoffs_total", "kind")
+    figures["handoffs"] = {kind: int(round(value - then.get(kind, 0.0)))
+                           for kind, value in sorted(after.by_label("duplexrt_handoffs_total", "kind").items())}
+    figures["frames_in"] = frames_in
+    figures["frames_out"] = as_int(delta("duplexrt_frames_out_total"))
+    figures["steps"] = steps
+    if steps and frames_in is not None:
+        figures["mean_batch"] = frames_in / steps
+    if cpu is not None and frames_in:
+        figures["cpu_us_per_frame"] = cpu * 1e6 / frames_in
+    for key, name, scale in (("step_ms_mean", "duplexrt_step_seconds", 1e3),
+                             ("latency_ms_mean", "duplexrt_frame_latency_seconds", 1e3)):
+        total, count = delta(f"{name}_sum"), delta(f"{name}_count")
+        if total is not None and count:
+            figures[key] = total / count * scale
+    return figures

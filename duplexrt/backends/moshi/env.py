@@ -15,14 +15,17 @@ from types import ModuleType
 from duplexrt.config import ConfigError
 
 log = logging.getLogger("duplexrt.backends.moshi")
+_warned = False
 
 
 def import_moshi(device: str = "cpu") -> ModuleType:
     """``moshi.models`` (loaders, LMGen, LMModel, MimiModel), imported for ``device``."""
+    global _warned
     if not device.startswith("cuda"):
         if "moshi" not in sys.modules:
             os.environ.setdefault("NO_TORCH_COMPILE", "1")
-        elif not os.environ.get("NO_TORCH_COMPILE"):
+        elif not os.environ.get("NO_TORCH_COMPILE") and not _warned:
+            _warned = True
             log.warning("moshi was imported before NO_TORCH_COMPILE=1 was set: the first CPU steps "
                         "will be compiled by torch.compile (slow)")
     try:

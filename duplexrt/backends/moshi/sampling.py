@@ -10,7 +10,9 @@ reproduced from its seed, and the whole step stays one batched computation (CUDA
 every tensor read lives at a fixed address and is updated in place).
 
 The draw is the package's own: ``argmax(p / E)`` with ``E ~ Exp(1)`` over the top-k candidates,
-which picks ``i`` with probability ``p_i``; only where ``E`` comes from differs.
+which picks ``i`` with probability ``p_i``; only where ``E`` comes from differs.  The noise for
+all of a step's sampling calls is made in one pass before the step, so each call costs what the
+package's own sampling costs.
 
 The package calls ``moshi.models.lm.sample_token`` by module name, so the hook replaces that
 name once, with a function that does what the original does unless a ``RowSampler`` is active
@@ -42,42 +44,75 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def mix32_int(x: int) -> int:
+    """``mix32`` on one Python integer."""
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * _M1) & _MASK32
+    x ^= x >> 15
+    x = (x * _M2) & _MASK32
+    x ^= x >> 16
+    return x
+
+
 def session_key(seed: int, session_id: int) -> int:
     """A row's 32-bit key for a session: the backend's seed and the session's id, hashed."""
-    value = torch.tensor([(seed * 0x9E3779B1 + session_id) & _MASK32], dtype=torch.int64)
-    return int(mix32(mix32(value) ^ (session_id >> 32 & _MASK32))[0])
+    key = mix32_int(seed & _MASK32 ^ _M3)
+    key = mix32_int(key ^ (session_id & _MASK32))
+    return mix32_int(key ^ (session_id >> 32 & _MASK32))
 
 
 class RowSampler:
     """Per-row noise for one fixed batch.
 
     ``keys[b]`` (the session's key) and ``counters[b]`` (frames the row has stepped) are device
-    tensors owned here and changed only in place; ``call`` numbers the sampling calls within one
-    LM step (text first, then each depformer codebook), in the order the package makes them.
+    tensors owned here and changed only in place.  ``prepare`` (once per LM step, before it)
+    hashes them into this step's exponential noise for every sampling call the step will make,
+    in one pass: ``widths`` lists how many candidates each call samples from, in the order the
+    package calls (text first, then each depformer codebook).  Each call then takes its segment.
+    A call of another shape (a model this was not sized for) hashes its own noise instead.
     """
 
-    def __init__(self, batch: int, device: torch.device) -> None:
+    def __init__(self, batch: int, device: torch.device, widths: list[int]) -> None:
         self.keys = torch.zeros(batch, dtype=torch.int64, device=device)
         self.counters = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.widths = list(widths)
+        self.starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
+        total = sum(self.widths)
+        #: Each noise position's own hash, a constant: the per-step work is one mix per element.
+        self._positions = mix32(torch.arange(total, dtype=torch.int64, device=device) * 0x27D4EB2F + 0x165667B1)
+        self._base = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.noise = torch.ones(batch, total, dtype=torch.float32, device=device)
         self.call = 0
 
-    def uniform(self, shape: torch.Size) -> torch.Tensor:
-        """Uniform noise in (0, 1) of ``shape`` (rows first), float32, a function of each row's
-        key and counter, this call's number and the position in the last dimension."""
+    def _step_base(self) -> torch.Tensor:
+        return mix32(self.keys ^ mix32(self.counters * 0x3C6EF372 + 0x7F4A7C15))
+
+    @staticmethod
+    def _exponential(hashed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # 24 random bits -> uniform in (0, 1) -> Exp(1), as -log(u).
+        uniform = ((hashed >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        return torch.neg(torch.log(uniform), out=out)
+
+    def prepare(self) -> None:
+        """This step's noise for every row, from each row's key and counter (in place)."""
+        self.call = 0
+        self._base.copy_(self._step_base())
+        self._exponential(mix32(self._base[:, None] ^ self._positions[None, :]), out=self.noise)
+
+    def exponential(self, shape: torch.Size) -> torch.Tensor:
+        """Exp(1) noise of ``shape`` (rows first) for the next sampling call of this step."""
         call = self.call
         self.call += 1
-        base = mix32(self.keys ^ mix32(self.counters * 0x3C6EF372 + call * 0x7F4A7C15 + 1))
-        width = shape[-1]
-        index = torch.arange(width, device=base.device, dtype=torch.int64)
-        inner = 1
-        for size in shape[1:-1]:
-            inner *= size
-        if inner > 1:
-            index = (torch.arange(inner, device=base.device, dtype=torch.int64)[:, None] * width
-                     + index[None, :]).reshape(-1)
-        hashed = mix32(base[:, None] ^ mix32(index[None, :] + 0x1B873593))
-        noise = ((hashed >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-        return noise.reshape(shape)
+        width = 1
+        for size in shape[1:]:
+            width *= size
+        if call < len(self.widths) and width == self.widths[call]:
+            start = self.starts[call]
+            return self.noise[:, start:start + width].reshape(shape)
+        index = torch.arange(width, dtype=torch.int64, device=self._base.device)
+        salt = mix32(index * 0x27D4EB2F + (call + 1) * 0x61C88647)
+        return self._exponential(mix32(self._base[:, None] ^ salt[None, :])).reshape(shape)
 
     def sample(self, logits: torch.Tensor, temp: float, top_k: int) -> torch.Tensor:
         """``logits [B, ..., V]`` -> tokens ``[B, ...]``, as ``sample_token`` with sampling on."""
@@ -87,11 +122,17 @@ class RowSampler:
             probs, indices = torch.topk(probs, k, dim=-1)
         else:
             indices = None
-        race = probs / -torch.log(self.uniform(probs.shape))
-        choice = race.argmax(dim=-1, keepdim=True)
+        choice = (probs / self.exponential(probs.shape)).argmax(dim=-1, keepdim=True)
         if indices is not None:
             choice = indices.gather(-1, choice)
         return choice[..., 0]
+
+
+def call_widths(text_card: int, card: int, dep_q: int, top_k_text: int, top_k: int) -> list[int]:
+    """How many candidates each of an LM step's sampling calls draws from: text, then audio."""
+    text = min(top_k_text, text_card) if top_k_text > 0 else text_card
+    audio = min(top_k, card) if top_k > 0 else card
+    return [text] + [audio] * dep_q
 
 
 _local = threading.local()
@@ -110,7 +151,10 @@ def install() -> None:
     def _sample_token(logits: torch.Tensor, use_sampling: bool = False, temp: float = 1.0,
                       top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
         sampler: RowSampler | None = getattr(_local, "sampler", None)
-        if sampler is None or not use_sampling or temp <= 0.0 or top_p > 0.0:
+        if sampler is None:
+            return _original(logits, use_sampling, temp, top_k, top_p)
+        if not use_sampling or temp <= 0.0 or top_p > 0.0:
+            sampler.call += 1  # keep the calls after this one on their own noise
             return _original(logits, use_sampling, temp, top_k, top_p)
         return sampler.sample(logits, temp, top_k)
 
@@ -129,7 +173,7 @@ class active:
     def __enter__(self) -> None:
         self._previous = getattr(_local, "sampler", None)
         if self._sampler is not None:
-            self._sampler.call = 0
+            self._sampler.prepare()
         _local.sampler = self._sampler
 
     def __exit__(self, *exc: object) -> None:

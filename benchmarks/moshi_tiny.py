@@ -1,0 +1,125 @@
+"""Step time per stage of the ``moshi`` backend on the tiny random Moshi, against batch size.
+
+Two tables, each over batch sizes 1, 2, 4, ... 64 (``--sizes``):
+
+1. ``slots = B``, every row active: what one step of a batch of B sessions costs;
+2. ``slots = 64`` (``--fixed-slots``), B rows active and the rest masked out: what the backend pays
+   in a process sized for 64 sessions when B of them have a frame (the package's execution mask
+   keeps the masked rows' state, not their compute).
+
+Each cell is the mean over ``--steps`` steps after the backend's own warm-up, per stage (encode:
+scatter + Mimi encoder; lm: LMGen step; decode: Mimi decoder + gather + text), from the backend's
+``last_stages``.  The 80 ms column says whether a step fits one frame period (real time).
+
+Usage: NO_TORCH_COMPILE=1 python benchmarks/moshi_tiny.py [--steps 20] [--sizes 1,2,4,8,16,32,64]
+       [--fixed-slots 64] [--greedy] [--device cpu] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("NO_TORCH_COMPILE", "1")
+
+import numpy as np  # noqa: E402
+
+from duplexrt.backends.base import BackendInfo, SlotSession  # noqa: E402
+from duplexrt.backends.moshi import STAGES, MoshiBackend  # noqa: E402
+
+FRAME = 1920
+FRAME_MS = 80.0
+
+
+def measure(slots: int, active: int, steps: int, options: dict) -> dict:
+    backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots), {"tiny": True, **options})
+    started = time.perf_counter()
+    backend.load()
+    load_s = time.perf_counter() - started
+    rows = np.arange(active, dtype=np.int64)
+    for slot in rows:
+        backend.open_slot(int(slot), SlotSession(int(slot) + 1))
+    rng = np.random.default_rng(0)
+    inputs = (rng.standard_normal((active, FRAME)) * 0.3).astype(np.float32)
+    outputs = np.empty_like(inputs)
+    backend.step(rows, inputs, outputs)  # the joining rows' reset lands in this one
+    per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
+    totals = []
+    for _ in range(steps):
+        began = time.perf_counter_ns()
+        backend.step(rows, inputs, outputs)
+        totals.append((time.perf_counter_ns() - began) / 1e6)
+        for name, ns in backend.last_stages:
+            per_stage[name].append(ns / 1e6)
+    backend.close()
+    result = {"slots": slots, "active": active, "steps": steps, "load_s": round(load_s, 3)}
+    for name, values in per_stage.items():
+        result[f"{name}_ms"] = round(statistics.fmean(values), 3)
+    result["step_ms"] = round(statistics.fmean(totals), 3)
+    result["step_p50_ms"] = round(statistics.median(totals), 3)
+    result["step_max_ms"] = round(max(totals), 3)
+    result["per_session_ms"] = round(result["step_ms"] / active, 3)
+    result["real_time"] = result["step_ms"] <= FRAME_MS
+    return result
+
+
+def table(title: str, results: list[dict]) -> str:
+    head = f"{'B':>4} {'slots':>5} " + " ".join(f"{name + ' ms':>10}" for name in STAGES)
+    head += f" {'step ms':>9} {'p50':>8} {'max':>8} {'ms/session':>10} {'<=80ms':>6}"
+    lines = [title, head, "-" * len(head)]
+    for r in results:
+        line = f"{r['active']:>4} {r['slots']:>5} " + " ".join(f"{r[name + '_ms']:>10.2f}" for name in STAGES)
+        line += (f" {r['step_ms']:>9.2f} {r['step_p50_ms']:>8.2f} {r['step_max_ms']:>8.2f}"
+                 f" {r['per_session_ms']:>10.2f} {'yes' if r['real_time'] else 'no':>6}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
+    parser.add_argument("--fixed-slots", type=int, default=64, help="0 skips the second table")
+    parser.add_argument("--greedy", action="store_true", help="argmax instead of per-session sampling")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    options = {"device": args.device, "greedy": args.greedy, "warmup_steps": 2}
+
+    import torch
+
+    machine = {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "device": args.device,
+        "greedy": args.greedy, "steps": args.steps,
+    }
+    print(f"tiny random Moshi, {machine}", file=sys.stderr)
+    scaled = []
+    for size in sizes:
+        scaled.append(measure(size, size, args.steps, options))
+        print(f"  slots={size} active={size}: {scaled[-1]['step_ms']:.1f} ms/step", file=sys.stderr)
+    fixed = []
+    if args.fixed_slots:
+        for size in sizes:
+            if size > args.fixed_slots:
+                continue
+            fixed.append(measure(args.fixed_slots, size, args.steps, options))
+            print(f"  slots={args.fixed_slots} active={size}: {fixed[-1]['step_ms']:.1f} ms/step", file=sys.stderr)
+    print(table("1. a batch of B sessions (slots = B, all active)", scaled))
+    if fixed:
+        print()
+        print(table(f"2. B active rows of a fixed batch of {args.fixed_slots} slots (the rest masked)", fixed))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"machine": machine, "scaled": scaled, "fixed": fixed}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""``moshi``: Moshi, Hibiki and Hibiki-Zero through Kyutai's ``moshi`` package, batched over slots.
+
+One fixed batch of ``slots`` rows of Mimi (streaming encoder and decoder) and ``LMGen`` is built at
+load and streams for the life of the process; each slot is one row.
+
+* **Joining** resets only the joining rows (``reset_streaming`` with a row mask), on the next step,
+  so several sessions joining together cost one reset.  Leaving needs nothing: the row keeps its
+  state until its next session resets it.
+* **A step** runs every row of the fixed batch (shapes never change, which is what lets the
+  package CUDA-graph the model) with an execution mask set to the rows given: the state of every
+  other row (KV caches, convolution buffers, offsets, delayed-token cache) is left exactly as it
+  was, as if the step had not happened for it.  The frames of the given rows are scattered into
+  the batch buffer in place, and their outputs and text gathered back; no per-row state is ever
+  copied.  Compacting the active rows into a smaller batch instead would copy every KV cache in and
+  out each step (gigabytes per row for the 7B model) and break the fixed shapes CUDA graphs need,
+  so the masked full batch is the cheapest correct step the package offers.
+* **Warming rows**: with ``support_out_of_sync``, a row's first ``max_delay`` steps yield -2
+  ("not generated yet") tokens.  Those rows are masked out of Mimi's decoder (its state does not
+  advance) and hear silence; the decoder is fed a valid token in their place.
+* **The first frame** of a session is encoded and given to the LM, then the encoder's state for
+  that row is reset, as Kyutai's server does: that frame is "in the past" for the model, and the
+  next one should get the encoder's left padding again.
+* **Sampling** draws each row's noise from its own counter stream (see ``sampling``), so a session
+  samples the same tokens whoever shares the batch with it; ``greedy`` turns sampling off.
+* **Stages** (encode, lm, decode) are timed every step: running totals in ``stage_seconds`` /
+  ``stage_steps`` and this step's durations in ``last_stages`` (CUDA events on a GPU, so timing
+  costs no extra synchronisation).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from duplexrt.backends.base import Backend, BackendInfo, SlotSession, number_option, take_options
+from duplexrt.backends.moshi import loading, sampling
+from duplexrt.backends.moshi.env import import_moshi
+from duplexrt.config import ConfigError
+
+log = logging.getLogger("duplexrt.backends.moshi")
+
+NAME = "moshi"
+MODEL_SAMPLE_RATE = 24000
+MODEL_FRAME_SIZE = 1920
+STAGES = ("encode", "lm", "decode")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+#: Unset sampling options (None) take the checkpoint's ``lm_gen_config``, else LMGen's defaults.
+DEFAULTS: dict[str, Any] = {
+    "checkpoint": "",
+    "tiny": False,
+    "seed": 0,
+    "device": "cpu",
+    "dtype": "auto",
+    "temp": None,
+    "temp_text": None,
+    "top_k": None,
+    "top_k_text": None,
+    "greedy": None,
+    "cfg_coef": None,
+    "warmup_steps": 4,
+}
+
+
+def _bool_option(options: Mapping[str, Any], key: str) -> bool | None:
+    value = options[key]
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"backend.options.{key} for {NAME} must be true or false, got {value!r}")
+    return value
+
+
+def _optional_number(options: Mapping[str, Any], key: str, low: float, high: float,
+                     *, integer: bool = False) -> float | None:
+    if options[key] is None:
+        return None
+    return number_option(NAME, options, key, low, high, integer=integer)
+
+
+def _string_option(options: Mapping[str, Any], key: str) -> str:
+    value = options[key]
+    if not isinstance(value, str):
+        raise ConfigError(f"backend.options.{key} for {NAME} must be a string, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class MoshiSettings:
+    """The validated options."""
+
+    checkpoint: str
+    tiny: bool
+    seed: int
+    device: str
+    dtype: str
+    temp: float | None
+    temp_text: float | None
+    top_k: int | None
+    top_k_text: int | None
+    greedy: bool | None
+    cfg_coef: float | None
+    warmup_steps: int
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> MoshiSettings:
+        opts = take_options(NAME, options, DEFAULTS)
+        checkpoint = _string_option(opts, "checkpoint").strip()
+        tiny = bool(_bool_option(opts, "tiny"))
+        if tiny and checkpoint:
+            raise ConfigError(f"backend.options.checkpoint ({checkpoint!r}) and backend.options.tiny = true "
+                              f"both choose a model for {NAME}: set only one")
+        if not tiny and not checkpoint:
+            raise ConfigError(f"backend.options.checkpoint is required for {NAME}: a local checkpoint "
+                              "directory or a Hugging Face repo id (or set backend.options.tiny = true)")
+        device = _string_option(opts, "device").strip()
+        if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+            raise ConfigError(f"backend.options.device for {NAME} must be \"cpu\", \"cuda\" or \"cuda:N\", "
+                              f"got {device!r}")
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"backend.options.device = {device!r}, but torch sees no CUDA device here")
+        dtype = _string_option(opts, "dtype")
+        if dtype not in DTYPES:
+            raise ConfigError(f"backend.options.dtype for {NAME} must be one of {', '.join(DTYPES)}; got {dtype!r}")
+        if checkpoint and loading.looks_like_path(checkpoint):
+            from pathlib import Path
+
+            path = Path(checkpoint.removeprefix("file://")).expanduser()
+            if not path.is_dir():
+                raise ConfigError(f"backend.options.checkpoint: no checkpoint directory at {path.resolve()}")
+        return cls(
+            checkpoint=checkpoint,
+            tiny=tiny,
+            seed=int(number_option(NAME, opts, "seed", 0, 2**63 - 1, integer=True)),
+            device=device,
+            dtype=dtype,
+            temp=_optional_number(opts, "temp", 0, 100),
+            temp_text=_optional_number(opts, "temp_text", 0, 100),
+            top_k=_none_or_int(_optional_number(opts, "top_k", 0, 1 << 20, integer=True)),
+            top_k_text=_none_or_int(_optional_number(opts, "top_k_text", 0, 1 << 20, integer=True)),
+            greedy=_bool_option(opts, "greedy"),
+            cfg_coef=_optional_number(opts, "cfg_coef", 0, 100),
+            warmup_steps=int(number_option(NAME, opts, "warmup_steps", 0, 1000, integer=True)),
+        )
+
+
+def _none_or_int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _streaming_roots(module: Any) -> list[Any]:
+    """The topmost streaming modules in ``module``'s tree (itself, if it is one)."""
+    from moshi.modules.streaming import StreamingModule
+
+    if module is None:
+        return []
+    if isinstance(module, StreamingModule):
+        return [module]
+    roots = []
+    for child in module.children():
+        roots.extend(_streaming_roots(child))
+    return roots
+
+
+class MoshiBackend(Backend):
+    def __init__(self, info: BackendInfo, options: Mapping[str, Any]) -> None:
+        self.settings = MoshiSettings.from_options(options)
+        if info.sample_rate != MODEL_SAMPLE_RATE:
+            raise ConfigError(f"audio.sample_rate must be {MODEL_SAMPLE_RATE} (Mimi's) for {NAME}, "
+                              f"got {info.sample_rate}")
+        if info.frame_size != MODEL_FRAME_SIZE:
+            raise ConfigError(f"audio.frame_size must be {MODEL_FRAME_SIZE} (one 80 ms Mimi frame) for "
+                              f"{NAME}, got {info.frame_size}")
+        super().__init__(attrs.evolve(info, device=self.settings.device))
+        #: Running totals per stage, in seconds, and how many steps they cover.
+        self.stage_seconds: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+        self.stage_steps = 0
+        #: What was loaded: model type, sampling settings, max delay... (set by ``load``).
+        self.description: dict[str, Any] = {}
+        self._loaded = False
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    def _torch_dtype(self, torch: Any) -> Any:
+        name = self.settings.dtype
+        if name == "auto":
+            name = "bfloat16" if self.settings.device.startswith("cuda") else "float32"
+        return getattr(torch, name)
+
+    def _load_model(self, models: Any, torch: Any) -> tuple[Any, Any, Any, str, dict[str, Any]]:
+        settings = self.settings
+        dtype = self._torch_dtype(torch)
+        if settings.tiny:
+            from duplexrt.backends.moshi.tiny import build_tiny
+
+            conditioned = settings.cfg_coef is not None and settings.cfg_coef != 1.0
+            mimi, lm, tokenizer = build_tiny(settings.seed, device=settings.device, dtype=dtype,
+                                             conditioned=conditioned)
+            return mimi, lm, tokenizer, "hibiki" if conditioned else "moshi", {}
+        info = loading.resolve(settings.checkpoint, models.loaders)
+        mimi = info.get_mimi(device=settings.device)
+        lm = info.get_moshi(device=settings.device, dtype=dtype)
+        tokenizer = info.get_text_tokenizer()
+        return mimi, lm, tokenizer, info.model_type, dict(info.lm_gen_config)
+
+    def _conditions(self, lm: Any, model_type: str, cfg_coef: float) -> Any:
+        """Condition tensors for a conditioned model (Hibiki's "description"), with the negative
+        half CFG needs; None for an unconditioned one."""
+        provider = lm.condition_provider
+        if provider is None or not provider.conditioners:
+            if cfg_coef != 1.0:
+                raise ConfigError(f"backend.options.cfg_coef = {cfg_coef:g}, but this model has no "
+                                  "conditioning to guide: leave cfg_coef at 1")
+            return None
+        if model_type != "hibiki":
+            raise ConfigError(f"this {model_type!r} checkpoint expects conditioning the {NAME} backend "
+                              "only knows how to give Hibiki models")
+        from moshi.conditioners import ConditionAttributes
+
+        slots = self.info.slots
+        attributes = [ConditionAttributes(text={"description": "very_good"}, tensor={}) for _ in range(slots)]
+        if cfg_coef != 1.0:
+            attributes += [ConditionAttributes(text={"description": "very_bad"}, tensor={})
+                           for _ in range(slots)]
+        return provider.prepare_and_provide(attributes)
+
+    def load(self) -> None:
+        import torch
+
+        settings = self.settings
+        models = import_moshi(settings.device)
+        sampling.install()
+        with torch.no_grad():
+            mimi, lm, tokenizer, model_type, gen_config = self._load_model(models, torch)
+            if mimi.sample_rate != self.info.sample_rate or mimi.frame_size != self.info.frame_size:
+                raise ConfigError(f"audio.sample_rate / audio.frame_size ({self.info.sample_rate}, "
+                                  f"{self.info.frame_size}) differ from the model's ({mimi.sample_rate}, "
+                                  f"{mimi.frame_size})")
+            if lm.dep_q == 0:
+                raise ConfigError(f"this checkpoint generates no audio (dep_q = 0): the {NAME} backend "
+                                  "serves speech-to-speech models only")
+            cfg_coef = settings.cfg_coef if settings.cfg_coef is not None else float(gen_config.pop("cfg_coef", 1.0))
+            gen_config.pop("cfg_coef", None)
+            if settings.greedy is not None:
+                gen_config["use_sampling"] = not settings.greedy
+            for key in ("temp", "temp_text", "top_k", "top_k_text"):
+                value = getattr(settings, key)
+                if value is not None:
+                    gen_config[key] = value
+            accepted = inspect.signature(models.LMGen).parameters
+            for key in [k for k in gen_config if k not in accepted or k in ("lm_model", "condition_tensors")]:
+                log.warning("ignoring %r from the checkpoint's lm_gen_config: LMGen takes no such argument", key)
+                del gen_config[key]
+            conditions = self._conditions(lm, model_type, cfg_coef)
+            lm_gen = models.LMGen(lm, cfg_coef=cfg_coef, condition_tensors=conditions,
+                                  support_out_of_sync=True, **gen_config)
+            slots = self.info.slots
+            mimi.streaming_forever(slots)
+            lm_gen.streaming_forever(slots)
+            self._setup(torch, mimi, lm, lm_gen, tokenizer)
+            self.description = {
+                "model_type": model_type, "checkpoint": settings.checkpoint or f"tiny(seed={settings.seed})",
+                "dtype": str(lm.dtype).removeprefix("torch."), "device": settings.device,
+                "use_sampling": lm_gen.use_sampling, "temp": lm_gen.temp, "temp_text": lm_gen.temp_text,
+                "top_k": lm_gen.top_k, "top_k_text": lm_gen.top_k_text, "cfg_coef": cfg_coef,
+                "max_delay": lm_gen.max_delay, "text_card": lm.text_card, "slots": slots,
+            }
+            self._warm_up(settings.warmup_steps)
+        self._loaded = True
+        log.info("moshi backend loaded: %s", self.description)
+
+    def _setup(self, torch: Any, mimi: Any, lm: Any, lm_gen: Any, tokenizer: Any) -> None:
+        slots, frame = self.info.slots, self.info.frame_size
+        device = torch.device(self.settings.device)
+        cuda = device.type == "cuda"
+        self._torch = torch
+        self._cuda = cuda
+        self._mimi = mimi
+        self._lm = lm
+        self._lm_gen = lm_gen
+        self._tokenizer = tokenizer
+        widths = sampling.call_widths(lm.text_linear.out_features, lm.card, lm.dep_q, lm_gen.top_k_text,
+                                      lm_gen.top_k)
+        self._sampler = sampling.RowSampler(slots, device, widths)
+        # Greedy decoding draws nothing: the package's argmax, no noise to make.
+        self._active_sampler = self._sampler if lm_gen.use_sampling else None
+        self._encoder_side = [root for part in (mimi.encoder, mimi.encoder_transformer,
+                                                getattr(mimi, "downsample", None))
+                              for root in _streaming_roots(part)]
+
+        def host(shape: tuple[int, ...], dtype: Any) -> Any:
+            return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+
+        # Host buffers (page-locked on a GPU) and their numpy views; on a CPU the model reads and
+        # writes the host buffers themselves.
+        self._mask_t = host((slots,), torch.bool)
+        self._mask = self._mask_t.numpy()
+        self._reset_t = host((slots,), torch.bool)
+        self._reset = self._reset_t.numpy()
+        self._pending_reset = False
+        self._pcm_t = host((slots, 1, frame), torch.float32)
+        self._pcm = self._pcm_t.numpy()[:, 0, :]
+        self._out_t = host((slots, frame), torch.float32)
+        self._out = self._out_t.numpy()
+        self._text_t = host((slots,), torch.int64)
+        self._text = self._text_t.numpy()
+        if cuda:
+            self._exec = torch.zeros(slots, dtype=torch.bool, device=device)
+            self._pcm_dev = torch.zeros((slots, 1, frame), dtype=torch.float32, device=device)
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(len(STAGES) + 1)]
+        else:
+            self._exec = self._mask_t
+            self._pcm_dev = self._pcm_t
+        self._frames = np.zeros(slots, dtype=np.int64)
+        self._keys = np.zeros(slots, dtype=np.int64)
+        # Text pieces by token id, decoded once: "" for padding, specials and anything out of range.
+        specials = {lm.text_padding_token_id, lm.end_of_text_padding_id}
+        pieces = []
+        vocab = tokenizer.vocab_size()
+        sampled = lm.text_linear.out_features
+        if vocab < sampled:
+            log.warning("the text tokenizer has %d pieces for a model that samples %d: the rest "
+                        "decode as nothing", vocab, sampled)
+        for token in range(sampled):
+            if token >= vocab or token in specials or tokenizer.is_control(token) or tokenizer.is_unknown(token):
+                pieces.append("")
+            else:
+                pieces.append(tokenizer.id_to_piece(token).replace("\u2581", " "))
+        self._pieces = pieces
+
+    def _warm_up(self, steps: int) -> None:
+        """Steps on silence with every row, so that allocation, kernel selection and CUDA graph
+        capture happen now; then every row is reset."""
+        slots = self.info.slots
+        rows = np.arange(slots, dtype=np.int64)
+        silence = np.zeros((slots, self.info.frame_size), dtype=np.float32)
+        out = np.empty_like(silence)
+        for _ in range(steps):
+            self.step(rows, silence, out)
+        self._reset[:] = True
+        self._apply_resets()
+        self._frames[:] = 0
+        self._sampler.counters.zero_()
+        self.stage_seconds = dict.fromkeys(STAGES, 0.0)
+        self.stage_steps = 0
+        self.last_stages = ()
+
+    # -- slots -------------------------------------------------------------------------------------
+
+    def open_slot(self, slot: int, session: SlotSession) -> None:
+        # The reset itself waits for the next step, so that sessions joining together share one.
+        self._reset[slot] = True
+        self._pending_reset = True
+        self._frames[slot] = 0
+        self._keys[slot] = sampling.session_key(self.settings.seed, session.session_id)
+
+    def close_slot(self, slot: int) -> None:
+        self._frames[slot] = 0
+
+    def _apply_resets(self) -> None:
+        torch = self._torch
+        # A plain copy: the host mask is cleared right after.
+        mask = self._reset_t.to(self._exec.device) if self._cuda else self._reset_t
+        self._lm_gen.reset_streaming(mask)
+        self._mimi.reset_streaming(mask)
+        rows = np.flatnonzero(self._reset)
+        index = torch.from_numpy(rows).to(self._sampler.keys.device)
+        self._sampler.keys.index_copy_(0, index, torch.from_numpy(self._keys[rows]).to(index.device))
+        self._sampler.counters.index_fill_(0, index, 0)
+        self._reset[:] = False
+        self._pending_reset = False
+
+    # -- stepping ----------------------------------------------------------------------------------
+
+    def step(self, rows: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> Sequence[str]:
+        torch = self._torch
+        with torch.no_grad():
+            return self._step(torch, rows, inputs, outputs)
+
+    def _step(self, torch: Any, rows: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> list[str]:
+        cuda = self._cuda
+        clock = time.perf_counter_ns
+        t0 = clock()
+        if self._pending_reset:
+            self._apply_resets()
+        mask = self._mask
+        mask[:] = False
+        mask[rows] = True
+        self._pcm[rows] = inputs
+        if cuda:
+            events = self._events
+            t_first = clock()
+            events[0].record()
+            self._exec.copy_(self._mask_t, non_blocking=True)
+            self._pcm_dev.copy_(self._pcm_t, non_blocking=True)
+        exec_mask = self._exec
+        mimi = self._mimi
+
+        # encode: every row's frame through Mimi's encoder; only the given rows' states advance.
+        mimi.set_exec_mask(exec_mask)
+        codes = mimi.encode(self._pcm_dev)
+        first = rows[self._frames[rows] == 0]
+        if len(first):
+            self._reset_encoder(torch, first)
+        if cuda:
+            events[1].record()
+        t1 = clock()
+
+        # lm: one LMGen step over the batch, sampling from each row's own stream.
+        self._lm_gen.set_exec_mask(exec_mask)
+        with sampling.active(self._active_sampler):
+            tokens = self._lm_gen.step(codes)
+        self._sampler.counters.add_(exec_mask)
+        if cuda:
+            events[2].record()
+        t2 = clock()
+
+        # decode: rows with audio tokens (not warming up, not masked) through Mimi's decoder.
+        audio = tokens[:, 1:, :]
+        ready = audio[:, 0, 0] >= 0
+        mimi.set_exec_mask(ready)
+        pcm = mimi.decode(audio.clamp(min=0))[:, 0, :]
+        pcm = torch.where(ready[:, None], pcm, 0.0)
+        if cuda:
+            self._out_t.copy_(pcm, non_blocking=True)
+            self._text_t.copy_(tokens[:, 0, 0], non_blocking=True)
+            events[3].record()
+            events[3].synchronize()
+            synced = clock()
+            out, text = self._out, self._text
+        else:
+            out, text = pcm.numpy(), tokens[:, 0, 0].numpy()
+        np.take(out, rows, axis=0, out=outputs)
+        pieces = self._pieces
+        limit = len(pieces)
+        texts = [pieces[t] if 0 <= t < limit else "" for t in text[rows].tolist()]
+        self._frames[rows] += 1
+        t3 = clock()
+
+        if cuda:
+            # Device time between the events, plus the host work outside them (the scatter before
+            # the first, the gather after the last).
+            durations = [int(events[i].elapsed_time(events[i + 1]) * 1e6) for i in range(3)]
+            durations[0] += max(0, t_first - t0)
+            durations[2] += t3 - synced
+        else:
+            durations = [t1 - t0, t2 - t1, t3 - t2]
+        self.last_stages = tuple(zip(STAGES, durations))
+        seconds = self.stage_seconds
+        for name, ns in self.last_stages:
+            seconds[name] += ns / 1e9
+        self.stage_steps += 1
+        return texts
+
+    def _reset_encoder(self, torch: Any, rows: np.ndarray) -> None:
+        """Forget the encoder's state for ``rows`` (their first frame has been encoded)."""
+        reset = torch.zeros(self.info.slots, dtype=torch.bool)
+        reset[torch.from_numpy(rows)] = True
+        reset = reset.to(self._exec.device)
+        for module in self._encoder_side:
+            module.reset_streaming(reset)
+
+    def stage_means_ms(self) -> dict[str, float]:
+        """Mean duration of each stage per step so far, in milliseconds."""
+        steps = max(self.stage_steps, 1)
+        return {name: total * 1e3 / steps for name, total in self.stage_seconds.items()}
+
+    def close(self) -> None:
+        if not self._loaded:
+            return
+        self._loaded = False
+        for name in ("_mimi", "_lm", "_lm_gen", "_sampler", "_pcm_dev", "_exec"):
+            setattr(self, name, None)
+        if self._cuda:
+            self._torch.cuda.empty_cache()
+

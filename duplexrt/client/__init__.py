@@ -1,0 +1,25 @@
+"""Clients of a running duplexrt server: one sans-IO protocol class per route, a conversation
+driver shared with ``duplexrt simulate``, and the ``duplexrt client`` command's logic."""
+
+from duplexrt.client.connection import ConnectError, WebSocketClientTransport, open_connection
+from duplexrt.client.conversation import Conversation
+from duplexrt.client.protocols import (
+    ClientProtocol,
+    DuplexClient,
+    Ended,
+    MoshiClient,
+    Opened,
+    Other,
+    RealtimeClient,
+    ServerError,
+    Text,
+    UnknownRoute,
+    client_for_url,
+    route_of,
+)
+
+__all__ = [
+    "ClientProtocol", "ConnectError", "Conversation", "DuplexClient", "Ended", "MoshiClient", "Opened",
+    "Other", "RealtimeClient", "ServerError", "Text", "UnknownRoute", "WebSocketClientTransport",
+    "client_for_url", "open_connection", "route_of",
+]

@@ -1,0 +1,164 @@
+"""Opening a client WebSocket to a duplexrt route, and naming what went wrong when it fails.
+
+A failed connection is a ``ConnectError`` with a short ``kind`` (``refused``, ``http_503``,
+``timeout``, ...: what ``simulate --url`` counts) and a message a person can act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from urllib.parse import urlsplit
+
+import trio
+import trio_websocket
+
+from duplexrt.client.protocols import ClientProtocol, Opened
+from duplexrt.transport import GOING_AWAY, Message, NORMAL_CLOSURE, TransportClosed
+
+__all__ = ["ConnectError", "WebSocketClientTransport", "open_connection", "host_and_port"]
+
+#: Largest message the client accepts (server audio messages are a few kB; this is generous).
+MAX_MESSAGE_BYTES = 16 << 20
+
+
+class ConnectError(Exception):
+    """The connection could not be opened (or closed before the server's greeting)."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.status = status
+
+
+def host_and_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "wss" else 80)
+    return parts.hostname or "localhost", port
+
+
+class WebSocketClientTransport:
+    """A client ``WebSocketConnection`` with the session transport's interface."""
+
+    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
+        self.ws = ws
+
+    async def receive(self) -> Message:
+        try:
+            return await self.ws.get_message()
+        except trio_websocket.ConnectionClosed as exc:
+            raise _closed(exc.reason) from None
+
+    def receive_nowait(self) -> Message:
+        # trio-websocket keeps parsed messages in a memory channel; taking one that is already
+        # there needs no wait.  (A private attribute: without it, every receive waits.)
+        channel = getattr(self.ws, "_recv_channel", None)
+        if channel is None:
+            raise trio.WouldBlock
+        try:
+            return channel.receive_nowait()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise _closed(self.ws.closed) from None
+
+    async def send(self, message: Message) -> None:
+        if not isinstance(message, str | bytes):
+            message = bytes(message)
+        try:
+            await self.ws.send_message(message)
+        except trio_websocket.ConnectionClosed as exc:
+            raise _closed(exc.reason) from None
+
+    async def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+        await self.ws.aclose(code, reason or None)
+
+
+def _closed(reason: trio_websocket.CloseReason | None) -> TransportClosed:
+    if reason is None:
+        return TransportClosed(GOING_AWAY, "the connection went away")
+    return TransportClosed(reason.code, reason.reason or "")
+
+
+def _describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
+    status = exc.status_code
+    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
+    body = (exc.body or b"").decode("utf-8", "replace").strip()
+    text = f"the server refused the WebSocket connection: HTTP {status}" + (f" {phrase}" if phrase else "")
+    return text + (f": {body[:300]}" if body else "")
+
+
+def _classify(exc: BaseException, url: str) -> ConnectError:
+    host, port = host_and_port(url)
+    where = f"{host}:{port}"
+    if isinstance(exc, trio_websocket.ConnectionRejected):
+        return ConnectError(f"http_{exc.status_code}", _describe_rejection(exc), exc.status_code)
+    if isinstance(exc, trio_websocket.ConnectionTimeout):
+        return ConnectError("timeout", f"timed out opening a WebSocket to {where}")
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError):
+            return ConnectError("refused", f"cannot connect to {where}: connection refused "
+                                           "(is `duplexrt serve` running there?)")
+        if isinstance(cause, BaseExceptionGroup):
+            refused = cause.subgroup(lambda e: isinstance(e, ConnectionRefusedError))
+            if refused is not None:
+                return ConnectError("refused", f"cannot connect to {where}: connection refused "
+                                               "(is `duplexrt serve` running there?)")
+        if isinstance(cause, OSError) and not isinstance(cause, ConnectionRefusedError):
+            text = str(cause)
+            if "all attempts to connect" in text:
+                # trio's summary of several failed attempts: the refusals are its causes.
+                cause = cause.__cause__ or cause.__context__
+                continue
+            return ConnectError("connect_failed", f"cannot connect to {where}: {text}")
+        cause = cause.__cause__ or cause.__context__
+    return ConnectError("handshake_failed", f"the WebSocket handshake with {where} failed: {exc!r}")
+
+
+@asynccontextmanager
+async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | None = None,
+                          timeout: float = 10.0) -> AsyncIterator[tuple[WebSocketClientTransport, Opened | None]]:
+    """Open a WebSocket to ``url`` (already carrying the protocol's query) and, where the protocol's
+    server speaks first, wait for its greeting.  Yields the transport and the greeting; raises
+    ConnectError if either fails.  The connection is closed when the block ends."""
+    headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else None
+    try:
+        context = trio_websocket.open_websocket_url(
+            url, extra_headers=headers, message_queue_size=16, max_message_size=MAX_MESSAGE_BYTES,
+            connect_timeout=timeout, disconnect_timeout=5.0)
+        ws = await context.__aenter__()
+    except trio_websocket.HandshakeError as exc:
+        raise _classify(exc, url) from None
+    except OSError as exc:
+        raise _classify(exc, url) from None
+    try:
+        transport = WebSocketClientTransport(ws)
+        opened = await _greeting(transport, protocol, timeout) if protocol.greets else None
+        yield transport, opened
+    except BaseException as exc:
+        if not await context.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        try:
+            await context.__aexit__(None, None, None)
+        except trio_websocket.DisconnectionTimeout:
+            pass  # the conversation is over; a peer slow to finish the close changes nothing
+
+
+async def _greeting(transport: WebSocketClientTransport, protocol: ClientProtocol, timeout: float) -> Opened:
+    """The server's first message, which must be its greeting."""
+    with trio.move_on_after(timeout) as scope:
+        try:
+            message = await transport.receive()
+        except TransportClosed as closed:
+            reason = f": {closed.reason}" if closed.reason else ""
+            raise ConnectError("closed_early", f"the server closed the connection (code {closed.code}{reason}) "
+                                               "before greeting") from None
+    if scope.cancelled_caught:
+        raise ConnectError("timeout", f"the server did not greet within {timeout:g} s")
+    event = protocol.parse(message)
+    if not isinstance(event, Opened):
+        raise ConnectError("protocol", f"expected the {protocol.name} greeting first, got {str(message)[:120]!r}")
+    protocol.opened(event)
+    return event

@@ -1,0 +1,212 @@
+"""One client conversation over any transport: send audio (burst or paced), hear what comes back.
+
+Shared by ``duplexrt client``, ``duplexrt simulate --url`` (a WebSocket and the route's client
+protocol) and the in-process ``duplexrt simulate`` (an in-memory transport and the raw protocol),
+so that all three send, pace, receive and decide when a conversation is over the same way.
+
+The sender sends message ``i`` at ``start + (i + 1) × interval`` when paced (the moment that much
+audio has been spoken), or as fast as the transport takes it; then the protocol's end of input.
+The receiver hands every piece of audio to ``on_audio`` with the time it arrived, collects the
+server's events, and ends the conversation as the protocol says: when the server closes after its
+end event, when the client has heard its end event (and closes), or, for protocols with no end of
+input, once ``caught_up()`` says all the output has been heard.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
+from duplexrt.transport import NORMAL_CLOSURE, Message, Transport, TransportClosed
+
+__all__ = ["Conversation", "ENDED", "CLOSED", "COMPLETE", "IDLE"]
+
+#: How a conversation finished, from the client's side.
+ENDED = "ended"  # the server said how it ended (``Conversation.end``)
+CLOSED = "closed"  # the connection closed without the server saying so (``Conversation.closed``)
+COMPLETE = "complete"  # the client heard everything and hung up (protocols with no end of input)
+IDLE = "idle"  # the input was all sent and the server went quiet for ``idle_timeout`` seconds
+
+
+class Conversation:
+    """One session, from the client's side.  ``run`` returns once it is over; then ``outcome``,
+    ``end``, ``errors`` and ``closed`` say how it went."""
+
+    def __init__(self, transport: Transport, protocol: ClientProtocol, *,
+                 on_audio: Callable[[Buffer, float], Any],
+                 caught_up: Callable[[], bool] | None = None,
+                 on_text: Callable[[str], Any] | None = None,
+                 idle_timeout: float | None = None) -> None:
+        self.transport = transport
+        self.protocol = protocol
+        self.on_audio = on_audio
+        self.caught_up = caught_up
+        self.on_text = on_text
+        self.idle_timeout = idle_timeout
+        self.outcome: str | None = None
+        self.end: Ended | None = None
+        self.errors: list[ServerError] = []
+        self.closed: TransportClosed | None = None
+        #: perf_counter() of each audio message as it was sent, of the first, of the last output.
+        self.send_times: list[float] = []
+        self.first_send: float | None = None
+        self.last_output: float | None = None
+        self.messages_sent = 0
+        self.input_done = False
+        self._finishing = False
+        self._idle_scope: trio.CancelScope | None = None
+
+    async def run(self, count: int, message_at: Callable[[int], Buffer], *,
+                  interval: float | None = None, offset: float = 0.0) -> None:
+        """Send ``count`` audio payloads (``message_at(i)``, already in the protocol's input format)
+        and receive until the conversation is over.  ``interval``: paced, one message every that
+        many seconds from ``offset`` seconds after now; None: as fast as the transport takes them."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._send, count, message_at, interval, offset)
+            await self._receive()
+            nursery.cancel_scope.cancel()
+
+    # -- sending --------------------------------------------------------------------------------
+
+    async def _send(self, count: int, message_at: Callable[[int], Buffer], interval: float | None,
+                    offset: float) -> None:
+        transport = self.transport
+        wrap = self.protocol.audio
+        send_nowait = getattr(transport, "send_nowait", None)
+        send_times = self.send_times
+        start = trio.current_time() + offset
+        try:
+            for i in range(count):
+                if interval is not None:
+                    await trio.sleep_until(start + (i + 1) * interval)
+                now = time.perf_counter()
+                if self.first_send is None:
+                    self.first_send = now
+                send_times.append(now)
+                message = wrap(message_at(i))
+                if send_nowait is not None:
+                    try:
+                        send_nowait(message)  # the load generator yields only when it must
+                    except trio.WouldBlock:
+                        await transport.send(message)
+                else:
+                    await transport.send(message)
+                self.messages_sent = i + 1
+            for message in self.protocol.end_input():
+                await transport.send(message)
+        except TransportClosed:
+            return
+        self.input_done = True
+        if self._idle_scope is not None and self.idle_timeout is not None:
+            self._idle_scope.deadline = trio.current_time() + self.idle_timeout
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        transport = self.transport
+        protocol = self.protocol
+        parse = protocol.parse
+        on_audio = self.on_audio
+        caught_up = self.caught_up if protocol.needs_catch_up else None
+        idle = self.idle_timeout is not None
+        while True:
+            try:
+                try:
+                    message = transport.receive_nowait()
+                except trio.WouldBlock:
+                    if idle:
+                        message = await self._receive_unless_idle()
+                        if message is None:
+                            self.outcome = IDLE
+                            await self._close()
+                            return
+                    else:
+                        message = await transport.receive()
+            except TransportClosed as closed:
+                self.closed = closed
+                if self.outcome is None:
+                    self.outcome = CLOSED
+                return
+            now = time.perf_counter()
+            item = parse(message)
+            if isinstance(item, AUDIO_TYPES):
+                self.last_output = now
+                on_audio(item, now)
+                if caught_up is not None and not self._finishing and caught_up():
+                    self._finishing = True
+                    messages = protocol.finish()
+                    if not messages:
+                        self.outcome = COMPLETE
+                        await self._close()
+                        return
+                    await self._send_quietly(messages)  # then read on, up to the end event
+                continue
+            kind = type(item)
+            if kind is Ended:
+                self.end = item
+                self.outcome = ENDED
+                if not protocol.server_closes:
+                    await self._close()
+                    return
+            elif kind is ServerError:
+                self.errors.append(item)
+            elif kind is Text:
+                if self.on_text is not None:
+                    self.on_text(item.text)
+            elif kind is Opened:
+                protocol.opened(item)
+
+    async def _receive_unless_idle(self) -> Message | None:
+        """The next message, or None once the input is all sent and nothing came for
+        ``idle_timeout`` seconds."""
+        with trio.CancelScope() as scope:
+            if self.input_done:
+                scope.deadline = trio.current_time() + self.idle_timeout
+            self._idle_scope = scope
+            try:
+                return await self.transport.receive()
+            finally:
+                self._idle_scope = None
+        return None
+
+    async def _send_quietly(self, messages: list[Message]) -> None:
+        try:
+            for message in messages:
+                await self.transport.send(message)
+        except TransportClosed:
+            pass  # the receiver hears the close next
+
+    async def _close(self) -> None:
+        with trio.move_on_after(5):
+            await self.transport.close(NORMAL_CLOSURE)
+
+    # -- after the end ---------------------------------------------------------------------------
+
+    @property
+    def ok(self) -> bool:
+        """Ended as a conversation should: the server's own end with reason ``stop``, or (no end
+        of input) the client heard everything; no error events."""
+        if self.errors:
+            return False
+        if self.outcome == COMPLETE:
+            return True
+        return self.outcome == ENDED and self.end is not None and self.end.reason == "stop"
+
+    def describe(self) -> str:
+        """How it ended, in words."""
+        if self.outcome == ENDED and self.end is not None:
+            text = f"server ended the session: {self.end.reason}"
+            return text + (f" ({self.end.error})" if self.end.error else "")
+        if self.outcome == COMPLETE:
+            return "complete: all output heard"
+        if self.outcome == IDLE:
+            return f"the server sent nothing for {self.idle_timeout:g} s after the input ended"
+        if self.outcome == CLOSED and self.closed is not None:
+            code = self.closed.code
+            reason = f": {self.closed.reason}" if self.closed.reason else ""
+            return f"the connection closed early with code {code}{reason}"
+        return "unfinished"

@@ -1,0 +1,421 @@
+"""The client side of each route's protocol, sans-IO: messages to send, and what a message received means.
+
+One class per route.  Each builds the messages that carry audio already in its wire format
+(``audio``), the messages that say the input is over (``end_input``) or that the client has heard
+enough (``finish``), and turns every message received into audio or an event (``parse``).  None of
+them touches a socket or a clock, so ``duplexrt client``, ``duplexrt simulate --url`` and the
+in-process simulation share them, and they are tested with plain calls.
+
+``parse`` returns audio as the buffer itself (bytes, or a memoryview of the message), with no
+wrapper object: audio is nearly every message, and the load generator should cost next to nothing.
+Anything else comes back as one of the events below.
+
+How a conversation ends differs by route:
+
+* ``/v1/duplex`` (raw): the client sends ``input.end``; the server answers the rest, sends
+  ``session.end`` with usage, and closes.
+* ``/v1/realtime`` in turn mode: the client appends everything, commits and asks for a response;
+  the server sends the response's audio and ``response.done``; the client closes.  What the model
+  said before ``response.create`` is held by duplexrt's server and sent as the response's first
+  deltas (a server that drops it instead gives only the rest).
+* ``/v1/realtime?duplex=1``: one open-ended response carries every output frame.  The protocol has
+  no end of input, so the client counts what it has heard; once it has caught up with what it
+  sent, it cancels the response (``response.cancel``), reads ``response.done`` (with usage) and
+  closes.
+* ``/api/chat`` (Moshi): no end of input either, and no goodbye: once the client has heard as much
+  as it sent, it hangs up.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from binascii import a2b_base64, b2a_base64
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import attrs
+
+from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+from duplexrt.transport import Message
+
+__all__ = [
+    "AUDIO_TYPES", "ROUTES", "ClientProtocol", "DuplexClient", "Ended", "MoshiClient", "Opened",
+    "Other", "RealtimeClient", "ServerError", "Text", "UnknownRoute", "client_for_url", "route_of",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+#: What ``parse`` returns for audio.
+AUDIO_TYPES = (bytes, bytearray, memoryview)
+
+#: Route path -> protocol name.  A path that ends with one of these (behind a proxy prefix) counts.
+ROUTES: dict[str, str] = {"/v1/duplex": "duplex", "/v1/realtime": "realtime", "/api/chat": "moshi"}
+
+#: The model clock the client assumes for padding input to whole frames on routes that have no
+#: end of input (80 ms at 24 kHz, duplexrt's default and Moshi's).
+DEFAULT_FRAME_SECONDS = 0.08
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Opened:
+    """The server's greeting (``session.created``, the Moshi handshake)."""
+
+    info: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Ended:
+    """The server's account of the end: its finish reason (``stop`` when all went well) and usage.
+    ``frames_out`` counts model frames of audio; None where the server did not say."""
+
+    reason: str
+    frames_in: int | None = None
+    frames_out: int | None = None
+    error: str | None = None
+    info: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class ServerError:
+    """An error event from the server (the session may go on, or end right after)."""
+
+    code: str | None
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+@attrs.frozen
+class Text:
+    """Model text."""
+
+    text: str
+
+
+@attrs.frozen
+class Other:
+    """Anything else the protocol allows (an acknowledgement, metadata, a pong)."""
+
+    kind: str
+    info: Any = None
+
+
+Event = Opened | Ended | ServerError | Text | Other
+
+
+class UnknownRoute(ValueError):
+    """The URL's path is none of the routes a client knows how to speak."""
+
+
+# -- the contract ----------------------------------------------------------------------------------
+
+
+class ClientProtocol(abc.ABC):
+    """One conversation's client-side protocol state."""
+
+    #: The route's protocol: ``duplex``, ``realtime`` or ``moshi``.
+    name: str
+    #: What this client sends, and what it expects back (which ``Opened`` may update).
+    input_spec: AudioSpec
+    output_spec: AudioSpec
+    #: The server speaks first: wait for its greeting before sending.
+    greets: bool = True
+    #: The conversation ends only once the client has heard as much output as it sent input
+    #: (``finish`` then says what to send); otherwise the server ends it after ``end_input``.
+    needs_catch_up: bool = False
+    #: After ``Ended``, the server closes the connection; otherwise the client does.
+    server_closes: bool = True
+    #: Input is padded to whole model frames before sending (routes with no end of input never
+    #: flush a partial frame, so its output would never come).
+    pads_input: bool = False
+
+    def url(self, url: str) -> str:
+        """``url`` with whatever query the route needs to speak this protocol's formats."""
+        return url
+
+    def opened(self, event: Opened) -> None:
+        """The server's greeting arrived (it may say what the output format is)."""
+
+    def audio(self, payload: Buffer) -> Message:
+        """The message carrying ``payload``, audio already in ``input_spec``."""
+        return payload  # type: ignore[return-value]
+
+    def end_input(self) -> list[Message]:
+        """Messages that say there is no more audio."""
+        return []
+
+    def finish(self) -> list[Message]:
+        """Messages to send once all output has been heard (``needs_catch_up`` protocols)."""
+        return []
+
+    @abc.abstractmethod
+    def parse(self, message: Message) -> Buffer | Event:
+        """One message from the server: audio (a buffer, in ``output_spec``) or an event."""
+
+
+def _json_object(message: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(message)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _with_query(url: str, updates: Mapping[str, str]) -> str:
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    query.update(updates)
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+# -- /v1/duplex --------------------------------------------------------------------------------------
+
+
+class DuplexClient(ClientProtocol):
+    """Raw PCM (or G.711) both ways, JSON control: ``input.end`` in, ``session.end`` back.
+
+    The in-process simulation speaks it too, over an in-memory transport to a session whose raw
+    translator does not greet (``greets=False``) and may carry any format, Opus included."""
+
+    name = "duplex"
+
+    def __init__(self, input_spec: AudioSpec, output_spec: AudioSpec | None = None, *,
+                 greets: bool = True) -> None:
+        self.input_spec = input_spec
+        self.output_spec = output_spec or input_spec
+        self.greets = greets
+        self._end = json.dumps({"type": "input.end"})
+
+    def url(self, url: str) -> str:
+        updates = {"format": self.input_spec.format.value, "rate": str(self.input_spec.sample_rate)}
+        if self.output_spec != self.input_spec:
+            updates["output_format"] = self.output_spec.format.value
+            updates["output_rate"] = str(self.output_spec.sample_rate)
+        return _with_query(url, updates)
+
+    def opened(self, event: Opened) -> None:
+        output = event.info.get("output")
+        if isinstance(output, dict):
+            try:
+                self.output_spec = AudioSpec(output["format"], output["sample_rate"])
+            except (KeyError, TypeError, AudioFormatError):
+                pass  # keep what was asked for
+
+    def end_input(self) -> list[Message]:
+        return [self._end]
+
+    def parse(self, message: Message) -> Buffer | Event:
+        if not isinstance(message, str):
+            return message
+        data = _json_object(message)
+        if data is None:
+            return Other("invalid", message)
+        kind = data.get("type")
+        if kind == "session.end":
+            usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+            return Ended(str(data.get("reason")), _int_or_none(usage.get("frames_in")),
+                         _int_or_none(usage.get("frames_out")), data.get("error"), data)
+        if kind == "error":
+            return ServerError(data.get("code"), str(data.get("message")))
+        if kind == "session.created":
+            return Opened(data)
+        if kind == "text":
+            return Text(str(data.get("text", "")))
+        return Other(str(kind), data)
+
+
+# -- /v1/realtime ------------------------------------------------------------------------------------
+
+
+_REALTIME_RATE = 24000
+_AUDIO_DELTAS = ("response.output_audio.delta", "response.audio.delta")
+_TEXT_DELTAS = ("response.output_audio_transcript.delta", "response.audio_transcript.delta")
+#: response.done status (and status_details.reason) -> the finish reason, as the other routes say it.
+_STATUS_REASONS = {"completed": "stop", "failed": "error"}
+_DETAIL_REASONS = {"server_shutdown": "shutdown", "max_output_tokens": "length",
+                   "client_cancelled": "cancelled"}
+
+
+class RealtimeClient(ClientProtocol):
+    """The OpenAI Realtime protocol, pcm16 at 24 kHz (the protocol's default format) both ways."""
+
+    name = "realtime"
+    server_closes = False
+    pads_input = True
+
+    def __init__(self, *, duplex: bool = False, model_rate: int = 24000) -> None:
+        self.duplex = duplex
+        self.needs_catch_up = duplex
+        self.input_spec = AudioSpec.create(AudioFormat.PCM_S16LE, _REALTIME_RATE, model_rate=model_rate)
+        self.output_spec = self.input_spec
+        self._cancelled = False
+        self._appended = False
+
+    def url(self, url: str) -> str:
+        return _with_query(url, {"duplex": "1"}) if self.duplex else url
+
+    def audio(self, payload: Buffer) -> Message:
+        self._appended = True
+        # Formatted by hand: base64 needs no escaping, and json.dumps would scan every byte again.
+        return ('{"type":"input_audio_buffer.append","audio":"'
+                + b2a_base64(payload, newline=False).decode("ascii") + '"}')
+
+    def end_input(self) -> list[Message]:
+        if self.duplex or not self._appended:
+            return []
+        return [json.dumps({"type": "input_audio_buffer.commit"}), json.dumps({"type": "response.create"})]
+
+    def finish(self) -> list[Message]:
+        if not self.duplex:
+            return []
+        self._cancelled = True
+        return [json.dumps({"type": "response.cancel"})]
+
+    def parse(self, message: Message) -> Buffer | Event:
+        if not isinstance(message, str):
+            return Other("binary", message)
+        data = _json_object(message)
+        if data is None:
+            return Other("invalid", message)
+        kind = data.get("type")
+        if kind in _AUDIO_DELTAS:
+            delta = data.get("delta")
+            try:
+                return a2b_base64(delta) if isinstance(delta, str) else b""
+            except ValueError:
+                return ServerError("invalid_base64", f"{kind} carried audio that is not base64")
+        if kind == "response.done":
+            return self._ended(data)
+        if kind == "error":
+            error = data.get("error") if isinstance(data.get("error"), dict) else {}
+            return ServerError(error.get("code"), str(error.get("message")))
+        if kind in _TEXT_DELTAS:
+            return Text(str(data.get("delta", "")))
+        if kind == "session.created":
+            return Opened(data)
+        return Other(str(kind), data)
+
+    def _ended(self, data: dict[str, Any]) -> Ended:
+        response = data.get("response") if isinstance(data.get("response"), dict) else {}
+        status = response.get("status")
+        details = response.get("status_details") if isinstance(response.get("status_details"), dict) else {}
+        if status == "cancelled" and self._cancelled:
+            reason = "stop"  # the client asked for it: it had heard everything
+        else:
+            reason = _STATUS_REASONS.get(status) or _DETAIL_REASONS.get(details.get("reason")) or str(status)
+        error = details.get("error") if isinstance(details.get("error"), dict) else None
+        usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+        out_details = usage.get("output_token_details") if isinstance(usage.get("output_token_details"), dict) else {}
+        frames_out = _int_or_none(out_details.get("audio_tokens"))
+        if frames_out is None:
+            frames_out = _int_or_none(usage.get("output_tokens"))
+        return Ended(reason, _int_or_none(usage.get("input_tokens")), frames_out,
+                     error.get("message") if error else None, data)
+
+
+# -- /api/chat -----------------------------------------------------------------------------------------
+
+
+_MOSHI_RATE = 24000
+
+
+class MoshiClient(ClientProtocol):
+    """Kyutai's Moshi protocol: binary messages, a kind byte first; Ogg Opus at 24 kHz both ways."""
+
+    name = "moshi"
+    needs_catch_up = True
+    pads_input = True
+
+    def __init__(self) -> None:
+        self.input_spec = AudioSpec(AudioFormat.OPUS, _MOSHI_RATE)
+        self.output_spec = self.input_spec
+
+    def audio(self, payload: Buffer) -> Message:
+        return b"\x01" + payload
+
+    def parse(self, message: Message) -> Buffer | Event:
+        if isinstance(message, str) or not message:
+            return Other("invalid", message)
+        kind = message[0]
+        if kind == 1:
+            return message[1:]
+        if kind == 0:
+            return Opened({"handshake": bytes(message[1:]).hex()})
+        if kind == 2:
+            return Text(bytes(message[1:]).decode("utf-8", "replace"))
+        if kind == 5:
+            return ServerError("error", bytes(message[1:]).decode("utf-8", "replace"))
+        if kind == 4:
+            data = _json_object(bytes(message[1:]).decode("utf-8", "replace"))
+            if data is not None and data.get("type") == "session.end":
+                usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+                return Ended(str(data.get("reason")), _int_or_none(usage.get("frames_in")),
+                             _int_or_none(usage.get("frames_out")), data.get("error"), data)
+            return Other("metadata", data)
+        return Other(f"kind {kind}", message)
+
+
+# -- choosing one ----------------------------------------------------------------------------------------
+
+
+def route_of(url: str) -> str:
+    """The protocol a URL's path speaks; raises UnknownRoute for any other path."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss"):
+        raise UnknownRoute(f"{url!r} is not a WebSocket URL (ws://HOST:PORT/ROUTE or wss://...)")
+    path = parts.path.rstrip("/") or "/"
+    for route, name in ROUTES.items():
+        if path == route or path.endswith(route):
+            return name
+    raise UnknownRoute(f"unknown route {parts.path or '/'!r}: expected one of {', '.join(ROUTES)} "
+                       "(or name the protocol with --protocol)")
+
+
+def _rate(text: str | None, name: str) -> int | None:
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise AudioFormatError(f"{name} must be a whole number of Hz, got {text!r}") from None
+
+
+def query_of(url: str) -> dict[str, str]:
+    return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+
+
+def client_for_url(url: str, *, protocol: str | None = None, input_format: str | None = None,
+                   input_rate: int | None = None, model_rate: int = 24000) -> ClientProtocol:
+    """The client protocol for ``url``.  ``/v1/duplex`` takes its formats from the URL's query
+    (``format``, ``rate``, ``output_format``, ``output_rate``) where given, else from
+    ``input_format`` / ``input_rate`` (default pcm_f32le at the model rate); ``/v1/realtime``
+    speaks duplex mode when the query has ``duplex=1``."""
+    name = protocol or route_of(url)
+    query = query_of(url)
+    if name == "duplex":
+        fmt = query.get("format") or input_format or AudioFormat.PCM_F32LE.value
+        rate = _rate(query.get("rate"), "rate") or input_rate
+        input_spec = AudioSpec.create(fmt, rate, model_rate=model_rate)
+        if input_spec.format.is_encoded:
+            raise AudioFormatError(f"/v1/duplex takes raw audio, not {input_spec.format.value} "
+                                   "(Opus goes to /api/chat)")
+        out_fmt = query.get("output_format") or input_spec.format.value
+        out_rate = _rate(query.get("output_rate"), "output_rate") or (
+            input_spec.sample_rate if out_fmt == input_spec.format.value else None)
+        return DuplexClient(input_spec, AudioSpec.create(out_fmt, out_rate, model_rate=model_rate))
+    if name == "realtime":
+        duplex = query.get("duplex", "").lower() in ("1", "true", "yes")
+        return RealtimeClient(duplex=duplex, model_rate=model_rate)
+    if name == "moshi":
+        return MoshiClient()
+    raise UnknownRoute(f"unknown protocol {name!r}: expected duplex, realtime or moshi")

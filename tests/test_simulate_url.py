@@ -1,0 +1,135 @@
+"""`duplexrt simulate --url`: the in-process load, guards and report, over real WebSockets to a
+server listening on a loopback port, with server-side figures from its /metrics.
+
+The server runs in this process (so its CPU counter includes the load generator's: the figures are
+checked for presence and consistency here, not for size)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import trio
+
+from duplexrt.client.connection import ConnectError
+from duplexrt.config import ConfigError, load_config
+from duplexrt.server import Server
+from duplexrt.simulate.report import format_table
+from duplexrt.simulate.runner import SimulateOptions, run_url_simulation
+
+PATIENCE = 30.0
+ROUTES = {"/v1/duplex": "pcm_f32le", "/v1/realtime": "pcm_s16le", "/api/chat": "opus"}
+
+
+async def _serve(nursery: trio.Nursery, *overrides: str, echo_delay: int | None = 0) -> str:
+    delay = [] if echo_delay is None else [f"backend.options.delay_frames={echo_delay}"]
+    config = load_config(None, ["server.port=0", "runtime.slots=4", *delay, *overrides])
+    server = Server(config)
+    await nursery.start(server.run)
+    return f"ws://127.0.0.1:{server.ports[0]}"
+
+
+def _described(*overrides: str):
+    """The server's backend as the guards are told it: echo, delay 0, unless said otherwise."""
+    return load_config(None, ["backend.options.delay_frames=0", *overrides])
+
+
+async def _simulate(url: str, config=None, **options):
+    options = {"concurrency": 4, "frames": 10, **options}
+    with trio.fail_after(PATIENCE):
+        return await run_url_simulation(config or _described(), SimulateOptions(**options), url)
+
+
+@pytest.mark.parametrize("mode", ["burst", "paced"])
+@pytest.mark.parametrize("route", list(ROUTES))
+async def test_every_route_passes_the_guards_with_server_figures(nursery, route, mode):
+    base = await _serve(nursery)
+    report = await _simulate(base + route, format=ROUTES[route], mode=mode,
+                             message_ms=80 if mode == "paced" else 160)
+    (round_,) = report.rounds
+    assert round_.failures == [] and report.ok
+    assert round_.sessions_connected == 4 and round_.connection_errors == {}
+    # Client side: every frame sent and heard.  Server side, from /metrics: the same frames.
+    assert round_.frames_in == round_.frames_out == 40
+    assert round_.server_frames_in == round_.server_frames_out == 40
+    assert round_.server_cpu_us_per_frame > 0 and round_.load_generator_cpu_us_per_frame > 0
+    assert round_.steps > 0 and 1 <= round_.mean_batch <= 4
+    assert round_.mean_batch == pytest.approx(40 / round_.steps)
+    assert round_.server_step_ms_mean is not None
+    if route == "/api/chat":
+        assert round_.handoffs["decode_offload"] > 0  # Opus is decoded on a worker thread
+    if mode == "paced":
+        assert round_.frame_lag_ms is not None and round_.frame_lag_ms.count == 40
+        assert round_.late_frames is not None and round_.real_time_factor is not None
+    else:
+        assert round_.frame_lag_ms is None
+    table = format_table(report)
+    assert "server CPU per frame (µs)" in table and "load-generator CPU per frame (µs)" in table
+    assert report.settings["route"] == {"/v1/duplex": "duplex", "/v1/realtime": "realtime",
+                                        "/api/chat": "moshi"}[route]
+
+
+async def test_duplex_route_in_s16_at_16k_and_odd_message_sizes(nursery):
+    base = await _serve(nursery)
+    report = await _simulate(base + "/v1/duplex", format="pcm_s16le", sample_rate=16000, message_ms=37)
+    assert report.ok, report.rounds[0].failures
+    assert "format=pcm_s16le" in report.settings["url"] and "rate=16000" in report.settings["url"]
+
+
+async def test_realtime_is_simulated_in_duplex_mode(nursery):
+    base = await _serve(nursery)
+    report = await _simulate(base + "/v1/realtime", format="pcm_s16le", concurrency=2, frames=6)
+    assert report.ok and report.settings["url"].endswith("?duplex=1")
+    assert any("duplex mode" in note for note in report.settings["notes"])
+
+
+async def test_the_guards_check_content_over_the_network(nursery):
+    """Told the server echoes 2 frames late when it echoes at once, every session fails."""
+    base = await _serve(nursery)
+    report = await _simulate(base + "/v1/duplex", config=_described("backend.options.delay_frames=2"),
+                             concurrency=2, frames=6)
+    failures = report.rounds[0].failures
+    assert not report.ok and len(failures) == 2
+    assert all("differ from the expected content" in f for f in failures)
+
+
+async def test_synthetic_output_is_checked_though_the_servers_session_ids_are_its_own(nursery):
+    base = await _serve(nursery, 'backend.name="synthetic"', echo_delay=None)
+    for route in ("/v1/duplex", "/api/chat"):
+        with trio.fail_after(PATIENCE):
+            # Nothing said about the backend: the one the server's /readyz names is checked.
+            report = await run_url_simulation(load_config(None, []), SimulateOptions(concurrency=3, frames=6,
+                                                                             format=ROUTES[route]),
+                                              base + route, adopt_server_backend=True)
+        assert report.ok, report.rounds[0].failures
+        assert report.settings["config"]["backend"]["name"] == "synthetic"
+
+
+async def test_fewer_slots_than_sessions_are_counted_connection_errors_and_fail(nursery):
+    base = await _serve(nursery, "runtime.slots=2")
+    report = await _simulate(base + "/v1/duplex")
+    (round_,) = report.rounds
+    assert not report.ok
+    assert round_.connection_errors == {"http_503": 2}
+    assert round_.sessions_connected == 2
+    assert round_.failures[0] == "connection errors: 2 http_503"
+    assert sum("HTTP 503" in f and "session slots are in use" in f for f in round_.failures) == 2
+    # The two sessions that got in were served and checked as usual.
+    assert round_.frames_in == round_.frames_out == round_.server_frames_in == 20
+    assert "http_503: 2" in format_table(report)
+
+
+async def test_a_server_that_is_not_there_is_a_clear_error():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConnectError) as failed:
+        await _simulate(f"ws://127.0.0.1:{port}/v1/duplex")
+    assert failed.value.kind == "refused" and "connection refused" in failed.value.message
+
+
+async def test_options_that_do_not_fit_the_route_are_refused():
+    for url, fmt in (("ws://127.0.0.1:9/api/chat", "pcm_f32le"), ("ws://127.0.0.1:9/v1/duplex", "opus"),
+                     ("ws://127.0.0.1:9/v1/realtime", "g711_ulaw"), ("ws://127.0.0.1:9/nowhere", "opus")):
+        with pytest.raises(ConfigError):
+            await _simulate(url, format=fmt)
