@@ -95,6 +95,10 @@ class Session:
         self._outbox_done = False
         self._writer_lot = trio.lowlevel.ParkingLot()
         self._credit = trio.lowlevel.ParkingLot()
+        # Every message the translator makes goes in here the moment it is made, and only the
+        # writer sends from it: what the client sees is in the order the translator decided,
+        # even when the reader (replies, errors) and the writer (audio) both have something.
+        self._pending: deque[Message] = deque()
         self._in_flight = 0  # submitted and not yet sent
         self._submitted = 0
         self._delivered = 0
@@ -154,8 +158,7 @@ class Session:
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel_scope = nursery.cancel_scope
-                if not await self._send_all(self._protocol.start()):
-                    return self.summary()
+                self._queue(self._protocol.start())
                 nursery.start_soon(self._write_loop)
                 with trio.CancelScope() as self._reader_scope:
                     await self._read_loop()
@@ -241,10 +244,12 @@ class Session:
         if end.reason == CLIENT_CLOSED:
             await self._transport.close(self._close_code)
             return
+        self._queue(self._protocol.end(end))  # after anything still pending (a fatal error)
         with trio.move_on_after(CLOSE_TIMEOUT):
             try:
-                for message in self._protocol.end(end):
-                    await self._transport.send(message)
+                while self._pending:
+                    await self._transport.send(self._pending[0])
+                    self._pending.popleft()
             except TransportClosed:
                 pass
         reason = end.error or end.reason
@@ -301,16 +306,16 @@ class Session:
     async def _handle(self, event: Event) -> None:
         """Everything but audio: rare, so clarity over speed."""
         if isinstance(event, ProtocolError):
-            await self._reject(event)
+            self._reject(event)
         elif isinstance(event, Reply):
-            await self._send_all(event.messages)
+            self._queue(event.messages)
         elif isinstance(event, Reconfigure):
+            self._queue(event.messages)
             await self._reconfigure()
-            await self._send_all(event.messages)
         elif isinstance(event, ClearInput):
             self._framer.clear()
             self._decoder = make_decoder(self._protocol.input_spec, self._model_rate)
-            await self._send_all(event.messages)
+            self._queue(event.messages)
         elif isinstance(event, ClearOutput):
             dropped = len(self._outbox)
             self._outbox.clear()
@@ -318,7 +323,7 @@ class Session:
             self._dropped += dropped
             if self._credit:
                 self._credit.unpark_all()
-            await self._send_all(event.messages)
+            self._queue(event.messages)
         else:
             raise AssertionError(f"unexpected event {event!r}")
 
@@ -334,15 +339,12 @@ class Session:
         for frame in self._framer.push(tail):
             await self._submit(frame)
 
-    async def _send_all(self, messages: list[Message] | tuple[Message, ...]) -> bool:
-        """Send ``messages`` in order; False (and the session ends) if the client is gone."""
-        try:
-            for message in messages:
-                await self._transport.send(message)
-        except TransportClosed:
-            self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
-            return False
-        return True
+    def _queue(self, messages: list[Message] | tuple[Message, ...]) -> None:
+        """Hand messages to the writer, behind everything made before them."""
+        if messages:
+            self._pending.extend(messages)
+            if self._writer_lot:
+                self._writer_lot.unpark_all()
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
         started = time.perf_counter_ns()
@@ -357,7 +359,7 @@ class Session:
             else:
                 samples = decoder.decode(payload)
         except AudioFormatError as exc:
-            await self._reject(ProtocolError("invalid_audio", str(exc)))
+            self._reject(ProtocolError("invalid_audio", str(exc)))
             return
         frames = self._framer.push(samples)
         if self._collect:
@@ -397,7 +399,7 @@ class Session:
         try:
             tail = self._decoder.flush()
         except AudioFormatError as exc:
-            await self._reject(ProtocolError("invalid_audio", str(exc)))
+            self._reject(ProtocolError("invalid_audio", str(exc)))
             tail = np.zeros(0, dtype=np.float32)
         for frame in self._framer.push(tail):
             await self._submit(frame)
@@ -409,9 +411,8 @@ class Session:
         if self._delivered == self._submitted:
             self._close_outbox()
 
-    async def _reject(self, error: ProtocolError) -> None:
-        if not await self._send_all(self._protocol.error(error)):
-            return
+    def _reject(self, error: ProtocolError) -> None:
+        self._queue(self._protocol.error(error))
         if error.fatal:
             self._finish(ERROR, error.message, error.close_code)
 
@@ -442,12 +443,16 @@ class Session:
 
     async def _write_loop(self) -> None:
         outbox = self._outbox
+        pending = self._pending
         transport = self._transport
         protocol = self._protocol
         metrics = self._runtime.metrics
         encoder = self._encoder
         try:
             while True:
+                while pending:
+                    await transport.send(pending[0])
+                    pending.popleft()  # only once sent: a cancelled send leaves it for goodbye
                 if not outbox:
                     if self._outbox_done:
                         break
@@ -457,8 +462,7 @@ class Session:
                     tail = encoder.flush()
                     encoder = self._encoder
                     if tail:
-                        for message in protocol.audio_out(tail, 0):
-                            await transport.send(message)
+                        pending.extend(protocol.audio_out(tail, 0))
                 items = list(outbox)
                 outbox.clear()
                 count = len(items)
@@ -474,24 +478,29 @@ class Session:
                     if item[1]:
                         self._text_pieces += 1
                         metrics.text_pieces += 1
-                        for message in protocol.text_out(item[1]):
-                            await transport.send(message)
+                        pending.extend(protocol.text_out(item[1]))
                 if payload:
-                    for message in protocol.audio_out(payload, count):
-                        await transport.send(message)
+                    pending.extend(protocol.audio_out(payload, count))
+                # Counted as the translator is told, so that what it reads stays in step with
+                # what it has said, whatever arrives while the messages are being sent.
+                self._sent += count
+                metrics.frames_out += count
+                while pending:
+                    await transport.send(pending[0])
+                    pending.popleft()
                 now = time.perf_counter_ns()
                 if self._collect:
                     self._record_sent(items, now, metrics)
                 self._last_sent_ns = now
-                self._sent += count
-                metrics.frames_out += count
                 self._in_flight -= count
                 if self._credit:
                     self._credit.unpark_all()
             tail = encoder.flush()
             if tail:
-                for message in protocol.audio_out(tail, 0):
-                    await transport.send(message)
+                pending.extend(protocol.audio_out(tail, 0))
+            while pending:
+                await transport.send(pending[0])
+                pending.popleft()
         except TransportClosed:
             self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
 

@@ -174,12 +174,6 @@ async def test_realtime_from_a_16k_file_is_resampled_to_24k_by_the_client(nurser
     np.testing.assert_allclose(heard, expected, atol=2 / 32768)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "server race (duplexrt/protocols/realtime.py + session.py, turn mode): response.create's Reply "
-    "(response.created + the held deltas) is sent by the session's reader while the writer may "
-    "already send newer deltas into the now-open response, and the writer's delta can complete the "
-    "response (held frames count as answered) and send response.done before the held deltas: the "
-    "client hears frames out of order and loses the rest. Intermittent."))
 async def test_realtime_turn_mode_hears_the_whole_reply_to_its_turn(nursery, tmp_path):
     port = await _serve(nursery)
     sent = _wav(tmp_path / "in.wav", _noise(40 * FRAME, seed=3), RATE)
