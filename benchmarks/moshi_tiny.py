@@ -12,7 +12,7 @@ scatter + Mimi encoder; lm: LMGen step; decode: Mimi decoder + gather + text), f
 ``last_stages``.  The 80 ms column says whether a step fits one frame period (real time).
 
 Usage: NO_TORCH_COMPILE=1 python benchmarks/moshi_tiny.py [--steps 20] [--sizes 1,2,4,8,16,32,64]
-       [--fixed-slots 64] [--greedy] [--device cpu] [--json out.json]
+       [--fixed-slots 64] [--greedy] [--device cpu] [--threads N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--fixed-slots", type=int, default=64, help="0 skips the second table")
     parser.add_argument("--greedy", action="store_true", help="argmax instead of per-session sampling")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -94,6 +95,8 @@ def main() -> None:
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     machine = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "python": platform.python_version(), "torch": torch.__version__,

@@ -59,6 +59,17 @@ BackendOptionOption = Annotated[
 ]
 SlotsOption = Annotated[Optional[int], typer.Option("--slots", help="Sessions served at once (batch rows).",
                                                     envvar="DUPLEXRT_SLOTS")]
+CollectOption = Annotated[
+    Optional[bool],
+    typer.Option("--collect-stage-metrics/--no-collect-stage-metrics",
+                 help="Per-frame stage timing (metrics.collect_stage_metrics). Usage and finish reasons "
+                      "are exact either way."),
+]
+LogStatsOption = Annotated[
+    Optional[bool],
+    typer.Option("--log-stats/--no-log-stats",
+                 help="A periodic one-line summary in the log (metrics.log_stats); needs stage metrics."),
+]
 OffloadOption = Annotated[
     Optional[Offload],
     typer.Option("--offload", help="counted: worker threads only for encoded formats and full inboxes; "
@@ -82,6 +93,15 @@ def _overrides(backend: str | None, backend_options: list[str] | None, slots: in
     if offload is not None:
         overrides.append(f"runtime.offload={_quoted(offload.value)}")
     overrides.extend(extra or [])
+    return overrides
+
+
+def _metrics_overrides(collect: bool | None, log_stats: bool | None) -> list[str]:
+    overrides = []
+    if collect is not None:
+        overrides.append(f"metrics.collect_stage_metrics={str(collect).lower()}")
+    if log_stats is not None:
+        overrides.append(f"metrics.log_stats={str(log_stats).lower()}")
     return overrides
 
 
@@ -113,6 +133,9 @@ def simulate(
     late_ms: Annotated[float, typer.Option(help="Paced mode: a frame whose output comes back later than "
                                                 "this after its input was sent is late.")] = 80.0,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw each round's per-frame lag over "
+                                                               "time and its histogram into this PNG "
+                                                               "(needs matplotlib: duplexrt[plot]).")] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
                                                      help="Progress bar (default: when stderr is a terminal).")] = None,
     url: Annotated[Optional[str], typer.Option(
@@ -123,6 +146,8 @@ def simulate(
     api_key: Annotated[Optional[str], typer.Option(help="With --url: the server's API key (sent as "
                                                         "'Authorization: Bearer KEY').",
                                                    envvar="DUPLEXRT_API_KEY")] = None,
+    collect_stage_metrics: CollectOption = None,
+    log_stats_flag: LogStatsOption = None,
     config: ConfigOption = None,
     backend: BackendOption = None,
     backend_option: BackendOptionOption = None,
@@ -146,6 +171,8 @@ def simulate(
             raise ConfigError("--slots and --offload configure the in-process runtime; with --url the "
                               "server's own settings apply")
         overrides = _overrides(backend, backend_option, slots, offload, set_)
+        # In process, the summary line is off unless asked for: the report says it all.
+        overrides += _metrics_overrides(collect_stage_metrics, False if log_stats_flag is None else log_stats_flag)
         cfg = load_config(config, overrides)
         if url is None and slots is None and concurrency > cfg.runtime.slots:
             cfg = load_config(config, [*overrides, f"runtime.slots={concurrency}"])
@@ -153,7 +180,7 @@ def simulate(
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
                                   mode=mode.value, format=AudioFormat.parse(wire_format).value,
                                   sample_rate=sample_rate, warmup_frames=warmup_frames, repeat=repeat,
-                                  late_ms=late_ms)
+                                  late_ms=late_ms, keep_samples=plot is not None)
         options.check(cfg, slots=url is None)
     except (ConfigError, AudioFormatError) as exc:
         raise _fail(str(exc)) from None
@@ -177,6 +204,13 @@ def simulate(
     typer.echo(format_table(report))
     if json_path is not None:
         json_path.write_text(report.to_json())
+    if plot is not None:
+        from duplexrt.simulate.plot import PlotUnavailable, plot_report
+
+        try:
+            typer.echo(f"plot written to {plot_report(report, plot, late_ms=late_ms)}", err=True)
+        except PlotUnavailable as exc:
+            raise _fail(str(exc)) from None
     failures = [f for r in report.rounds for f in r.failures]
     for failure in failures[:20]:
         typer.echo(f"guard failed: {failure}", err=True)
@@ -241,6 +275,8 @@ def serve(
                                                    envvar="DUPLEXRT_API_KEY")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.",
                                            envvar="DUPLEXRT_LOG_LEVEL")] = "warning",
+    collect_stage_metrics: CollectOption = None,
+    log_stats_flag: LogStatsOption = None,
     config: ConfigOption = None,
     backend: BackendOption = None,
     backend_option: BackendOptionOption = None,
@@ -263,6 +299,7 @@ def serve(
     logging.getLogger().setLevel(log_level.upper())
     try:
         overrides = _overrides(backend, backend_option, slots, offload, set_)
+        overrides += _metrics_overrides(collect_stage_metrics, log_stats_flag)
         if host is not None:
             overrides.append(f"server.host={_quoted(host)}")
         if port is not None:

@@ -297,8 +297,8 @@ async def test_real_model_configs_fail_to_start_offline_with_a_clear_error(name,
 
 
 class LockstepClient:
-    """A raw-protocol client that sends one frame, waits for its answer, then the next:
-    ``gate`` (a trio.Event per frame index) can hold it before a given frame."""
+    """A raw-protocol client that sends one frame, waits for its audio, then sends the next.
+    ``gates[k]`` holds it before frame k; ``on_frame[k]`` is set once frame k's audio is back."""
 
     def __init__(self, transport, frames: np.ndarray, gates: dict[int, trio.Event] | None = None,
                  on_frame: dict[int, trio.Event] | None = None) -> None:

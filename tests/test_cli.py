@@ -65,3 +65,29 @@ def test_every_package_is_listed_for_the_wheel():
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "duplexrt").rglob("__init__.py")}
     assert found <= listed, f"missing from pyproject packages: {sorted(found - listed)}"
     assert "duplexrt_cli" in listed
+
+
+def test_simulate_plot_draws_a_png(tmp_path):
+    out = tmp_path / "lag.png"
+    result = runner.invoke(app, ["simulate", "--concurrency", "3", "--frames", "6", "-b", "synthetic",
+                                 "--plot", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_turning_stage_metrics_off_with_log_stats_on_is_refused_naming_both():
+    result = runner.invoke(app, ["serve", "--no-collect-stage-metrics", "--port", "0"])
+    assert result.exit_code == 2
+    assert "--log-stats" in result.output and "--collect-stage-metrics" in result.output
+
+
+def test_simulate_without_stage_metrics_still_reports_exact_frames(tmp_path):
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["simulate", "--concurrency", "2", "--frames", "5",
+                                 "--no-collect-stage-metrics", "--json", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["rounds"][0]["frames_out"] == 10
+    assert data["settings"]["config"]["metrics"]["collect_stage_metrics"] is False
+    assert data["rounds"][0]["latency_ms"]["count"] == 0

@@ -65,6 +65,9 @@ class RoundReport:
     server_latency_ms_mean: float | None = None
     #: --url: what could not be measured, and why (a failed scrape of /metrics).
     notes: list[str] = attrs.Factory(list)
+    #: With ``keep_samples``: every output frame's (seconds into the round, lag in ms), for
+    #: ``--plot``.  Never written to JSON.
+    lag_samples: tuple[Any, Any] | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def in_process(self) -> bool:
@@ -85,8 +88,8 @@ class SimulationReport:
         return all(r.ok for r in self.rounds)
 
     def to_json(self) -> str:
-        return json.dumps({"settings": self.settings, "ok": self.ok,
-                           "rounds": [attrs.asdict(r) for r in self.rounds]}, indent=2)
+        rounds = [attrs.asdict(r, filter=lambda a, _v: a.name != "lag_samples") for r in self.rounds]
+        return json.dumps({"settings": self.settings, "ok": self.ok, "rounds": rounds}, indent=2)
 
 
 def _summary(s: Summary, digits: int = 2) -> str:

@@ -77,6 +77,9 @@ class SimulateOptions:
     repeat: int = 1
     #: A frame whose output arrives later than this after its input was sent is late (paced).
     late_ms: float = 80.0
+    #: Keep every frame's (arrival time, lag) for a plot: memory grows with the run, so only
+    #: when asked for.
+    keep_samples: bool = False
 
     def check(self, config: Config, *, slots: bool = True) -> None:
         """Raise ConfigError for an impossible run.  ``slots=False`` against a server, whose own
@@ -114,11 +117,14 @@ class _Usage:
 class _LagMeter:
     """Paced mode: how long after its input was sent each output frame arrived."""
 
-    def __init__(self, workload: Workload, late_ms: float) -> None:
+    def __init__(self, workload: Workload, late_ms: float, *, keep_samples: bool = False) -> None:
         self.workload = workload
         self.histogram = Histogram()
         self.late_ns = int(late_ms * 1e6)
         self.late = 0
+        #: With keep_samples: each frame's arrival time (perf_counter seconds) and lag (ns).
+        self.times: list[float] | None = [] if keep_samples else None
+        self.lags: list[int] = []
 
     def record(self, send_times: list[float], first_frame: int, count: int, now: float) -> None:
         completing = self.workload.message_completing_frame
@@ -129,6 +135,15 @@ class _LagMeter:
             histogram.record(value)
             if value > self.late_ns:
                 self.late += 1
+            if self.times is not None:
+                self.times.append(now)
+                self.lags.append(value)
+
+    def samples(self, start: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """(seconds since ``start``, lag in ms) of every frame, when kept."""
+        if self.times is None:
+            return None
+        return (np.asarray(self.times) - start, np.asarray(self.lags, dtype=np.float64) / 1e6)
 
 
 class _OpusFrames:
@@ -255,7 +270,8 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
                         frames=options.frames, message_ms=options.message_ms)
     checker = Checker(config, workload, spec, spec)
     paced = options.mode == "paced"
-    meter = _LagMeter(workload, options.late_ms) if paced else None
+    meter = (_LagMeter(workload, options.late_ms, keep_samples=options.keep_samples)
+             if paced or options.keep_samples else None)
     clients = [_VirtualClient(i, checker.new_record(), meter) for i in range(options.concurrency)]
     frame_seconds = config.audio.frame_seconds
     failures: list[str] = []
@@ -306,7 +322,7 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
 
     frames_in = frames.frames_in
     per_frame = max(frames_in, 1)
-    lag_summary, late, rtf = _pacing(clients, meter, options.frames, frame_seconds)
+    lag_summary, late, rtf = _pacing(clients, meter if paced else None, options.frames, frame_seconds)
     steps = scheduler.steps - scheduler_before.steps
     step_frames = scheduler.frames - scheduler_before.frames
     step_time = runtime.scheduler.step_time_snapshot().minus(step_time_before)
@@ -335,6 +351,7 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
         late_frames=late,
         real_time_factor=rtf,
         failures=failures,
+        lag_samples=meter.samples(started) if meter is not None else None,
     )
 
 
@@ -464,7 +481,8 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
                         frames=options.frames, message_ms=options.message_ms)
     checker = Checker(config, workload, target.input_spec, target.output_spec)
     paced = options.mode == "paced"
-    meter = _LagMeter(workload, options.late_ms) if paced else None
+    meter = (_LagMeter(workload, options.late_ms, keep_samples=options.keep_samples)
+             if paced or options.keep_samples else None)
     opus_out = target.output_spec.format is AudioFormat.OPUS
     clients = [
         _VirtualClient(i, checker.new_record(), meter,
@@ -550,7 +568,7 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         summary = ", ".join(f"{count} {kind}" for kind, count in sorted(errors.items()))
         failures.insert(0, f"connection errors: {summary}")
     frames_out_heard = sum(c.frames_heard for c in clients)
-    lag_summary, late, rtf = _pacing(clients, meter, options.frames, frame_seconds)
+    lag_summary, late, rtf = _pacing(clients, meter if paced else None, options.frames, frame_seconds)
     server = _server_figures(before, after)
     return RoundReport(
         mode=options.mode,
@@ -577,6 +595,7 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         late_frames=late,
         real_time_factor=rtf,
         failures=failures,
+        lag_samples=meter.samples(started) if meter is not None and started is not None else None,
         target=target.url,
         sessions_connected=len(connected),
         connection_errors=dict(sorted(errors.items())),

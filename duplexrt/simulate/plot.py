@@ -1,0 +1,54 @@
+"""``simulate --plot``: each round's frame lag over time and its distribution, as a PNG.
+
+matplotlib is an optional extra (``duplexrt[plot]``): imported only here, only when asked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from duplexrt.simulate.report import SimulationReport
+
+
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+def plot_report(report: SimulationReport, path: str | Path, *, late_ms: float) -> Path:
+    """Write the plot; one row per measured round (left: lag over time, right: histogram)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'duplexrt[plot]'") from None
+    rounds = [r for r in report.rounds if r.lag_samples is not None]
+    if not rounds:
+        raise PlotUnavailable("no per-frame samples were kept for this run")
+    figure, axes = plt.subplots(len(rounds), 2, figsize=(12, 3.6 * len(rounds)), squeeze=False,
+                                gridspec_kw={"width_ratios": [3, 1]})
+    for row, round_ in zip(axes, rounds):
+        times, lags = round_.lag_samples
+        over_time, distribution = row
+        over_time.scatter(times, lags, s=5, alpha=0.6, linewidths=0)
+        over_time.axhline(late_ms, color="tab:red", linewidth=1, linestyle="--", label=f"late ({late_ms:g} ms)")
+        over_time.set_xlabel("seconds into the round")
+        over_time.set_ylabel("frame lag (ms)")
+        over_time.set_title(f"{round_.sessions} sessions, {round_.mode}: each output frame's lag")
+        over_time.legend(loc="upper right")
+        if len(lags):
+            p50, p99 = np.percentile(lags, [50, 99])
+            distribution.hist(lags, bins=60, orientation="horizontal", color="tab:gray")
+            for value, name, colour in ((p50, "p50", "tab:blue"), (p99, "p99", "tab:orange")):
+                distribution.axhline(value, linewidth=1, color=colour, label=f"{name} {value:.1f} ms")
+            distribution.legend(loc="upper right")
+        distribution.set_xlabel("frames")
+        distribution.set_ylim(over_time.get_ylim())
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
