@@ -104,6 +104,8 @@ class Session:
         self._delivered = 0
         self._sent = 0
         self._dropped = 0  # outputs thrown away at the client's request (ClearOutput)
+        self._told = 0  # outputs handed to the translator (sent, or being sent)
+        self._stopped = False  # _finish was called: no more output goes out
         self._input_ended = False
         self._finish_reason: str | None = None
         self._finish_error: str | None = None
@@ -141,8 +143,8 @@ class Session:
 
     @property
     def frames_answered(self) -> int:
-        """Frames sent, plus those dropped by ClearOutput."""
-        return self._sent + self._dropped
+        """Frames handed to the translator to send, plus those dropped by ClearOutput."""
+        return self._told + self._dropped
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -177,9 +179,8 @@ class Session:
             self._release()
             runtime.sessions.discard(self)
             metrics.sessions_active -= 1
-            end = self.summary()
             with trio.CancelScope(shield=True):
-                await self._say_goodbye(end)
+                end = await self._say_goodbye()
             self._log_end(end)
         return end
 
@@ -225,7 +226,9 @@ class Session:
             self._cancel_scope.cancel()
 
     def _finish(self, reason: str, error: str | None, close_code: int) -> None:
-        """Record why the session ends (the first reason wins) and stop its tasks."""
+        """Record why the session ends (the first reason wins) and stop its tasks: outputs that
+        arrive from now on (a later step of a failed session) are not sent."""
+        self._stopped = True
         if self._finish_reason is None:
             self._finish_reason = reason
             self._finish_error = error
@@ -240,25 +243,35 @@ class Session:
         self._close_outbox()
         self._framer.clear()
 
-    async def _say_goodbye(self, end: SessionEnd) -> None:
-        if end.reason == CLIENT_CLOSED:
+    async def _say_goodbye(self) -> SessionEnd:
+        """Send what the writer left (a fatal error, audio cut off mid-send), then the end with
+        its usage, then close.  Returns the end as the client was told it."""
+        if self._finish_reason == CLIENT_CLOSED:
             await self._transport.close(self._close_code)
-            return
-        self._queue(self._protocol.end(end))  # after anything still pending (a fatal error)
-        with trio.move_on_after(CLOSE_TIMEOUT):
+            return self.summary()
+        with trio.move_on_after(CLOSE_TIMEOUT) as timeout:
             try:
                 while self._pending:
                     await self._transport.send(self._pending[0])
                     self._pending.popleft()
+                # Every output the translator was given is now out.
+                self._runtime.metrics.frames_out += self._told - self._sent
+                self._sent = self._told
+                end = self.summary()
+                for message in self._protocol.end(end):
+                    await self._transport.send(message)
             except TransportClosed:
                 pass
+        if timeout.cancelled_caught or self._pending:
+            end = self.summary()
         reason = end.error or end.reason
         await self._transport.close(self._close_code, reason[:120])
+        return end
 
     # -- scheduler callbacks (trio thread, once per step) ----------------------------------------
 
     def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
-        if self.lease is None or self.lease.released:
+        if self.lease is None or self.lease.released or self._stopped:
             return
         self._outbox.append((output, text, submitted_ns, stepped_ns))
         self._delivered += 1
@@ -482,12 +495,14 @@ class Session:
                 if payload:
                     pending.extend(protocol.audio_out(payload, count))
                 # Counted as the translator is told, so that what it reads stays in step with
-                # what it has said, whatever arrives while the messages are being sent.
-                self._sent += count
-                metrics.frames_out += count
+                # what it has said, whatever arrives while the messages are being sent...
+                self._told += count
                 while pending:
                     await transport.send(pending[0])
                     pending.popleft()
+                # ... and as sent only once they are: usage counts what the client got.
+                self._sent += count
+                metrics.frames_out += count
                 now = time.perf_counter_ns()
                 if self._collect:
                     self._record_sent(items, now, metrics)
