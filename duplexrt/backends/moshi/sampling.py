@@ -57,7 +57,8 @@ def mix32_int(x: int) -> int:
 
 def session_key(seed: int, session_id: int) -> int:
     """A row's 32-bit key for a session: the backend's seed and the session's id, hashed."""
-    key = mix32_int(seed & _MASK32 ^ _M3)
+    key = mix32_int((seed & _MASK32) ^ _M3)
+    key = mix32_int(key ^ (seed >> 32 & _MASK32))
     key = mix32_int(key ^ (session_id & _MASK32))
     return mix32_int(key ^ (session_id >> 32 & _MASK32))
 
