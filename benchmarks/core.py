@@ -66,7 +66,7 @@ def main() -> None:
     paced = _run(["runtime.slots=96", "backend.options.step_ms=20"], concurrency=96, frames=args.paced_frames,
                  mode="paced")
     results["paced"] = paced
-    print(f"   late frames {paced['late_frames']}, step->sent p50/p99/max "
+    print(f"   late frames {paced['late_frames']}, step->delivered p50/p99/max "
           f"{paced['delivery_ms']['p50']:.3f}/{paced['delivery_ms']['p99']:.3f}/{paced['delivery_ms']['max']:.3f} ms, "
           f"frame lag p99 {paced['frame_lag_ms']['p99']:.1f} ms, cpu {paced['cpu_us_per_frame']:.1f}us/frame",
           file=sys.stderr)

@@ -39,7 +39,8 @@ class FrameMetrics:
         self.enqueue = Histogram()
         #: Submitted to the inbox → handed to the transport (nanoseconds).
         self.latency = Histogram()
-        #: The step that made it finished → handed to the transport (nanoseconds).
+        #: The step that made a batch of output finished → the batch handed to the transport
+        #: (nanoseconds; once per batch, for its oldest frame).
         self.step_to_sent = Histogram()
         #: Session opened → its first audio sent (nanoseconds).
         self.first_audio = Histogram()

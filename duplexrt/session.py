@@ -435,12 +435,12 @@ class Session:
                      metrics: FrameMetrics) -> None:
         """Stage timing for a batch just sent: a few integer operations per frame."""
         latency = metrics.latency
-        step_to_sent = metrics.step_to_sent
         late_ns = self._late_ns
+        # Once per batch: the frames of one batch were stepped together or just before.
+        metrics.step_to_sent.record(now - items[0][3])
         for item in items:
             value = now - item[2]
             latency.record(value)
-            step_to_sent.record(now - item[3])
             self._latency_sum_ns += value
             if value > self._latency_max_ns:
                 self._latency_max_ns = value
