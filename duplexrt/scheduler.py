@@ -332,7 +332,6 @@ class Scheduler:
 
     def _serve(self) -> None:
         inbox = self.inbox
-        backend = self.backend
         while True:
             batch = inbox.next_batch(self.gather_window)
             if batch is None:

@@ -156,7 +156,6 @@ class Session:
         metrics.sessions_active += 1
         runtime.sessions.add(self)
         self._opened_ns = time.perf_counter_ns()
-        cancelled = False
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel_scope = nursery.cancel_scope
@@ -167,7 +166,6 @@ class Session:
                 if self._reader_scope.cancelled_caught:  # shutdown(): drain what was taken
                     await self._end_input()
         except BaseException as exc:
-            cancelled = True
             if self._finish_reason is None:
                 if _only_cancellation(exc):
                     self._finish(SHUTDOWN, None, GOING_AWAY)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@ a thousand sessions leave nothing behind; stats reach the log and /metrics."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import numpy as np

@@ -1,7 +1,8 @@
 """Clients of a running duplexrt server: one sans-IO protocol class per route, a conversation
 driver shared with ``duplexrt simulate``, and the ``duplexrt client`` command's logic."""
 
-from duplexrt.client.connection import ConnectError, WebSocketClientTransport, open_connection
+from duplexrt.client.connection import ConnectError, open_connection
+from duplexrt.websocket import WebSocketTransport
 from duplexrt.client.conversation import Conversation
 from duplexrt.client.protocols import (
     ClientProtocol,
@@ -20,6 +21,6 @@ from duplexrt.client.protocols import (
 
 __all__ = [
     "ClientProtocol", "ConnectError", "Conversation", "DuplexClient", "Ended", "MoshiClient", "Opened",
-    "Other", "RealtimeClient", "ServerError", "Text", "UnknownRoute", "WebSocketClientTransport",
+    "Other", "RealtimeClient", "ServerError", "Text", "UnknownRoute", "WebSocketTransport",
     "client_for_url", "open_connection", "route_of",
 ]

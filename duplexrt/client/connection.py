@@ -15,9 +15,10 @@ import trio
 import trio_websocket
 
 from duplexrt.client.protocols import ClientProtocol, Opened
-from duplexrt.transport import GOING_AWAY, Message, NORMAL_CLOSURE, TransportClosed
+from duplexrt.transport import TransportClosed
+from duplexrt.websocket import WebSocketTransport
 
-__all__ = ["ConnectError", "WebSocketClientTransport", "open_connection", "host_and_port"]
+__all__ = ["ConnectError", "WebSocketTransport", "open_connection", "host_and_port"]
 
 #: Largest message the client accepts (server audio messages are a few kB; this is generous).
 MAX_MESSAGE_BYTES = 16 << 20
@@ -37,47 +38,6 @@ def host_and_port(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "wss" else 80)
     return parts.hostname or "localhost", port
-
-
-class WebSocketClientTransport:
-    """A client ``WebSocketConnection`` with the session transport's interface."""
-
-    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
-        self.ws = ws
-
-    async def receive(self) -> Message:
-        try:
-            return await self.ws.get_message()
-        except trio_websocket.ConnectionClosed as exc:
-            raise _closed(exc.reason) from None
-
-    def receive_nowait(self) -> Message:
-        # trio-websocket keeps parsed messages in a memory channel; taking one that is already
-        # there needs no wait.  (A private attribute: without it, every receive waits.)
-        channel = getattr(self.ws, "_recv_channel", None)
-        if channel is None:
-            raise trio.WouldBlock
-        try:
-            return channel.receive_nowait()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise _closed(self.ws.closed) from None
-
-    async def send(self, message: Message) -> None:
-        if not isinstance(message, str | bytes):
-            message = bytes(message)
-        try:
-            await self.ws.send_message(message)
-        except trio_websocket.ConnectionClosed as exc:
-            raise _closed(exc.reason) from None
-
-    async def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
-        await self.ws.aclose(code, reason or None)
-
-
-def _closed(reason: trio_websocket.CloseReason | None) -> TransportClosed:
-    if reason is None:
-        return TransportClosed(GOING_AWAY, "the connection went away")
-    return TransportClosed(reason.code, reason.reason or "")
 
 
 def _describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
@@ -118,7 +78,7 @@ def _classify(exc: BaseException, url: str) -> ConnectError:
 
 @asynccontextmanager
 async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | None = None,
-                          timeout: float = 10.0) -> AsyncIterator[tuple[WebSocketClientTransport, Opened | None]]:
+                          timeout: float = 10.0) -> AsyncIterator[tuple[WebSocketTransport, Opened | None]]:
     """Open a WebSocket to ``url`` (already carrying the protocol's query) and, where the protocol's
     server speaks first, wait for its greeting.  Yields the transport and the greeting; raises
     ConnectError if either fails.  The connection is closed when the block ends."""
@@ -133,7 +93,7 @@ async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | 
     except OSError as exc:
         raise _classify(exc, url) from None
     try:
-        transport = WebSocketClientTransport(ws)
+        transport = WebSocketTransport(ws)
         opened = await _greeting(transport, protocol, timeout) if protocol.greets else None
         yield transport, opened
     except BaseException as exc:
@@ -146,7 +106,7 @@ async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | 
             pass  # the conversation is over; a peer slow to finish the close changes nothing
 
 
-async def _greeting(transport: WebSocketClientTransport, protocol: ClientProtocol, timeout: float) -> Opened:
+async def _greeting(transport: WebSocketTransport, protocol: ClientProtocol, timeout: float) -> Opened:
     """The server's first message, which must be its greeting."""
     with trio.move_on_after(timeout) as scope:
         try:

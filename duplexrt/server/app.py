@@ -24,7 +24,7 @@ from duplexrt.server.http import BadRequest, RequestHead, read_request_head, res
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.streams import PrefixedStream
-from duplexrt.server.websocket import WebSocketTransport
+from duplexrt.websocket import WebSocketTransport
 from duplexrt.stats_log import log_stats
 from duplexrt.transport import GOING_AWAY
 

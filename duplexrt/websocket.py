@@ -1,4 +1,5 @@
-"""A trio-websocket connection as a session ``Transport``."""
+"""A trio-websocket connection as a ``Transport``: the server's sessions and the clients
+(``duplexrt client``, ``simulate --url``) speak through the same adapter."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from duplexrt.transport import GOING_AWAY, Message, POLICY_VIOLATION, TransportC
 
 
 class WebSocketTransport:
-    """Adapts ``WebSocketConnection`` to the session's transport interface, and enforces that a
-    client sends its first message within ``first_message_timeout`` seconds."""
+    """Adapts ``WebSocketConnection`` to the transport interface.  On a server, also enforces
+    that the client sends its first message within ``first_message_timeout`` seconds."""
 
     def __init__(self, ws: trio_websocket.WebSocketConnection, first_message_timeout: float = math.inf) -> None:
         self.ws = ws
@@ -36,7 +37,9 @@ class WebSocketTransport:
     def receive_nowait(self) -> Message:
         # trio-websocket queues parsed messages in a memory channel; taking one that is already
         # there needs no wait.  (A private attribute: if it ever goes away, say so here.)
-        channel = self.ws._recv_channel
+        channel = getattr(self.ws, "_recv_channel", None)
+        if channel is None:
+            raise trio.WouldBlock
         try:
             message = channel.receive_nowait()
         except (trio.EndOfChannel, trio.ClosedResourceError):
