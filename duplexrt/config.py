@@ -47,6 +47,14 @@ def _one_of(key: str, allowed: Iterable[str]):
     return check
 
 
+def _is_bool(key: str):
+    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class AudioConfig:
     """The model's audio clock: every session is cut into frames of this size at this rate."""
@@ -76,18 +84,14 @@ class RuntimeConfig:
     #: ``counted``: only encoded formats and full inboxes use worker threads.  ``always``: every
     #: conversion and submit hops through a worker thread (the reference behaviour, for comparison).
     offload: str = attrs.field(default="counted", validator=_one_of("runtime.offload", OFFLOAD_POLICIES))
+    #: Pin the trio thread and the scheduler thread to one CPU.  Both run Python under the GIL,
+    #: so they never run Python at once anyway; on separate cores every GIL handoff crosses
+    #: cores, which measured three times the CPU per frame here (docs/benchmarks.md).
+    pin_host_threads: bool = attrs.field(default=True, validator=_is_bool("runtime.pin_host_threads"))
     #: A session that reaches this much input ends with finish reason ``length`` (0: no limit
     #: beyond the model's own context).
     max_session_seconds: float = attrs.field(
         default=0.0, validator=_float_range("runtime.max_session_seconds", 0.0, 7 * 24 * 3600.0))
-
-
-def _is_bool(key: str):
-    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-
-    return check
 
 
 @attrs.frozen(kw_only=True)

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from duplexrt.affinity import chosen_cpu, pin_this_thread, restore
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.backends import Backend, create_backend
 from duplexrt.config import Config
@@ -43,7 +44,14 @@ class Runtime:
 
     async def run(self, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model on the scheduler thread, then serve until cancelled."""
-        await self.scheduler.run(task_status=_Started(task_status, self))
+        cpu = chosen_cpu() if self.config.runtime.pin_host_threads else None
+        previous = pin_this_thread(cpu)
+        self.scheduler.pin_cpu = cpu
+        self.scheduler.unpinned_cpus = previous
+        try:
+            await self.scheduler.run(task_status=_Started(task_status, self))
+        finally:
+            restore(previous)
 
     def audio_spec(self, format: str | AudioFormat = AudioFormat.PCM_F32LE,
                    sample_rate: int | None = None) -> AudioSpec:

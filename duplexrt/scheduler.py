@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 import trio
 
+from duplexrt.affinity import pin_this_thread, restore
 from duplexrt.backends.base import Backend, SlotSession
 from duplexrt.config import RuntimeConfig
 from duplexrt.handoffs import HandoffKind, Handoffs
@@ -167,6 +168,9 @@ class Scheduler:
                            lambda: handoffs.count_from_any_thread(HandoffKind.SCHEDULER_WAKE))
         self._free_slots = list(range(self.slots - 1, -1, -1))  # pop() gives the lowest
         self._session_ids = itertools.count(1)
+        #: ``runtime.pin_host_threads``: the CPU this thread shares with the trio thread.
+        self.pin_cpu: int | None = None
+        self.unpinned_cpus: set[int] | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._thread: threading.Thread | None = None
         self._started = trio.Event()
@@ -306,12 +310,17 @@ class Scheduler:
     def _thread_main(self) -> None:
         error: BaseException | None = None
         try:
+            # Born pinned like the trio thread that started it: the model loads with every core
+            # (a CPU model's thread pool starts here), and only then does this thread pin itself.
+            restore(self.unpinned_cpus)
             self.backend.load()
             shape = (self.slots, self.frame_size)
             self._inputs = _host_buffer(shape, self.backend.info.device)
             self._outputs = _host_buffer(shape, self.backend.info.device)
             self._input_bytes = memoryview(self._inputs).cast("B")
             self._frame_bytes = self.frame_size * self._inputs.itemsize
+            # After load: whatever threads the model started keep every core.
+            pin_this_thread(self.pin_cpu)
             self._rows = np.zeros(self.slots, dtype=np.int64)
         except BaseException as exc:
             log.exception("backend %r failed to load", self.backend.info.name)

@@ -6,6 +6,8 @@ stall gate and injected failures to the synthetic model where a test needs them.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import trio
@@ -458,3 +460,50 @@ async def test_every_step_is_delivered_once_in_order_with_at_most_one_crossing_e
         for i, run in enumerate(runs):
             assert bytes(run.client.audio) == synthetic_wire(model_frames(workloads[i], wire), 100 + i, wire)
 
+
+
+async def test_pinning_puts_the_trio_and_scheduler_threads_on_one_cpu_and_restores_it():
+    import os
+
+    from duplexrt.scheduler import THREAD_NAME
+
+    before = os.sched_getaffinity(0)
+    config = make_config("runtime.pin_host_threads=true")
+    async with open_runtime(config) as runtime:
+        cpu = runtime.scheduler.pin_cpu
+        assert cpu == min(before)
+        assert os.sched_getaffinity(0) == {cpu}
+        (thread,) = [t for t in threading.enumerate() if t.name == THREAD_NAME]
+        with trio.fail_after(10):
+            while os.sched_getaffinity(thread.native_id) != {cpu}:
+                await trio.sleep(0.01)
+    assert os.sched_getaffinity(0) == before
+
+
+async def test_without_pinning_affinity_is_left_alone():
+    import os
+
+    before = os.sched_getaffinity(0)
+    async with open_runtime(make_config("runtime.pin_host_threads=false")) as runtime:
+        assert runtime.scheduler.pin_cpu is None
+        assert os.sched_getaffinity(0) == before
+
+
+async def test_the_model_loads_with_every_cpu_before_the_scheduler_thread_pins_itself():
+    import os
+
+    from duplexrt.backends.echo import EchoBackend
+
+    seen = {}
+
+    class RecordingLoad(EchoBackend):
+        """FAKE load(): records the affinity a model's thread pool would inherit."""
+
+        def load(self):
+            seen["cpus"] = os.sched_getaffinity(0)
+
+    before = os.sched_getaffinity(0)
+    config = make_config("runtime.pin_host_threads=true")
+    async with open_runtime(config, RecordingLoad(backend_info(config, "echo"), {})):
+        pass
+    assert seen["cpus"] == before
