@@ -6,7 +6,8 @@ Runs, in one process and one sitting so that ratios compare like with like on a 
    policy and ``--offload always`` (the reference behaviour) alternated ``--pairs`` times;
 2. paced, 96 sessions, synthetic ``step_ms=20``: late frames and step-finished -> sent delay;
 3. burst host CPU per frame at 16, 96 and 512 sessions (flatness);
-4. burst 96 sessions: stage metrics collected against not collected, alternated ``--pairs`` times.
+4. burst 96 sessions: stage metrics collected against not collected, alternated ``--pairs`` times;
+5. burst 96 sessions: host threads pinned to one CPU (the default) against not pinned.
 
 Usage: python benchmarks/core.py [--pairs 3] [--frames 512] [--paced-frames 250] [--json out.json]
 """
@@ -94,6 +95,23 @@ def main() -> None:
               f"ratio {collect_pairs[-1]['ratio']:.3f}", file=sys.stderr)
     results["collect"] = collect_pairs
 
+    print(f"5. burst 96 x {args.frames}: host threads pinned vs not, {args.pairs} pairs", file=sys.stderr)
+    pin_pairs = []
+    for i in range(args.pairs):
+        pinned = _run(["runtime.slots=96"], concurrency=96, frames=args.frames, warmup_frames=8)
+        loose = _run(["runtime.slots=96", "runtime.pin_host_threads=false"], concurrency=96, frames=args.frames,
+                     warmup_frames=8)
+        pin_pairs.append({"pinned": pinned["cpu_us_per_frame"], "unpinned": loose["cpu_us_per_frame"],
+                          "pinned_vcs": pinned["voluntary_switches_per_frame"],
+                          "unpinned_vcs": loose["voluntary_switches_per_frame"],
+                          "cpu_ratio": loose["cpu_us_per_frame"] / pinned["cpu_us_per_frame"],
+                          "elapsed_ratio": loose["elapsed_s"] / pinned["elapsed_s"]})
+        print(f"   pair {i + 1}: pinned {pinned['cpu_us_per_frame']:.1f} us/frame "
+              f"({pinned['voluntary_switches_per_frame']:.3f} vcs), not pinned {loose['cpu_us_per_frame']:.1f} "
+              f"({loose['voluntary_switches_per_frame']:.3f} vcs), elapsed ratio {pin_pairs[-1]['elapsed_ratio']:.2f}",
+              file=sys.stderr)
+    results["pinning"] = pin_pairs
+
     summary = {
         "burst_cpu_us_per_frame_median": statistics.median(p["counted"]["cpu_us_per_frame"] for p in pairs),
         "burst_voluntary_switches_per_frame_median": statistics.median(
@@ -104,6 +122,7 @@ def main() -> None:
         "paced_step_to_sent_p99_ms": paced["delivery_ms"]["p99"],
         "scale_cpu_us_per_frame_median": {k: statistics.median(v["cpu_us_per_frame"]) for k, v in scale.items()},
         "collect_on_over_off_cpu_median": statistics.median(p["ratio"] for p in collect_pairs),
+        "unpinned_over_pinned_cpu_median": statistics.median(p["cpu_ratio"] for p in pin_pairs),
     }
     results["summary"] = summary
     print(json.dumps(summary, indent=2))
