@@ -49,7 +49,7 @@ SetOption = Annotated[
     typer.Option("--set", help="Override any config key: --set runtime.inbox_depth=8 (repeatable)."),
 ]
 BackendOption = Annotated[
-    Optional[str], typer.Option("--backend", "-b", help="Model backend: echo (default) or synthetic.",
+    Optional[str], typer.Option("--backend", "-b", help="Model backend: echo (default), synthetic or moshi.",
                                 envvar="DUPLEXRT_BACKEND")
 ]
 BackendOptionOption = Annotated[

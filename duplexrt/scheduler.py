@@ -114,15 +114,17 @@ class SlotLease:
             raise SlotClosedError("the session's slot was released")
         return self._inbox.put_nowait(self.slot, self.owner, frame, time.perf_counter_ns())
 
-    async def submit(self, frame: np.ndarray) -> None:
-        """Queue ``frame``, waiting on a worker thread only when the inbox is full.
+    async def submit(self, frame: np.ndarray, stamp: int | None = None) -> None:
+        """Queue ``frame`` (submitted at ``stamp``, perf_counter_ns, now by default), waiting on
+        a worker thread only when the inbox is full.
 
         ``offload = "always"`` sends every submit through a worker thread, as the reference
         orchestrator did, so the two can be compared.
         """
         if self._released:
             raise SlotClosedError("the session's slot was released")
-        stamp = time.perf_counter_ns()
+        if stamp is None:
+            stamp = time.perf_counter_ns()
         scheduler = self._scheduler
         if scheduler.always_offload:
             kind = HandoffKind.SUBMIT_OFFLOAD
@@ -324,6 +326,10 @@ class Scheduler:
             self._rows = np.zeros(self.slots, dtype=np.int64)
         except BaseException as exc:
             log.exception("backend %r failed to load", self.backend.info.name)
+            try:
+                self.backend.close()  # whatever it did load (device memory, thread pools) goes
+            except Exception:
+                log.exception("backend %r failed to close", self.backend.info.name)
             self._to_trio(HandoffKind.LIFECYCLE, self._on_finished, exc)
             return
         self._to_trio(HandoffKind.LIFECYCLE, self._on_started)

@@ -60,6 +60,8 @@ log = logging.getLogger("duplexrt.session")
 
 #: How long a closing session waits for a slow client to take its last messages.
 CLOSE_TIMEOUT = 2.0
+#: Replies and errors a session may have waiting for a client that is not reading.
+MAX_PENDING_MESSAGES = 64
 
 STOP = "stop"
 CLIENT_CLOSED = "client_closed"
@@ -99,6 +101,7 @@ class Session:
         # writer sends from it: what the client sees is in the order the translator decided,
         # even when the reader (replies, errors) and the writer (audio) both have something.
         self._pending: deque[Message] = deque()
+        self._metrics = runtime.metrics
         self._in_flight = 0  # submitted and not yet sent
         self._submitted = 0
         self._delivered = 0
@@ -249,9 +252,7 @@ class Session:
             return self.summary()
         with trio.move_on_after(CLOSE_TIMEOUT) as timeout:
             try:
-                while self._pending:
-                    await self._transport.send(self._pending[0])
-                    self._pending.popleft()
+                await self._send_pending()
                 # Every output the translator was given is now out.
                 self._runtime.metrics.frames_out += self._told - self._sent
                 self._sent = self._told
@@ -305,6 +306,8 @@ class Session:
                     break
                 elif kind is not Ignored:
                     await self._handle(event)
+                    if len(self._pending) > MAX_PENDING_MESSAGES:
+                        await self._wait_for_room()
                 try:
                     message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
                 except trio.WouldBlock:
@@ -357,8 +360,14 @@ class Session:
             if self._writer_lot:
                 self._writer_lot.unpark_all()
 
+    async def _wait_for_room(self) -> None:
+        """A client that stops reading but keeps sending control messages must not grow the
+        queue of replies without bound: its reader waits until the writer catches up."""
+        while len(self._pending) > MAX_PENDING_MESSAGES:
+            await self._credit.park()
+
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
-        started = time.perf_counter_ns()
+        started = time.perf_counter_ns() if self._collect else 0
         decoder = self._decoder
         try:
             if decoder.is_encoded:
@@ -374,7 +383,7 @@ class Session:
             return
         frames = self._framer.push(samples)
         if self._collect:
-            self._runtime.metrics.preprocess.record(time.perf_counter_ns() - started)
+            self._metrics.preprocess.record(time.perf_counter_ns() - started)
         for frame in frames:
             await self._submit(frame)
 
@@ -391,16 +400,16 @@ class Session:
         self._in_flight += 1
         started = time.perf_counter_ns()
         try:
-            await self.lease.submit(frame)
+            await self.lease.submit(frame, started)
         except SlotClosedError:
             self._in_flight -= 1
             self._finish(SHUTDOWN, "the runtime is stopping", GOING_AWAY)
-            await trio.lowlevel.checkpoint()  # the cancellation just requested lands here
-            raise
+            await trio.lowlevel.checkpoint()  # the cancellation just requested lands here...
+            raise  # ... so this only runs if the reader was shielded: the slot is gone either way
         if not self._submitted:
             self._first_submit_ns = started
         self._submitted += 1
-        metrics = self._runtime.metrics
+        metrics = self._metrics
         metrics.frames_in += 1
         if self._collect:
             metrics.enqueue.record(time.perf_counter_ns() - started)
@@ -429,6 +438,17 @@ class Session:
 
     # -- writer ----------------------------------------------------------------------------------
 
+    async def _send_pending(self) -> None:
+        """Send the queued messages in order; each leaves the queue only once sent, so a send cut
+        off by cancellation leaves it for the goodbye."""
+        pending = self._pending
+        transport = self._transport
+        while pending:
+            await transport.send(pending[0])
+            pending.popleft()
+        if self._credit:
+            self._credit.unpark_all()  # a reader waiting for room in the queue
+
     def _record_sent(self, items: list[tuple[np.ndarray, str | None, int, int]], now: int,
                      metrics: FrameMetrics) -> None:
         """Stage timing for a batch just sent: a few integer operations per frame."""
@@ -455,15 +475,13 @@ class Session:
     async def _write_loop(self) -> None:
         outbox = self._outbox
         pending = self._pending
-        transport = self._transport
         protocol = self._protocol
         metrics = self._runtime.metrics
         encoder = self._encoder
         try:
             while True:
-                while pending:
-                    await transport.send(pending[0])
-                    pending.popleft()  # only once sent: a cancelled send leaves it for goodbye
+                if pending:
+                    await self._send_pending()
                 if not outbox:
                     if self._outbox_done:
                         break
@@ -490,14 +508,13 @@ class Session:
                         self._text_pieces += 1
                         metrics.text_pieces += 1
                         pending.extend(protocol.text_out(item[1]))
-                if payload:
-                    pending.extend(protocol.audio_out(payload, count))
+                # Even with no bytes (an encoder still filling a packet): the translator counts
+                # the frames, and may close a turn on them.
+                pending.extend(protocol.audio_out(payload, count))
                 # Counted as the translator is told, so that what it reads stays in step with
                 # what it has said, whatever arrives while the messages are being sent...
                 self._told += count
-                while pending:
-                    await transport.send(pending[0])
-                    pending.popleft()
+                await self._send_pending()
                 # ... and as sent only once they are: usage counts what the client got.
                 self._sent += count
                 metrics.frames_out += count
@@ -511,9 +528,7 @@ class Session:
             tail = encoder.flush()
             if tail:
                 pending.extend(protocol.audio_out(tail, 0))
-            while pending:
-                await transport.send(pending[0])
-                pending.popleft()
+            await self._send_pending()
         except TransportClosed:
             self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
 

@@ -673,11 +673,24 @@ def test_error_event_shape():
     assert event["error"]["event_id"] is None
 
 
-def test_end_without_a_response_says_nothing():
+def test_end_without_a_response_says_nothing_unless_the_server_failed():
     protocol, _ = make()
     protocol.start()
     assert protocol.end(SessionEnd("stop", 4, 4, 0.32, 0.32)) == []
-    assert protocol.end(SessionEnd("error", 4, 4, 0.32, 0.32, error="boom")) == []
+    [error] = decoded(protocol.end(SessionEnd("error", 4, 4, 0.32, 0.32, error="boom")))
+    assert error["type"] == "error" and error["error"]["type"] == "server_error"
+    assert error["error"]["message"] == "boom"
+
+
+def test_empty_audio_counts_its_frames_and_can_complete_a_turn():
+    protocol, progress = make()
+    progress.frames_in = 2
+    send(protocol, "response.create")
+    assert len(protocol.audio_out(b"\x01\x00", 1)) == 1
+    progress.frames_out = 1
+    events = decoded(protocol.audio_out(b"", 1))  # the encoder held this frame's bytes back
+    assert [e["type"] for e in events][-1] == "response.done"
+    assert events[-1]["response"]["usage"]["output_token_details"]["audio_tokens"] == 2
 
 
 @pytest.mark.parametrize(("reason", "status", "detail"), [

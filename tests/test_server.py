@@ -307,3 +307,25 @@ def test_sigterm_drains_sessions_and_exits_zero(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+async def test_head_gets_the_headers_without_a_body(nursery):
+    running = await _start(nursery)
+    status, headers, body = await http_get(running.port, "/healthz", method="HEAD")
+    assert status == 200 and headers["content-length"] == "3" and body == b""
+
+
+def test_serving_on_a_port_in_use_is_one_clear_error():
+    import socket
+
+    from typer.testing import CliRunner
+
+    from duplexrt_cli.app import app
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", "--port", str(port), "--no-log-stats"])
+    assert result.exit_code == 2
+    assert "cannot listen" in result.output

@@ -7,6 +7,7 @@ session's format) and compares; thread crossings are read from the runtime's own
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -38,7 +39,7 @@ from conftest import (
 from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.handoffs import OFFLOAD_KINDS, HandoffKind
 from duplexrt.runtime import Runtime, open_runtime
-from duplexrt.transport import INTERNAL_ERROR, memory_transport_pair
+from duplexrt.transport import INTERNAL_ERROR, TransportClosed, memory_transport_pair
 
 SYNTHETIC = ("backend.name=synthetic",)
 
@@ -390,3 +391,24 @@ async def test_input_end_with_nothing_sent_ends_cleanly():
         assert log.messages_sent == 0  # nothing but input.end
         assert log.end["usage"]["frames_in"] == 0 and log.audio_messages == 0
         assert runtime.scheduler.free_slots == 2
+
+
+async def test_a_client_that_sends_but_never_reads_cannot_grow_the_reply_queue():
+    from duplexrt.session import MAX_PENDING_MESSAGES
+
+    config = make_config("runtime.slots=2")
+    async with open_runtime(config) as runtime:
+        client, server = memory_transport_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runtime.serve, server)
+
+            async def flood() -> None:
+                with contextlib.suppress(TransportClosed):
+                    for _ in range(1000):
+                        await client.send(json.dumps({"type": "ping"}))
+
+            nursery.start_soon(flood)
+            await trio.testing.wait_all_tasks_blocked()
+            (session,) = runtime.sessions
+            assert len(session._pending) <= MAX_PENDING_MESSAGES + 1
+            await client.close(1000, "bye")

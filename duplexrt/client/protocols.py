@@ -38,6 +38,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import attrs
 
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+from duplexrt.protocols import moshi as moshi_wire
 from duplexrt.transport import Message
 
 __all__ = [
@@ -341,7 +342,7 @@ class MoshiClient(ClientProtocol):
         self.output_spec = self.input_spec
 
     def audio(self, payload: Buffer) -> Message:
-        return b"\x01" + payload
+        return bytes((moshi_wire.AUDIO,)) + payload
 
     def parse(self, message: Message) -> Buffer | Event:
         if isinstance(message, str) or not message:

@@ -132,7 +132,7 @@ class MoshiProtocol(Translator):
         return _IGNORED
 
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
-        return [_AUDIO_PREFIX + payload]
+        return [_AUDIO_PREFIX + payload] if payload else []
 
     def text_out(self, text: str) -> list[Message]:
         return [_TEXT_PREFIX + text.encode("utf-8", "replace")]

@@ -57,7 +57,7 @@ class RawProtocol(Translator):
         return ProtocolError("unknown_event", f"unknown event type {kind!r}; expected input.end or ping")
 
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
-        return [payload]
+        return [payload] if payload else []
 
     def text_out(self, text: str) -> list[Message]:
         return [json.dumps({"type": "text", "text": text})]

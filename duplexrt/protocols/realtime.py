@@ -235,17 +235,23 @@ class RealtimeProtocol(Translator):
             if not self.duplex:
                 self._hold(payload, frames)
             return []
-        head, tail = response.audio_prefix
-        message = (f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
-                   f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
-        response.audio_sent = True
+        messages: list[Message] = [self._delta_message(response, payload)] if payload else []
         response.frames += frames
         target = response.target
         if target is None or self.progress.frames_answered + frames < target:
-            return [message]
-        return [message, *self._close_response("completed", None)]
+            return messages
+        return [*messages, *self._close_response("completed", None)]
+
+    def _delta_message(self, response: _Response, payload: bytes) -> str:
+        """One audio delta, formatted by hand (see ``_Response``)."""
+        response.audio_sent = True
+        head, tail = response.audio_prefix
+        return (f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
+                f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
 
     def _hold(self, payload: bytes, frames: int) -> None:
+        if not payload:
+            return
         self._held.append((payload, frames))
         self._held_bytes += len(payload)
         while self._held_bytes > MAX_HELD_BYTES and len(self._held) > 1:
@@ -260,10 +266,8 @@ class RealtimeProtocol(Translator):
         for payload, frames in held:
             if response is None:
                 break
-            head, tail = response.audio_prefix
-            messages.append(f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
-                            f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
-            response.audio_sent = True
+            if payload:
+                messages.append(self._delta_message(response, payload))
             response.frames += frames
         return messages
 
@@ -288,6 +292,11 @@ class RealtimeProtocol(Translator):
 
     def end(self, end: SessionEnd) -> list[Message]:
         if self._response is None:
+            if end.reason == "error" and not self._fatal_sent:
+                # No response to fail, but the client still hears why the session ends.
+                return [self._event("error", error={
+                    "type": "server_error", "code": "server_error", "param": None, "event_id": None,
+                    "message": end.error or "internal server error"})]
             return []
         status, reason = _END_STATUS.get(end.reason, ("incomplete", end.reason))
         messages: list[Message] = []

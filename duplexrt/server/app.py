@@ -68,6 +68,8 @@ class Server:
                 if self.config.metrics.log_stats:
                     connections.start_soon(log_stats, runtime, self.config.metrics.log_stats_interval_s)
                 with trio.CancelScope() as self._accept_scope:
+                    if self._draining:  # a signal came while the model was loading
+                        self._accept_scope.cancel()
                     task_status.started(self)
                     await trio.serve_listeners(self._handle, listeners, handler_nursery=connections)
                 await self._drain()
@@ -141,6 +143,10 @@ class Server:
             return
         runtime = self.runtime
         assert runtime is not None
+        if not runtime.scheduler.ready:
+            self.refused["not_ready"] += 1
+            await self._respond(stream, 503, "the model is not ready", [("retry-after", "1")])
+            return
         if self._admitted >= runtime.scheduler.slots:
             self.refused["no_free_slot"] += 1
             await self._respond(stream, 503, f"all {runtime.scheduler.slots} session slots are in use; "
@@ -168,6 +174,8 @@ class Server:
             ws = await request.accept()
             transport = WebSocketTransport(ws, self.config.server.first_message_timeout_s)
             try:
+                if self._draining:  # shutdown began while this client's handshake was under way
+                    return
                 await self.runtime.serve(transport, translator)
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
@@ -190,31 +198,37 @@ class Server:
         if head.method not in ("GET", "HEAD"):
             await self._respond(stream, 405, "only GET is served here", [("allow", "GET")])
             return
+        status, body, content_type = self._plain_answer(head.path)
+        data = response_bytes(status, body, content_type)
+        if head.method == "HEAD":  # the same head, no body
+            data = data.partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
+        await self._send(stream, data)
+
+    def _plain_answer(self, path: str) -> tuple[int, bytes, str]:
         runtime = self.runtime
         assert runtime is not None
-        if head.path == "/healthz":
-            await self._respond(stream, 200, "ok")
-        elif head.path == "/readyz":
+        text = "text/plain; charset=utf-8"
+        if path == "/healthz":
+            return 200, b"ok\n", text
+        if path == "/readyz":
             scheduler = runtime.scheduler
             free = scheduler.slots - self._admitted
             ready = scheduler.ready and not self._draining and free > 0
             body = {"ready": ready, "model_loaded": scheduler.ready, "draining": self._draining,
                     "backend": runtime.backend.info.name, "slots": scheduler.slots, "free_slots": free,
                     "sessions": runtime.metrics.sessions_active}
-            await self._respond(stream, 200 if ready else 503, json.dumps(body), content_type="application/json")
-        elif head.path == "/metrics":
-            await self._send(stream, response_bytes(200, metrics_text(self.registry), CONTENT_TYPE_LATEST))
-        elif head.path == "/":
+            return (200 if ready else 503), json.dumps(body).encode(), "application/json"
+        if path == "/metrics":
+            return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
+        if path == "/":
             routes = "\n".join(f"  ws  {path}  ({route.name})" for path, route in ROUTES.items())
-            await self._respond(stream, 200, f"duplexrt\n{routes}\n  GET /healthz /readyz /metrics\n")
-        else:
-            await self._respond(stream, 404, f"nothing at {head.path}")
+            return 200, f"duplexrt\n{routes}\n  GET /healthz /readyz /metrics\n".encode(), text
+        return 404, f"nothing at {path}\n".encode(), text
 
     async def _respond(self, stream: trio.SocketStream, status: int, text: str,
-                       extra_headers: list[tuple[str, str]] | None = None,
-                       content_type: str = "text/plain; charset=utf-8") -> None:
-        body = text.encode() + (b"" if text.endswith("\n") or content_type != "text/plain; charset=utf-8" else b"\n")
-        await self._send(stream, response_bytes(status, body, content_type, extra_headers))
+                       extra_headers: list[tuple[str, str]] | None = None) -> None:
+        body = text.encode() + (b"" if text.endswith("\n") else b"\n")
+        await self._send(stream, response_bytes(status, body, "text/plain; charset=utf-8", extra_headers))
 
     async def _send(self, stream: trio.SocketStream, data: bytes) -> None:
         with trio.move_on_after(_CLOSE_TIMEOUT):
@@ -255,11 +269,25 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
                     nursery.cancel_scope.cancel()
                 server.shutdown()
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(watch_signals, nursery)
-        async with trio.open_nursery() as inner:
-            await inner.start(server.run)
-            log.warning("duplexrt serving %s on %s port(s) %s (backend %s, %d slots)",
-                        ", ".join(ROUTES), config.server.host, ", ".join(map(str, server.ports)),
-                        config.backend.name, config.runtime.slots)
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch_signals, nursery)
+            async with trio.open_nursery() as inner:
+                await inner.start(server.run)
+                log.warning("duplexrt serving %s on %s port(s) %s (backend %s, %d slots)",
+                            ", ".join(ROUTES), config.server.host, ", ".join(map(str, server.ports)),
+                            config.backend.name, config.runtime.slots)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # A port in use or a model that cannot load is one error for the caller, not nested groups.
+        leaves = _leaves(group)
+        if len(leaves) == 1 and isinstance(leaves[0], Exception):
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
