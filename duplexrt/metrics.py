@@ -35,7 +35,7 @@ class FrameMetrics:
         self.frames_out = 0
         #: Decode and framing of one message (nanoseconds).
         self.preprocess = Histogram()
-        #: One frame's submit into the inbox, waits included (nanoseconds).
+        #: One frame's submit into the inbox (nanoseconds; one frame in eight is timed).
         self.enqueue = Histogram()
         #: Submitted to the inbox → handed to the transport (nanoseconds).
         self.latency = Histogram()
