@@ -345,7 +345,7 @@ def test_duplex_client_asks_for_its_format_and_reads_the_servers_end():
     chosen = client_for_url("ws://h:1/v1/duplex?format=pcm_s16le&output_format=g711_ulaw")
     assert (chosen.input_spec.format.value, chosen.input_spec.sample_rate) == ("pcm_s16le", 24000)
     assert (chosen.output_spec.format.value, chosen.output_spec.sample_rate) == ("g711_ulaw", 8000)
-    with pytest.raises(ValueError, match="Opus goes to /api/chat"):
+    with pytest.raises(ValueError, match="Opus clients use /api/chat"):
         client_for_url("ws://h:1/v1/duplex?format=opus")
     assert client.end_input() == ['{"type": "input.end"}']
     assert client.parse(b"\x00\x01") == b"\x00\x01"

@@ -39,6 +39,7 @@ import attrs
 
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
 from duplexrt.protocols import moshi as moshi_wire
+from duplexrt.protocols.options import duplex_specs, wants_duplex
 from duplexrt.transport import Message
 
 __all__ = [
@@ -382,15 +383,6 @@ def route_of(url: str) -> str:
                        "(or name the protocol with --protocol)")
 
 
-def _rate(text: str | None, name: str) -> int | None:
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise AudioFormatError(f"{name} must be a whole number of Hz, got {text!r}") from None
-
-
 def query_of(url: str) -> dict[str, str]:
     return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
 
@@ -404,19 +396,11 @@ def client_for_url(url: str, *, protocol: str | None = None, input_format: str |
     name = protocol or route_of(url)
     query = query_of(url)
     if name == "duplex":
-        fmt = query.get("format") or input_format or AudioFormat.PCM_F32LE.value
-        rate = _rate(query.get("rate"), "rate") or input_rate
-        input_spec = AudioSpec.create(fmt, rate, model_rate=model_rate)
-        if input_spec.format.is_encoded:
-            raise AudioFormatError(f"/v1/duplex takes raw audio, not {input_spec.format.value} "
-                                   "(Opus goes to /api/chat)")
-        out_fmt = query.get("output_format") or input_spec.format.value
-        out_rate = _rate(query.get("output_rate"), "output_rate") or (
-            input_spec.sample_rate if out_fmt == input_spec.format.value else None)
-        return DuplexClient(input_spec, AudioSpec.create(out_fmt, out_rate, model_rate=model_rate))
+        input_spec, output_spec = duplex_specs(query, model_rate, default_format=input_format,
+                                               default_rate=input_rate)
+        return DuplexClient(input_spec, output_spec)
     if name == "realtime":
-        duplex = query.get("duplex", "").lower() in ("1", "true", "yes")
-        return RealtimeClient(duplex=duplex, model_rate=model_rate)
+        return RealtimeClient(duplex=wants_duplex(query), model_rate=model_rate)
     if name == "moshi":
         return MoshiClient()
     raise UnknownRoute(f"unknown protocol {name!r}: expected duplex, realtime or moshi")

@@ -1,0 +1,41 @@
+"""What a route's query string means, shared by the server that reads it and the clients that
+write it, so the two can never disagree."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+
+
+def duplex_specs(query: Mapping[str, str], model_rate: int, *, default_format: str | None = None,
+                 default_rate: int | None = None) -> tuple[AudioSpec, AudioSpec]:
+    """``/v1/duplex?format=&rate=&output_format=&output_rate=``: the input and output formats.
+    The output defaults to the input's format, and to its rate when the format is the same.
+    Raises AudioFormatError for anything the route cannot carry."""
+    fmt = AudioFormat.parse(query.get("format") or default_format or AudioFormat.PCM_F32LE.value)
+    if fmt.is_encoded:
+        raise AudioFormatError(f"/v1/duplex takes raw audio (pcm_f32le, pcm_s16le, g711_ulaw or "
+                               f"g711_alaw), not {fmt.value}; Opus clients use /api/chat")
+    input_spec = AudioSpec.create(fmt, _rate(query.get("rate"), "rate") or default_rate,
+                                  model_rate=model_rate)
+    out_fmt = AudioFormat.parse(query.get("output_format") or fmt.value)
+    if out_fmt.is_encoded:
+        raise AudioFormatError(f"output_format {out_fmt.value} is not raw audio")
+    out_rate = _rate(query.get("output_rate"), "output_rate") or (
+        input_spec.sample_rate if out_fmt is fmt else None)
+    return input_spec, AudioSpec.create(out_fmt, out_rate, model_rate=model_rate)
+
+
+def wants_duplex(query: Mapping[str, str]) -> bool:
+    """``/v1/realtime?duplex=1``: one continuous response instead of turns."""
+    return query.get("duplex", "").lower() in ("1", "true", "yes")
+
+
+def _rate(text: str | None, name: str) -> int | None:
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise AudioFormatError(f"{name} must be a whole number of Hz, got {text!r}") from None
