@@ -33,7 +33,7 @@ class FrameMetrics:
         self.sessions_active = 0
         self.frames_in = 0
         self.frames_out = 0
-        #: Decode and framing of one message (nanoseconds).
+        #: Decode and framing of one message (nanoseconds; one message in four is timed).
         self.preprocess = Histogram()
         #: One frame's submit into the inbox (nanoseconds; one frame in eight is timed).
         self.enqueue = Histogram()
