@@ -25,6 +25,22 @@ async def _server(nursery, *overrides: str) -> int:
     return server.ports[0]
 
 
+def _one_turn(connection, session: dict, audio: bytes, chunk: int) -> list:
+    """What every SDK test does once connected: set formats, send a turn, ask for a response,
+    and read events until it is done."""
+    connection.session.update(session=session)
+    for start in range(0, len(audio), chunk):
+        connection.input_audio_buffer.append(audio=base64.b64encode(audio[start:start + chunk]).decode())
+    connection.input_audio_buffer.commit()
+    connection.response.create()
+    events = []
+    for event in connection:
+        events.append(event)
+        if event.type == "response.done":
+            break
+    return events
+
+
 def _pcm16(seconds: float, seed: int) -> bytes:
     samples = (np.random.default_rng(seed).standard_normal(int(24000 * seconds)) * 3000).astype("<i2")
     return samples.tobytes()
@@ -38,23 +54,13 @@ async def test_ga_realtime_client_streams_audio_and_gets_a_response(nursery):
 
     def client() -> list:
         sdk = OpenAI(api_key=KEY, base_url=f"http://127.0.0.1:{port}/v1")
-        events = []
         with sdk.realtime.connect(model="duplexrt-echo") as connection:
-            connection.session.update(session={
+            return _one_turn(connection, {
                 "type": "realtime",
                 "output_modalities": ["audio"],
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}},
                           "output": {"format": {"type": "audio/pcm", "rate": 24000}}},
-            })
-            for start in range(0, len(audio), 9600):
-                connection.input_audio_buffer.append(audio=base64.b64encode(audio[start:start + 9600]).decode())
-            connection.input_audio_buffer.commit()
-            connection.response.create()
-            for event in connection:
-                events.append(event)
-                if event.type == "response.done":
-                    break
-        return events
+            }, audio, chunk=9600)
 
     with trio.fail_after(30):
         events = await trio.to_thread.run_sync(client)
@@ -96,17 +102,9 @@ async def test_beta_realtime_client_uses_beta_event_names(nursery):
     def client() -> list:
         sdk = OpenAI(api_key=KEY, base_url=f"http://127.0.0.1:{port}/v1",
                      websocket_base_url=f"ws://127.0.0.1:{port}/v1")
-        events = []
         with sdk.beta.realtime.connect(model="duplexrt-echo") as connection:
-            connection.session.update(session={"input_audio_format": "pcm16", "output_audio_format": "pcm16"})
-            connection.input_audio_buffer.append(audio=base64.b64encode(audio).decode())
-            connection.input_audio_buffer.commit()
-            connection.response.create()
-            for event in connection:
-                events.append(event)
-                if event.type == "response.done":
-                    break
-        return events
+            return _one_turn(connection, {"input_audio_format": "pcm16", "output_audio_format": "pcm16"},
+                             audio, chunk=len(audio))
 
     with trio.fail_after(30):
         events = await trio.to_thread.run_sync(client)
