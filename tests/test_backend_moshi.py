@@ -200,6 +200,36 @@ def test_a_session_id_is_its_sampling_seed(tiny3):
     assert any(not np.array_equal(x, y) for x, y in zip(one[0], other[0]))
 
 
+@pytest.mark.parametrize("options", [{}, {"cfg_coef": 3.0}], ids=["moshi", "guided"])
+def test_a_slot_reused_after_non_finite_input_is_a_fresh_slot(options, caplog):
+    """A session that fed NaN, infinity and 1e30 straight to the backend (no sanitiser) leaves its
+    row's KV caches full of them; the next session on that slot must still hear exactly what it
+    would on a new backend, and the session beside the poisoned one exactly its solo run."""
+    poison = signal(8, 5)
+    poison[1, ::5] = np.nan
+    poison[2, 100:900] = np.inf
+    poison[3, :] = 1e30
+    poison[4, ::3] = -np.inf
+    neighbour, clean = signal(9, 5), signal(10, 10)
+
+    used = backend(2, **options)
+    fresh = backend(2, **options)
+    try:
+        beside = drive(used, [{0: n, 1: p} for n, p in zip(neighbour, poison)], {0: (0, 31), 1: (0, 32)})
+        reused = drive(used, [{1: f} for f in clean], {1: (0, 33)})[1]
+        solo = drive(fresh, [{0: n} for n in neighbour], {0: (0, 31)})[0]
+        first = drive(fresh, [{1: f} for f in clean], {1: (0, 33)})[1]
+    finally:
+        used.close()
+        fresh.close()
+    assert not [r for r in caplog.records if "not restored" in r.getMessage()]  # every buffer known
+    assert beside[0][1] == solo[1]
+    assert all(np.array_equal(x, y) for x, y in zip(beside[0][0], solo[0], strict=True))
+    assert reused[1] == first[1]
+    for k, (x, y) in enumerate(zip(reused[0], first[0], strict=True)):
+        assert np.isfinite(x).all() and np.array_equal(x, y), f"frame {k} differs from a fresh slot's"
+
+
 def test_greedy_and_guided_models_keep_rows_apart():
     """Greedy decoding, and a conditioned tiny model with classifier-free guidance (two LM rows
     per slot): a session alone and beside another hears the same."""

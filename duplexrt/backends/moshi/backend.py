@@ -4,8 +4,10 @@ One fixed batch of ``slots`` rows of Mimi (streaming encoder and decoder) and ``
 load and streams for the life of the process; each slot is one row.
 
 * **Joining** resets only the joining rows (``reset_streaming`` with a row mask), on the next step,
-  so several sessions joining together cost one reset.  Leaving needs nothing: the row keeps its
-  state until its next session resets it.
+  so several sessions joining together cost one reset.  The package's reset rewinds offsets but
+  keeps the KV caches' contents, which a NaN left by the last session would leak into the next
+  (see ``rows``), so those rows' caches are restored to a fresh row's too.  Leaving needs nothing:
+  the row keeps its state until its next session resets it.
 * **A step** runs every row of the fixed batch (shapes never change, which is what lets the
   package CUDA-graph the model) with an execution mask set to the rows given: the state of every
   other row (KV caches, convolution buffers, offsets, delayed-token cache) is left exactly as it
@@ -40,6 +42,7 @@ import numpy as np
 
 from duplexrt.backends.base import Backend, BackendInfo, SlotSession, number_option, take_options
 from duplexrt.backends.moshi import loading, sampling
+from duplexrt.backends.moshi.rows import RowWiper
 from duplexrt.backends.moshi.env import import_moshi
 from duplexrt.config import ConfigError
 
@@ -294,6 +297,10 @@ class MoshiBackend(Backend):
         self._encoder_side = [root for part in (mimi.encoder, mimi.encoder_transformer,
                                                 getattr(mimi, "downsample", None))
                               for root in _streaming_roots(part)]
+        # What the package's reset leaves in a row (KV caches, LMGen's token cache), restored
+        # with it: a reused slot must be exactly a fresh one, whatever its last session sent.
+        self._wiper = RowWiper([mimi, lm_gen], slots)
+        self._encoder_wiper = RowWiper(self._encoder_side, slots)
 
         def host(shape: tuple[int, ...], dtype: Any) -> Any:
             return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
@@ -372,6 +379,7 @@ class MoshiBackend(Backend):
         self._mimi.reset_streaming(mask)
         rows = np.flatnonzero(self._reset)
         index = torch.from_numpy(rows).to(self._sampler.keys.device)
+        self._wiper.wipe(index)
         self._sampler.keys.index_copy_(0, index, torch.from_numpy(self._keys[rows]).to(index.device))
         self._sampler.counters.index_fill_(0, index, 0)
         self._reset[:] = False
@@ -461,11 +469,13 @@ class MoshiBackend(Backend):
 
     def _reset_encoder(self, torch: Any, rows: np.ndarray) -> None:
         """Forget the encoder's state for ``rows`` (their first frame has been encoded)."""
+        index = torch.from_numpy(rows)
         reset = torch.zeros(self.info.slots, dtype=torch.bool)
-        reset[torch.from_numpy(rows)] = True
+        reset[index] = True
         reset = reset.to(self._exec.device)
         for module in self._encoder_side:
             module.reset_streaming(reset)
+        self._encoder_wiper.wipe(index.to(self._exec.device))
 
     def stage_means_ms(self) -> dict[str, float]:
         """Mean duration of each stage per step so far, in milliseconds."""
