@@ -93,7 +93,7 @@ def test_factories_check_rate_against_model() -> None:
 # --- pcm_f32le --------------------------------------------------------------
 
 def test_f32_decode_is_zero_copy_view_of_payload() -> None:
-    samples = noise(3840)
+    samples = np.clip(noise(3840), -1.0, 1.0)  # out of range would be clipped: a copy
     payload = samples.astype("<f4").tobytes()
     decoded = make_decoder(spec("pcm_f32le"), MODEL_RATE).decode(payload)
     assert decoded.dtype == np.float32 and decoded.shape == (3840,)
@@ -104,11 +104,48 @@ def test_f32_decode_is_zero_copy_view_of_payload() -> None:
 
 
 def test_f32_round_trip_is_exact() -> None:
-    samples = noise(5000, scale=2.0)  # out of [-1, 1) passes untouched in float
+    samples = np.clip(noise(5000, scale=2.0), -1.0, 1.0)  # -1 and 1 themselves pass untouched
     s = spec("pcm_f32le")
     payload = make_encoder(s, MODEL_RATE).encode(samples)
     assert payload == samples.astype("<f4").tobytes()
-    assert np.array_equal(make_decoder(s, MODEL_RATE).decode(payload), samples)
+    decoded = make_decoder(s, MODEL_RATE).decode(payload)
+    assert np.array_equal(decoded, samples) and decoded.base is payload
+
+
+def test_f32_encode_passes_out_of_range_untouched() -> None:
+    samples = noise(5000, scale=2.0)  # the model's own output is the model's business
+    assert make_encoder(spec("pcm_f32le"), MODEL_RATE).encode(samples) == samples.astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("rate", [MODEL_RATE, 16000])
+def test_f32_finite_samples_out_of_range_are_clipped(rate: int) -> None:
+    samples = noise(3200, seed=5, scale=2.0)
+    samples[7] = 1e30
+    samples[8] = -3.4e38
+    assert np.abs(samples).max() > 1
+    payload = samples.tobytes()
+    decoded = make_decoder(spec("pcm_f32le", rate), MODEL_RATE).decode(payload)
+    expected = make_decoder(spec("pcm_f32le", rate), MODEL_RATE).decode(np.clip(samples, -1, 1).tobytes())
+    assert np.array_equal(decoded, expected)
+    if rate == MODEL_RATE:
+        assert decoded.min() == -1.0 and decoded.max() == 1.0 and decoded[7] == 1.0 and decoded[8] == -1.0
+        assert np.frombuffer(payload, np.float32)[7] == 1e30  # the client's bytes are not written to
+
+
+@pytest.mark.parametrize("bad, rate", [(np.nan, MODEL_RATE), (np.inf, MODEL_RATE), (-np.inf, 16000),
+                                       (np.nan, 16000)])
+def test_f32_non_finite_message_is_refused_and_the_stream_goes_on(bad: float, rate: int) -> None:
+    good = noise(4000, seed=6)
+    poisoned = noise(1000, seed=7)
+    poisoned[[3, 500, 999]] = bad
+    decoder = make_decoder(spec("pcm_f32le", rate), MODEL_RATE)
+    first = decoder.decode(good[:2000].tobytes())
+    with pytest.raises(AudioFormatError, match=r"3 NaN or infinite samples \(the first at sample 3\)"):
+        decoder.decode(poisoned.tobytes())
+    rest = decode_all(decoder, [good[2000:].tobytes()])
+    # Exactly as if the refused message had never been sent (the resampler's state is untouched).
+    assert np.array_equal(np.concatenate([first, rest]), decode_all(make_decoder(spec("pcm_f32le", rate),
+                                                                                 MODEL_RATE), [good.tobytes()]))
 
 
 def test_f32_encode_accepts_float64() -> None:
@@ -117,7 +154,7 @@ def test_f32_encode_accepts_float64() -> None:
 
 
 def test_decode_accepts_bytearray_and_memoryview() -> None:
-    samples = noise(480)
+    samples = np.clip(noise(480), -1.0, 1.0)
     payload = samples.tobytes()
     decoder = make_decoder(spec("pcm_f32le"), MODEL_RATE)
     for view in (bytearray(payload), memoryview(payload), memoryview(samples)):

@@ -320,6 +320,30 @@ async def test_bad_input_gets_error_events_and_the_session_goes_on():
     assert bytes(healthy_run.client.audio) == synthetic_wire(model_frames(healthy, f32), 2, f32)
 
 
+async def test_non_finite_f32_messages_are_refused_and_loud_ones_clipped():
+    config = make_config("runtime.slots=4", *SYNTHETIC)
+    f32 = spec("pcm_f32le")
+    good = [wire_messages(noise(n, seed=650 + n), f32, [n])[0] for n in (2500, 3001, 1777)]
+    nan, inf = noise(960, seed=660), noise(960, seed=661)
+    nan[10] = np.nan
+    inf[900:] = -np.inf
+    loud = noise(2000, seed=662, scale=3.0)
+    session = [good[0], nan.tobytes(), good[1], inf.tobytes(), loud.tobytes(), good[2]]
+    healthy, _ = pcm_workload("pcm_f32le", 6.3, seed=663)
+    async with open_runtime(config) as runtime:
+        run, healthy_run = await run_sessions(runtime, [(session, f32, 1), (healthy, f32, 2)])
+
+    assert [error["code"] for error in run.client.errors] == ["invalid_audio", "invalid_audio"]
+    assert "1 NaN or infinite sample (the first at sample 10)" in run.client.errors[0]["message"]
+    assert "60 NaN or infinite samples (the first at sample 900)" in run.client.errors[1]["message"]
+    # The refused messages are skipped whole; the loud one goes through clipped to [-1, 1].
+    frames = model_frames([good[0], good[1], np.clip(loud, -1, 1).tobytes(), good[2]], f32)
+    assert run.end.reason == "stop" and run.end.frames_out == len(frames)
+    assert bytes(run.client.audio) == synthetic_wire(frames, 1, f32)
+    assert healthy_run.client.errors == []
+    assert bytes(healthy_run.client.audio) == synthetic_wire(model_frames(healthy, f32), 2, f32)
+
+
 # -- model failure -------------------------------------------------------------------------------------
 
 

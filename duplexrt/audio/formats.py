@@ -4,10 +4,13 @@ A :class:`Decoder` turns each incoming message into float32 mono samples at
 the model rate; an :class:`Encoder` does the reverse for outgoing audio.  Both
 are built once per session by :func:`make_decoder` / :func:`make_encoder`,
 which pick a specialised implementation so that the per-message path carries
-no format dispatch and no validation beyond one length check:
+no format dispatch and no validation beyond one length check (and for
+``pcm_f32le``, the only format that can carry them, a range check):
 
 * ``pcm_f32le`` at the model rate decodes with zero copies (a read-only view
-  of the payload) and encodes with a single ``tobytes``;
+  of the payload) and encodes with a single ``tobytes``.  A message with a NaN
+  or infinite sample is refused (AudioFormatError); finite samples outside
+  [-1, 1] are clipped, which costs a copy only for such a message;
 * ``pcm_s16le`` and G.711 are one vectorised numpy pass each;
 * any rate other than the model rate goes through a streaming resampler that
   keeps its state across messages;
@@ -80,6 +83,8 @@ _S16LE = np.dtype("<i2")
 _U8 = np.dtype(np.uint8)
 _EMPTY = np.zeros(0, dtype=np.float32)
 _EMPTY.flags.writeable = False
+_MIN = np.minimum.reduce
+_MAX = np.maximum.reduce
 
 
 # --- wire bytes -> float32 (payload length already checked) ----------------
@@ -87,7 +92,30 @@ _EMPTY.flags.writeable = False
 def _f32_from_wire(payload: Buffer) -> np.ndarray:
     # On little-endian hosts '<f4' is the native float32: a view, no copy.
     samples = np.frombuffer(payload, _F32LE)
-    return samples if _LITTLE_ENDIAN else samples.astype(np.float32)
+    return _in_range(samples if _LITTLE_ENDIAN else samples.astype(np.float32))
+
+
+def _in_range(samples: np.ndarray) -> np.ndarray:
+    """``samples`` if every one is in [-1, 1]; clipped (a copy) if some finite ones are not;
+    AudioFormatError if any is NaN or infinite.
+
+    A model fed NaN or infinity keeps it in its state (a KV cache, a convolution buffer) for the
+    rest of the session, so such a message is refused outright.  The check is two reductions
+    over the view, about 2.5 µs per 1920-sample frame and no allocation: min and max propagate NaN,
+    and a NaN fails every comparison, so one test catches NaN, infinities and out-of-range values
+    alike, and only a payload that fails it pays for a closer look and a copy.
+    """
+    if samples.size and not (-1.0 <= _MIN(samples) and _MAX(samples) <= 1.0):
+        finite = np.isfinite(samples)
+        if not finite.all():
+            bad = int(samples.size - np.count_nonzero(finite))
+            first = int(np.argmin(finite))
+            raise AudioFormatError(
+                f"pcm_f32le payload holds {bad} NaN or infinite sample{'s' if bad > 1 else ''} "
+                f"(the first at sample {first}); samples must be finite, from -1 to 1"
+            )
+        return np.clip(samples, -1.0, 1.0)
+    return samples
 
 
 def _s16_from_wire(payload: Buffer) -> np.ndarray:
@@ -200,9 +228,10 @@ class _PcmDecoder(Decoder):
         """Decode one message.
 
         For ``pcm_f32le`` at the model rate the result is a read-only view of
-        ``payload`` (zero copy): do not modify a bytearray payload while the
-        samples are in use.  A payload that is not a whole number of samples
-        raises AudioFormatError and leaves the decoder state untouched.
+        ``payload`` (zero copy) unless samples had to be clipped: do not modify
+        a bytearray payload while the samples are in use.  A payload that is not
+        a whole number of samples, or (``pcm_f32le``) holds a NaN or infinite
+        sample, raises AudioFormatError and leaves the decoder state untouched.
         """
         # len() of a memoryview counts items, not bytes, if it has a format.
         size = payload.nbytes if type(payload) is memoryview else len(payload)
