@@ -61,6 +61,11 @@ class AudioConfig:
 
     sample_rate: int = attrs.field(default=24000, validator=_int_range("audio.sample_rate", 8000, 192000))
     frame_size: int = attrs.field(default=1920, validator=_int_range("audio.frame_size", 1, 192000))
+    #: Audio one client message may carry.  A larger one is refused with an ``audio_too_long``
+    #: error, checked from its size before decoding (PCM, G.711, realtime base64), or as soon as
+    #: decoding passes it (Opus): one client cannot make the server decode minutes of audio at once.
+    max_message_seconds: float = attrs.field(
+        default=10.0, validator=_float_range("audio.max_message_seconds", 0.01, 3600.0))
 
     @property
     def frame_seconds(self) -> float:

@@ -29,6 +29,9 @@ class HandoffKind(enum.Enum):
 
     #: Decoding an encoded format (Opus) on a worker thread: expected, once per message.
     DECODE_OFFLOAD = "decode_offload"
+    #: Decoding a PCM or G.711 message of more than a second of audio (base64 JSON, a big
+    #: binary message) on a worker thread: rare, real-time clients send 20-100 ms per message.
+    LARGE_DECODE_OFFLOAD = "large_decode_offload"
     #: A submit found its slot's inbox full and waited on a worker thread: backpressure.
     FULL_INBOX_OFFLOAD = "full_inbox_offload"
     #: ``offload = "always"`` only: a PCM conversion that could have run inline.
@@ -47,6 +50,7 @@ class HandoffKind(enum.Enum):
 OFFLOAD_KINDS = frozenset(
     {
         HandoffKind.DECODE_OFFLOAD,
+        HandoffKind.LARGE_DECODE_OFFLOAD,
         HandoffKind.FULL_INBOX_OFFLOAD,
         HandoffKind.CONVERT_OFFLOAD,
         HandoffKind.SUBMIT_OFFLOAD,

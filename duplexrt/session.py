@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
-from duplexrt.audio import AudioFormatError, Framer, make_decoder, make_encoder
+from duplexrt.audio import (
+    AudioFormatError,
+    AudioTooLongError,
+    Decoder,
+    Framer,
+    make_decoder,
+    make_encoder,
+)
 from duplexrt.handoffs import HandoffKind
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (
@@ -46,6 +53,7 @@ from duplexrt.scheduler import SlotClosedError
 from duplexrt.transport import (
     GOING_AWAY,
     INTERNAL_ERROR,
+    MESSAGE_TOO_BIG,
     NORMAL_CLOSURE,
     Message,
     Transport,
@@ -82,7 +90,8 @@ class Session:
         self._requested_id = session_id
         self._model_rate = config.audio.sample_rate
         self._frame_seconds = config.audio.frame_seconds
-        self._decoder = make_decoder(protocol.input_spec, self._model_rate)
+        self._max_message_seconds = config.audio.max_message_seconds
+        self._decoder = self._new_decoder()
         self._encoder = make_encoder(protocol.output_spec, self._model_rate)
         self._framer = Framer(config.audio.frame_size)
         self._always_offload = config.runtime.offload == "always"
@@ -329,7 +338,7 @@ class Session:
             await self._reconfigure()
         elif isinstance(event, ClearInput):
             self._framer.clear()
-            self._decoder = make_decoder(self._protocol.input_spec, self._model_rate)
+            self._decoder = self._new_decoder()
             self._queue(event.messages)
         elif isinstance(event, ClearOutput):
             dropped = len(self._outbox)
@@ -349,10 +358,13 @@ class Session:
             tail = self._decoder.flush()
         except AudioFormatError:
             tail = np.zeros(0, dtype=np.float32)
-        self._decoder = make_decoder(self._protocol.input_spec, self._model_rate)
+        self._decoder = self._new_decoder()
         self._encoder = make_encoder(self._protocol.output_spec, self._model_rate)
         for frame in self._framer.push(tail):
             await self._submit(frame)
+
+    def _new_decoder(self) -> Decoder:
+        return make_decoder(self._protocol.input_spec, self._model_rate, self._max_message_seconds)
 
     def _queue(self, messages: list[Message] | tuple[Message, ...]) -> None:
         """Hand messages to the writer, behind everything made before them."""
@@ -381,8 +393,20 @@ class Session:
             elif self._always_offload:
                 samples = await self._runtime.handoffs.offload(
                     HandoffKind.CONVERT_OFFLOAD, decoder.decode, bytes(payload))
-            else:
+            elif len(payload) <= decoder.inline_bytes:
                 samples = decoder.decode(payload)
+            elif len(payload) > decoder.max_bytes:
+                raise decoder.too_long(len(payload))  # from its size: no thread hop to refuse it
+            else:
+                # Seconds of audio in one message: worth a thread hop, so that its conversion
+                # (numpy releases the GIL over large arrays) does not hold up every other session.
+                samples = await self._runtime.handoffs.offload(
+                    HandoffKind.LARGE_DECODE_OFFLOAD, decoder.decode, bytes(payload))
+        except AudioTooLongError as exc:
+            # Fatal only when the decoder had to stop inside the message (an Ogg stream).
+            self._reject(ProtocolError("audio_too_long", str(exc), close_code=MESSAGE_TOO_BIG,
+                                       fatal=exc.stream_lost))
+            return
         except AudioFormatError as exc:
             self._reject(ProtocolError("invalid_audio", str(exc)))
             return

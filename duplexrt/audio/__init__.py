@@ -8,7 +8,7 @@ on.  Everything here runs per message on the serving hot path, so the cheap
 formats are single vectorised numpy passes with no per-call dispatch.
 """
 
-from .errors import AudioFormatError
+from .errors import AudioFormatError, AudioTooLongError
 from .formats import Decoder, Encoder, make_decoder, make_encoder
 from .framer import Framer
 from .resample import StreamResampler
@@ -19,6 +19,7 @@ __all__ = [
     "SUPPORTED_INPUT_RATES",
     "AudioFormat",
     "AudioFormatError",
+    "AudioTooLongError",
     "AudioSpec",
     "Decoder",
     "Encoder",

@@ -26,6 +26,7 @@ per session, in stream order.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 
@@ -34,7 +35,7 @@ import sphn
 
 from . import g711
 from ._pcm import float_to_int16, int16_to_float
-from .errors import AudioFormatError
+from .errors import AudioFormatError, AudioTooLongError
 from .framer import Framer
 from .resample import StreamResampler
 from .spec import (
@@ -47,6 +48,7 @@ from .spec import (
 )
 
 __all__ = [
+    "INLINE_DECODE_SECONDS",
     "OPUS_FRAME_SAMPLES",
     "OPUS_MAX_BYTES_PER_CALL",
     "OPUS_RATES",
@@ -76,6 +78,11 @@ OPUS_FRAME_SAMPLES = 960
 #: bytes stay well below 5 s even for silence at 8 kHz (~460 bytes/s) and
 #: cost nothing for real-time clients, whose messages are about this size.
 OPUS_MAX_BYTES_PER_CALL = 512
+
+#: A PCM or G.711 message carrying more audio than this is worth a worker thread: decoding it
+#: (conversion and resampling, numpy and soxr releasing the GIL) costs above ~0.2 ms here, while
+#: the 20-100 ms messages real-time clients send cost a few microseconds and stay inline.
+INLINE_DECODE_SECONDS = 1.0
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _F32LE = np.dtype("<f4")
@@ -189,17 +196,28 @@ class Decoder:
     and not necessarily the length the payload implies (resampler and Opus
     packet buffering hold samples back).  ``flush`` returns what is still
     held at the end of the stream.  Use :func:`make_decoder` to build one.
+
+    With ``max_seconds``, a message carrying more audio than that raises
+    AudioTooLongError, before any decoding where the size tells the length.
     """
 
-    __slots__ = ("spec", "model_rate", "_resampler")
+    __slots__ = ("spec", "model_rate", "_resampler", "max_seconds", "max_samples", "max_bytes",
+                 "inline_bytes")
 
     #: Whether decoding is expensive enough to belong off the event loop.
     is_encoded: bool = False
 
-    def __init__(self, spec: AudioSpec, model_rate: int) -> None:
+    def __init__(self, spec: AudioSpec, model_rate: int, max_seconds: float | None = None) -> None:
         self.spec = spec
         self.model_rate = model_rate
         self._resampler = _resampler_or_none(spec.sample_rate, model_rate)
+        self.max_seconds = max_seconds
+        #: Wire-rate samples one message may carry.
+        self.max_samples = sys.maxsize if max_seconds is None else _samples_in(max_seconds, spec.sample_rate)
+        #: Payload bytes one message may have (fixed-size samples only; Opus cannot tell).
+        self.max_bytes = sys.maxsize
+        #: Payloads up to this size are cheap to decode on the event loop (see INLINE_DECODE_SECONDS).
+        self.inline_bytes = sys.maxsize
 
     def decode(self, payload: Buffer) -> np.ndarray:
         """Decode one message (any length, in stream order)."""
@@ -210,6 +228,10 @@ class Decoder:
         resampler = self._resampler
         return _EMPTY if resampler is None else resampler.flush()
 
+    def too_long(self, size: int) -> AudioTooLongError:
+        """The error for a payload of ``size`` bytes over ``max_bytes``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot tell a message's length from its size")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec} -> {self.model_rate} Hz)"
 
@@ -219,10 +241,14 @@ class _PcmDecoder(Decoder):
 
     __slots__ = ("_sample_bytes", "_from_wire")
 
-    def __init__(self, spec: AudioSpec, model_rate: int) -> None:
-        super().__init__(spec, model_rate)
+    def __init__(self, spec: AudioSpec, model_rate: int, max_seconds: float | None = None) -> None:
+        super().__init__(spec, model_rate, max_seconds)
         self._sample_bytes: int = spec.format.bytes_per_sample  # type: ignore[assignment]
         self._from_wire = _FROM_WIRE[spec.format]
+        if max_seconds is not None:
+            self.max_bytes = self.max_samples * self._sample_bytes
+        inline = _samples_in(INLINE_DECODE_SECONDS, spec.sample_rate) * self._sample_bytes
+        self.inline_bytes = min(self.max_bytes, inline)
 
     def decode(self, payload: Buffer) -> np.ndarray:
         """Decode one message.
@@ -237,6 +263,8 @@ class _PcmDecoder(Decoder):
         size = payload.nbytes if type(payload) is memoryview else len(payload)
         if size % self._sample_bytes:
             raise self._length_error(size)
+        if size > self.max_bytes:
+            raise self.too_long(size)
         samples = self._from_wire(payload)
         resampler = self._resampler
         return samples if resampler is None else resampler.process(samples)
@@ -248,6 +276,15 @@ class _PcmDecoder(Decoder):
             f"of {self._sample_bytes}-byte samples"
         )
 
+    def too_long(self, size: int) -> AudioTooLongError:
+        rate = self.spec.sample_rate
+        seconds = size // self._sample_bytes / rate
+        return AudioTooLongError(
+            f"{self.spec.format.value} message of {size} bytes holds {seconds:.2f} s of audio at "
+            f"{rate} Hz; at most {self.max_seconds:g} s per message (audio.max_message_seconds): "
+            "send it in smaller pieces"
+        )
+
 
 class _OpusDecoder(Decoder):
     """Ogg Opus stream; message boundaries may fall anywhere, even mid-page."""
@@ -256,8 +293,8 @@ class _OpusDecoder(Decoder):
 
     is_encoded = True
 
-    def __init__(self, spec: AudioSpec, model_rate: int) -> None:
-        super().__init__(spec, model_rate)
+    def __init__(self, spec: AudioSpec, model_rate: int, max_seconds: float | None = None) -> None:
+        super().__init__(spec, model_rate, max_seconds)
         self._reader = sphn.OpusStreamReader(spec.sample_rate)
         self._failure: str | None = None
 
@@ -267,6 +304,14 @@ class _OpusDecoder(Decoder):
         A corrupt stream raises AudioFormatError.  An Ogg stream cannot be
         resynchronised without its headers, so the decoder then stays failed
         (every later call raises too) and the client must start a new stream.
+
+        Opus packets say nothing of their length until decoded, and a few bytes
+        may hold 120 ms: a message is decoded piece by piece, and one that passes
+        ``max_seconds`` is stopped there (AudioTooLongError, ``stream_lost``),
+        so neither the time nor the memory spent on it exceed the bound by more
+        than one piece.  The stream is then failed, as for a corrupt one (unless
+        the bound was only passed by the message's last piece: then its audio is
+        dropped and the stream goes on).
         """
         if self._failure is not None:
             raise AudioFormatError(
@@ -276,26 +321,51 @@ class _OpusDecoder(Decoder):
             payload = bytes(payload)  # sphn only accepts bytes
         append = self._reader.append_bytes
         step = OPUS_MAX_BYTES_PER_CALL
+        limit = self.max_samples
+        stopped = False  # part of the message was never given to the reader
         try:
             if len(payload) <= step:
                 samples = append(payload)
+                total = samples.size
             else:
-                samples = np.concatenate(
-                    [append(payload[i : i + step]) for i in range(0, len(payload), step)]
-                )
+                parts = []
+                total = 0
+                for i in range(0, len(payload), step):
+                    part = append(payload[i : i + step])
+                    parts.append(part)
+                    total += part.size
+                    if total > limit:
+                        stopped = i + step < len(payload)
+                        break
+                samples = np.concatenate(parts)
         except Exception as exc:  # sphn reports every stream error as ValueError
             self._failure = str(exc)
             raise AudioFormatError(f"corrupt Ogg Opus stream: {exc}") from exc
+        if total > limit:
+            too_long = (f"an Ogg Opus message decodes to more than {self.max_seconds:g} s of audio "
+                        "(audio.max_message_seconds)")
+            if not stopped:  # the reader took it all: the stream goes on without this audio
+                raise AudioTooLongError(f"{too_long}; it was dropped: send audio in smaller messages")
+            self._failure = "a message held too much audio"
+            raise AudioTooLongError(f"{too_long}; decoding stopped there and the stream cannot go "
+                                    "on: send audio in smaller messages", stream_lost=True)
         resampler = self._resampler
         return samples if resampler is None else resampler.process(samples)
 
 
-def make_decoder(spec: AudioSpec, model_rate: int) -> Decoder:
-    """Build the decoder for one session's incoming audio."""
+def make_decoder(spec: AudioSpec, model_rate: int, max_seconds: float | None = None) -> Decoder:
+    """Build the decoder for one session's incoming audio; ``max_seconds`` bounds one message."""
     _validated(spec, model_rate)
+    if max_seconds is not None and not max_seconds > 0:
+        raise ValueError(f"max_seconds must be positive, got {max_seconds!r}")
     if spec.format is AudioFormat.OPUS:
-        return _OpusDecoder(spec, model_rate)
-    return _PcmDecoder(spec, model_rate)
+        return _OpusDecoder(spec, model_rate, max_seconds)
+    return _PcmDecoder(spec, model_rate, max_seconds)
+
+
+def _samples_in(seconds: float, rate: int) -> int:
+    # The tolerance keeps a message of exactly ``seconds`` (say 10 s) on the right side.
+    return math.floor(seconds * rate + 1e-6)
 
 
 # --- encoding -------------------------------------------------------------

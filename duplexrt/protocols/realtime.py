@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import sys
 from binascii import a2b_base64, b2a_base64
 from collections.abc import Callable
 from typing import Any
@@ -172,7 +174,8 @@ class RealtimeProtocol(Translator):
     """One session of the OpenAI Realtime protocol (GA or beta naming, turn or duplex mode)."""
 
     def __init__(self, *, model_rate: int = 24000, beta: bool = False, duplex: bool = False,
-                 model: str = "duplexrt", session_id: str | None = None) -> None:
+                 model: str = "duplexrt", session_id: str | None = None,
+                 max_message_seconds: float | None = None) -> None:
         self.model_rate = model_rate
         self.beta = beta
         self.duplex = duplex
@@ -182,6 +185,9 @@ class RealtimeProtocol(Translator):
         self.output_spec = self.input_spec
         self.progress = _ZeroProgress()
         self._sample_bytes = 2
+        #: Audio one append may carry (``audio.max_message_seconds``), checked on the base64 text.
+        self.max_message_seconds = max_message_seconds
+        self._max_audio_chars = self._audio_chars_limit()
         self._event_ids = itertools.count(1)
         self._item_ids = itertools.count(1)
         self._response_ids = itertools.count(1)
@@ -343,6 +349,8 @@ class RealtimeProtocol(Translator):
         audio = data.get("audio")
         if type(audio) is not str or not audio:
             return self._bad_audio_field(data, audio)
+        if len(audio) > self._max_audio_chars:
+            return self._too_long(data, len(audio))
         try:
             raw = a2b_base64(audio, strict_mode=True)
         except ValueError:
@@ -366,8 +374,11 @@ class RealtimeProtocol(Translator):
 
     def _lenient_base64(self, data: dict[str, Any], audio: str) -> Event:
         """Base64 with line breaks (MIME style) is accepted; anything else is an error."""
+        audio = audio.replace("\r", "").replace("\n", "")
+        if len(audio) > self._max_audio_chars:
+            return self._too_long(data, len(audio))
         try:
-            raw = a2b_base64(audio.replace("\r", "").replace("\n", ""), strict_mode=True)
+            raw = a2b_base64(audio, strict_mode=True)
         except ValueError:
             return ProtocolError("invalid_base64", "'audio' is not valid base64",
                                  event_id=_client_event_id(data))
@@ -377,6 +388,24 @@ class RealtimeProtocol(Translator):
             return self._bad_length(data, len(raw))
         self._pending_input = True
         return AudioIn(raw)
+
+    def _audio_chars_limit(self) -> int:
+        """The longest base64 text whose audio can fit in ``max_message_seconds``: a longer one
+        is refused before it is decoded (a 16 MiB append costs ~90 ms of base64 decoding alone)."""
+        if self.max_message_seconds is None:
+            return sys.maxsize
+        samples = math.floor(self.max_message_seconds * self.input_spec.sample_rate + 1e-6)
+        return 4 * -(-samples * self._sample_bytes // 3)
+
+    def _too_long(self, data: dict[str, Any], chars: int) -> ProtocolError:
+        seconds = chars * 3 // 4 // self._sample_bytes / self.input_spec.sample_rate
+        return ProtocolError(
+            "audio_too_long",
+            f"'audio' holds about {seconds:.2f} s of {self._format_name(self.input_spec)}; at most "
+            f"{self.max_message_seconds:g} s per input_audio_buffer.append (audio.max_message_seconds): "
+            "append it in smaller pieces",
+            event_id=_client_event_id(data),
+        )
 
     def _bad_length(self, data: dict[str, Any], size: int) -> ProtocolError:
         return ProtocolError(
@@ -501,6 +530,7 @@ class RealtimeProtocol(Translator):
         self.input_spec = new_input
         self.output_spec = new_output
         self._sample_bytes = new_input.format.bytes_per_sample or 1
+        self._max_audio_chars = self._audio_chars_limit()
         updated = self._event("session.updated", session=self._session_object())
         if changed:
             return Reconfigure(messages=(updated,))

@@ -38,7 +38,8 @@ def _realtime(head: RequestHead, config: Config) -> Translator:
     beta = "realtime=v1" in head.header("openai-beta").replace(" ", "").lower()
     duplex = wants_duplex(head.query)
     return RealtimeProtocol(model_rate=config.audio.sample_rate, beta=beta, duplex=duplex,
-                            model=head.query.get("model") or config.backend.name)
+                            model=head.query.get("model") or config.backend.name,
+                            max_message_seconds=config.audio.max_message_seconds)
 
 
 def _moshi(head: RequestHead, config: Config) -> Translator:
