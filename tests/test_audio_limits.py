@@ -138,7 +138,8 @@ async def test_a_raw_message_over_the_bound_is_refused_and_the_session_goes_on(f
     frames = model_frames(kept, wire)
     assert run.end.reason == "stop" and run.end.frames_in == len(frames)
     assert bytes(run.client.audio) == synthetic_wire(frames, 1, wire)
-    assert other.client.errors == [] and bytes(other.client.audio) == synthetic_wire(model_frames(healthy, wire), 2, wire)
+    assert other.client.errors == []
+    assert bytes(other.client.audio) == synthetic_wire(model_frames(healthy, wire), 2, wire)
     # The two-second message went to a worker thread; nothing else did (the refused one neither).
     assert stats[HandoffKind.LARGE_DECODE_OFFLOAD] == 1
     assert stats.offloads == 1

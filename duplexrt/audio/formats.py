@@ -108,7 +108,7 @@ def _in_range(samples: np.ndarray) -> np.ndarray:
 
     A model fed NaN or infinity keeps it in its state (a KV cache, a convolution buffer) for the
     rest of the session, so such a message is refused outright.  The check is two reductions
-    over the view, about 2.5 µs per 1920-sample frame and no allocation: min and max propagate NaN,
+    over the view, about 3 µs per 1920-sample frame and no allocation: min and max propagate NaN,
     and a NaN fails every comparison, so one test catches NaN, infinities and out-of-range values
     alike, and only a payload that fails it pays for a closer look and a copy.
     """
