@@ -42,7 +42,7 @@ from duplexrt.protocols.events import (
     Reply,
     SessionEnd,
 )
-from duplexrt.scheduler import SlotClosedError
+from duplexrt.scheduler import BackendStepError, SlotClosedError, new_error_id
 from duplexrt.transport import (
     GOING_AWAY,
     INTERNAL_ERROR,
@@ -289,7 +289,16 @@ class Session:
             self._writer_lot.unpark_all()
 
     def step_failed(self, error: BaseException) -> None:
-        self._finish(ERROR, str(error), INTERNAL_ERROR)
+        # The client hears a generic message with an error id, never the backend's exception
+        # text (paths, shapes, device messages): that is in the log under the same id.
+        if isinstance(error, BackendStepError):
+            message = str(error)
+        else:
+            error_id = new_error_id()
+            log.error("session %s: the model failed (error id %s)", self.lease.session_id, error_id,
+                      exc_info=error)
+            message = str(BackendStepError(error_id))
+        self._finish(ERROR, message, INTERNAL_ERROR)
 
     # -- reader ----------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import numpy as np
 import pytest
@@ -323,17 +324,23 @@ async def test_bad_input_gets_error_events_and_the_session_goes_on():
 # -- model failure -------------------------------------------------------------------------------------
 
 
-async def test_backend_step_failure_ends_the_session_with_1011_and_later_sessions_work():
+async def test_backend_step_failure_ends_the_session_with_1011_and_later_sessions_work(caplog):
     config = make_config("runtime.slots=2")
     backend = ControlledBackend(config, fail_on=[3])
     messages, wire = pcm_workload("pcm_f32le", 12.5, seed=700)
     async with open_runtime(config, backend=backend) as runtime:
         failed = await run_session(runtime, messages, wire, session_id=1)
         assert failed.end.reason == "error"
-        assert "injected failure on step 3" in failed.end.error
+        # The client hears a generic message with an id, never the backend's exception text...
+        assert re.fullmatch(r"the model failed on this step \(error id (err_[0-9a-f]+)\)", failed.end.error)
+        error_id = failed.end.error.split()[-1].rstrip(")")
         client_end = failed.client.end
         assert client_end is not None and client_end["reason"] == "error"
-        assert "injected failure on step 3" in client_end["error"]
+        assert client_end["error"] == failed.end.error
+        assert failed.client.close_reason == failed.end.error
+        # ... which the log has in full, under the same id.
+        [logged] = [r for r in caplog.records if error_id in r.getMessage()]
+        assert logged.levelname == "ERROR" and "injected failure on step 3" in str(logged.exc_info[1])
         assert client_end["usage"]["frames_out"] == failed.end.frames_out <= 2
         assert failed.client.close_code == INTERNAL_ERROR == 1011
         # What did arrive before the failure is right.
