@@ -60,8 +60,11 @@ log = logging.getLogger("duplexrt.session")
 
 #: How long a closing session waits for a slow client to take its last messages.
 CLOSE_TIMEOUT = 2.0
-#: Replies and errors a session may have waiting for a client that is not reading.
+#: Replies and errors a session may have waiting for a client that is not reading: past either
+#: bound its reader stops taking messages until the writer catches up.  Audio passes through the
+#: same queue, a batch at a time, so the byte bound sits well above one batch of audio.
 MAX_PENDING_MESSAGES = 64
+MAX_PENDING_BYTES = 1 << 20
 
 STOP = "stop"
 CLIENT_CLOSED = "client_closed"
@@ -101,6 +104,11 @@ class Session:
         # writer sends from it: what the client sees is in the order the translator decided,
         # even when the reader (replies, errors) and the writer (audio) both have something.
         self._pending: deque[Message] = deque()
+        self._pending_bytes = 0  # len() of every message in _pending: characters or bytes
+        # runtime.offload = "always": the writer is encoding a batch on a worker thread, with the
+        # encoder a format switch must not flush or replace under it.
+        self._encoding = False
+        self._encoded = trio.lowlevel.ParkingLot()
         self._metrics = runtime.metrics
         self._in_flight = 0  # submitted and not yet sent
         self._submitted = 0
@@ -312,11 +320,13 @@ class Session:
                 kind = type(event)
                 if kind is AudioIn:
                     await self._take_audio(event.payload)
+                    if self._pending_bytes > MAX_PENDING_BYTES:  # errors for bad audio, unread
+                        await self._wait_for_room()
                 elif kind is InputEnd:
                     break
                 elif kind is not Ignored:
                     await self._handle(event)
-                    if len(self._pending) > MAX_PENDING_MESSAGES:
+                    if self._queue_full():
                         await self._wait_for_room()
                 try:
                     message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
@@ -366,14 +376,21 @@ class Session:
     def _queue(self, messages: list[Message] | tuple[Message, ...]) -> None:
         """Hand messages to the writer, behind everything made before them."""
         if messages:
-            self._pending.extend(messages)
+            pending = self._pending
+            for message in messages:
+                pending.append(message)
+                self._pending_bytes += len(message)
             if self._writer_lot:
                 self._writer_lot.unpark_all()
 
+    def _queue_full(self) -> bool:
+        return len(self._pending) > MAX_PENDING_MESSAGES or self._pending_bytes > MAX_PENDING_BYTES
+
     async def _wait_for_room(self) -> None:
-        """A client that stops reading but keeps sending control messages must not grow the
-        queue of replies without bound: its reader waits until the writer catches up."""
-        while len(self._pending) > MAX_PENDING_MESSAGES:
+        """A client that stops reading but keeps sending control messages (or bad audio) must
+        not grow the queue of replies without bound: its reader waits until the writer catches
+        up."""
+        while self._queue_full():
             await self._credit.park()
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
@@ -460,8 +477,10 @@ class Session:
         pending = self._pending
         transport = self._transport
         while pending:
-            await transport.send(pending[0])
+            message = pending[0]
+            await transport.send(message)
             pending.popleft()
+            self._pending_bytes -= len(message)
         if self._credit:
             self._credit.unpark_all()  # a reader waiting for room in the queue
 
@@ -523,10 +542,14 @@ class Session:
                     if item[1]:
                         self._text_pieces += 1
                         metrics.text_pieces += 1
-                        pending.extend(protocol.text_out(item[1]))
+                        for message in protocol.text_out(item[1]):
+                            pending.append(message)
+                            self._pending_bytes += len(message)
                 # Even with no bytes (an encoder still filling a packet): the translator counts
                 # the frames, and may close a turn on them.
-                pending.extend(protocol.audio_out(payload, count))
+                for message in protocol.audio_out(payload, count):
+                    pending.append(message)
+                    self._pending_bytes += len(message)
                 # Counted as the translator is told, so that what it reads stays in step with
                 # what it has said, whatever arrives while the messages are being sent...
                 self._told += count
@@ -541,9 +564,9 @@ class Session:
                 self._in_flight -= count
                 if self._credit:
                     self._credit.unpark_all()
-            tail = encoder.flush()
+            tail = self._encoder.flush()
             if tail:
-                pending.extend(protocol.audio_out(tail, 0))
+                self._queue(protocol.audio_out(tail, 0))
             await self._send_pending()
         except TransportClosed:
             self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)

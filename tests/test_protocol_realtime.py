@@ -8,16 +8,19 @@ in for the session that would otherwise count frames in and out.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import threading
+from functools import partial
 
 import attrs
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
-from conftest import PATIENCE, backend_info
+from conftest import PATIENCE, backend_info, wait_until
 from duplexrt.audio import AudioFormat, AudioSpec, make_decoder, make_encoder
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
@@ -374,31 +377,34 @@ def test_malformed_session_objects_are_refused(session, code):
 
 
 @both_namings
-def test_other_session_fields_are_accepted_and_echoed(beta):
+def test_other_session_fields_are_accepted_but_not_echoed(beta):
+    """session.updated shows the configuration in effect: settings the server ignores are not
+    kept, so repeated updates cannot grow what the server holds or sends (it once echoed them
+    all back, re-sending every key ever set in each session.updated)."""
     protocol, _ = make(beta=beta)
+    [first] = decoded(send(protocol, "session.update", session={}).messages)
     event = send(protocol, "session.update", session={
         "instructions": "be brief", "voice": "alloy", "turn_detection": None,
         "tools": [{"type": "function", "name": "f"}], "model": "gpt-4o", "modalities": ["text"],
         "audio": {"output": {"voice": "marin", "speed": 1.1}, "input": {"noise_reduction": None}},
     })
     assert isinstance(event, Reply)  # no format changed: the codecs keep their state
-    session = decoded(event.messages)[0]["session"]
-    assert session["instructions"] == "be brief"
-    assert session["voice"] == "alloy"
-    assert session["turn_detection"] is None
-    assert session["tools"] == [{"type": "function", "name": "f"}]
+    [updated] = decoded(event.messages)
+    session = updated["session"]
+    assert session == first["session"]  # nothing of the above is in effect
+    assert not {"instructions", "voice", "turn_detection", "tools"} & set(session)
     assert session["model"] == "duplexrt"  # the server's own fields stay the server's
     if beta:
         assert session["modalities"] == ["audio", "text"]  # not the client's ["text"]
+        assert "audio" not in session
     else:
         assert session["output_modalities"] == ["audio"] and "modalities" not in session
-    assert session["audio"]["output"]["voice"] == "marin"
-    if not beta:
-        assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
-    # later updates merge
-    event = send(protocol, "session.update", session={"instructions": "be long"})
-    session = decoded(event.messages)[0]["session"]
-    assert (session["instructions"], session["voice"]) == ("be long", "alloy")
+        assert session["audio"] == {"input": {"format": {"type": "audio/pcm", "rate": 24000}},
+                                    "output": {"format": {"type": "audio/pcm", "rate": 24000}}}
+    # Many updates with new keys each: the reply stays the size of the first.
+    for k in range(50):
+        event = send(protocol, "session.update", session={f"key_{k}": "v" * 1000, "audio": {"input": {f"x{k}": 1}}})
+    assert len(event.messages[0]) < len(json.dumps(first)) + 20
 
 
 # -- buffers ----------------------------------------------------------------------------------------
@@ -618,6 +624,31 @@ def test_every_server_event_id_is_unique():
     ids = [json.loads(m)["event_id"] for m in messages]
     assert len(ids) == len(set(ids)) == len(messages)
     assert all(i.startswith("event_") for i in ids)
+
+
+def test_errors_quote_client_values_short():
+    """A client's values are quoted in errors, cut to about 100 characters: a megabyte-long value
+    (or event id) does not make a megabyte-long reply."""
+    protocol, _ = make()
+    huge = "v" * 200_000
+    events = [
+        send(protocol, huge, event_id=huge),
+        send(protocol, "response.cancel", event_id=huge, response_id=huge),
+        send(protocol, "session.update", event_id=huge, session={"type": huge}),
+        send(protocol, "session.update", event_id=huge, session={"output_audio_format": huge}),
+        send(protocol, "session.update", event_id=huge, session={"audio": {"input": {"format": [huge] * 3}}}),
+        send(protocol, "session.update", event_id=huge,
+             session={"audio": {"input": {"format": {"type": "audio/pcm", "rate": huge}}}}),
+        send(protocol, "session.update", event_id=huge,
+             session={"audio": {"input": {"format": {"type": {"k": huge}}}}}),
+    ]
+    for event in events:
+        assert isinstance(event, ProtocolError), event
+        assert "vvvv" in event.message and ("…" in event.message or "..." in event.message)  # named, cut
+        assert len(event.message) < 400, event.message[:500]
+        assert event.event_id == "v" * 100 + "…"
+        [message] = protocol.error(event)
+        assert len(message) < 800
 
 
 # -- responses, duplex mode -------------------------------------------------------------------------
@@ -1003,3 +1034,66 @@ def test_output_audio_buffer_clear_drops_held_audio():
     send(protocol, "output_audio_buffer.clear")
     types = [e["type"] for e in decoded(send(protocol, "response.create").messages)]
     assert "response.output_audio.delta" not in types
+
+
+# -- hardening: unread replies -----------------
+
+
+def numbered_frames(count: int, start: int = 0) -> list[bytes]:
+    """pcm16 frames at the model rate, each a different constant: the echo model returns them
+    bit for bit, so every byte a response carries names the frame it came from."""
+    return [np.full(FRAME, 1000 * (k + 1), dtype="<i2").tobytes() for k in range(start, start + count)]
+
+
+async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_unaffected():
+    """Large control messages from a client that never reads: every reply is short (client values
+    are quoted short, ignored settings not echoed) and the queue of replies is bounded in bytes,
+    while another session is served as usual."""
+    from duplexrt import session as session_module
+
+    limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    big = "x" * 100_000
+    floods = [
+        lambda k: {"type": "session.update", "event_id": big, "session": {f"key_{k}": big, "instructions": big}},
+        lambda k: {"type": "response.cancel", "event_id": big, "response_id": big},
+        lambda k: {"type": big, "event_id": big},
+        lambda k: {"type": "session.update", "session": {"type": big}},
+        lambda k: {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm",
+                                                                                       "rate": big}}}}},
+        lambda k: {"type": "session.update", "session": {"output_audio_format": big}},
+    ]
+    flood_end, flood_server = memory_transport_pair()
+    other_end, other_server = memory_transport_pair()
+    other = RealtimeClient(other_end)
+    frames = numbered_frames(5)
+    async with open_runtime(config) as runtime:
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(runtime.serve, flood_server, RealtimeProtocol(), session_id=1))
+                nursery.start_soon(partial(runtime.serve, other_server, RealtimeProtocol(duplex=True), session_id=2))
+                nursery.start_soon(other.receive_all)
+                await wait_until(lambda: len(runtime.sessions) == 2, "both sessions started")
+                flooded = next(s for s in runtime.sessions if s.lease.session_id == 1)
+
+                async def flood() -> None:
+                    with contextlib.suppress(TransportClosed):
+                        for k in range(600):
+                            await flood_end.send(json.dumps(floods[k % len(floods)](k)))
+
+                nursery.start_soon(flood)
+                for frame in frames:
+                    await other.send("input_audio_buffer.append", audio=b64(frame))
+                while len(other.audio()) < len(frames) * PCM_FRAME_BYTES:
+                    await other.wait_for(names(False)["delta"], len(other.of_type(names(False)["delta"])) + 1)
+                await trio.testing.wait_all_tasks_blocked()  # the flood is stuck: nobody reads
+                queued = list(flooded._pending)
+                await flood_end.close()
+                await other_end.close()
+                await other.wait_closed()
+
+    assert len(queued) > 10  # the reader did stop on a full queue
+    assert sum(len(m) for m in queued) <= limit + 4096
+    assert max(len(m) for m in queued) < 2000
+    assert other.audio() == b"".join(frames)
+    assert other.of_type("error") == []
