@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
 
-from duplexrt.audio import AudioFormatError, Framer, make_decoder, make_encoder
+from duplexrt.audio import AudioFormatError, AudioSpec, Encoder, Framer, make_decoder, make_encoder
 from duplexrt.handoffs import HandoffKind
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (
@@ -344,8 +345,7 @@ class Session:
         elif isinstance(event, Reply):
             self._queue(event.messages)
         elif isinstance(event, Reconfigure):
-            self._queue(event.messages)
-            await self._reconfigure()
+            await self._reconfigure(event.messages)
         elif isinstance(event, ClearInput):
             self._framer.clear()
             self._decoder = make_decoder(self._protocol.input_spec, self._model_rate)
@@ -361,17 +361,49 @@ class Session:
         else:
             raise AssertionError(f"unexpected event {event!r}")
 
-    async def _reconfigure(self) -> None:
-        """New wire formats: what the old decoder still held is model audio already, so it goes
-        on into the framer; the writer switches encoders between two batches."""
+    async def _reconfigure(self, messages: tuple[Message, ...]) -> None:
+        """New wire formats, announced by ``messages``.
+
+        Output: everything the client gets after the announcement is in the new format.  So the
+        old encoder's tail is handed to the translator before it, audio the translator holds back
+        is re-encoded, and the writer encodes every batch from now on, including those already
+        waiting, with the new encoder.  Input: what the old decoder still held is model audio
+        already, so it goes on into the framer."""
+        protocol = self._protocol
+        if protocol.output_spec != self._encoder.spec:
+            while self._encoding:  # a batch on a worker thread, encoded with the old encoder
+                await self._encoded.park()
+            old = self._encoder
+            new = self._encoder = make_encoder(protocol.output_spec, self._model_rate)
+            tail = old.flush()
+            if tail:
+                self._queue(protocol.audio_out(tail, 0))
+            protocol.recode_held(lambda payloads: self._recode(payloads, old.spec, new))
+        self._queue(messages)
+        if protocol.input_spec != self._decoder.spec:
+            try:
+                tail = self._decoder.flush()
+            except AudioFormatError:
+                tail = np.zeros(0, dtype=np.float32)
+            self._decoder = make_decoder(protocol.input_spec, self._model_rate)
+            for frame in self._framer.push(tail):
+                await self._submit(frame)
+
+    def _recode(self, payloads: Sequence[bytes], old: AudioSpec, encoder: Encoder) -> list[bytes]:
+        """Audio in ``old`` (the session's own output, so PCM or G.711 as the translators that
+        hold audio speak) into ``encoder``'s format, as one stream.  Inline: rare, and bounded by
+        what the translator may hold.  What cannot be decoded inline is dropped."""
+        if old.is_encoded:
+            return [b"" for _ in payloads]
+        decoder = make_decoder(old, self._model_rate)
         try:
-            tail = self._decoder.flush()
+            out = [encoder.encode(decoder.decode(payload)) for payload in payloads]
+            if out:
+                out[-1] += encoder.encode(decoder.flush())
         except AudioFormatError:
-            tail = np.zeros(0, dtype=np.float32)
-        self._decoder = make_decoder(self._protocol.input_spec, self._model_rate)
-        self._encoder = make_encoder(self._protocol.output_spec, self._model_rate)
-        for frame in self._framer.push(tail):
-            await self._submit(frame)
+            log.exception("session %s: held audio could not be re-encoded", self.lease.session_id)
+            return [b"" for _ in payloads]
+        return out
 
     def _queue(self, messages: list[Message] | tuple[Message, ...]) -> None:
         """Hand messages to the writer, behind everything made before them."""
@@ -512,7 +544,6 @@ class Session:
         pending = self._pending
         protocol = self._protocol
         metrics = self._runtime.metrics
-        encoder = self._encoder
         try:
             while True:
                 if pending:
@@ -522,18 +553,28 @@ class Session:
                         break
                     await self._writer_lot.park()
                     continue
-                if self._encoder is not encoder:  # the client switched formats
-                    tail = encoder.flush()
-                    encoder = self._encoder
-                    if tail:
-                        pending.extend(protocol.audio_out(tail, 0))
-                items = list(outbox)
-                outbox.clear()
-                count = len(items)
+                # A batch never crosses a turn's end: each response carries exactly its frames,
+                # the rest waits for the next round of this loop.
+                count = len(outbox)
+                answered = self._told + self._dropped
+                boundary = protocol.next_boundary()
+                if boundary is not None and answered < boundary < answered + count:
+                    count = boundary - answered
+                    items = [outbox.popleft() for _ in range(count)]
+                else:
+                    items = list(outbox)
+                    outbox.clear()
                 samples = items[0][0] if count == 1 else np.concatenate([item[0] for item in items])
+                encoder = self._encoder  # a format switch replaces it between two batches
                 if self._always_offload:
-                    payload = await self._runtime.handoffs.offload(
-                        HandoffKind.CONVERT_OFFLOAD, encoder.encode, samples)
+                    self._encoding = True
+                    try:
+                        payload = await self._runtime.handoffs.offload(
+                            HandoffKind.CONVERT_OFFLOAD, encoder.encode, samples)
+                    finally:
+                        self._encoding = False
+                        if self._encoded:
+                            self._encoded.unpark_all()
                 else:
                     payload = encoder.encode(samples)
                 # Text first: a protocol that closes a turn on its last audio (realtime) must

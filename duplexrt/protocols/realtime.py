@@ -10,8 +10,11 @@ A full-duplex model speaks all the time; the protocol only decides what the clie
 
 * turn mode (the default): output audio goes to the client only while a response is active.
   ``response.create`` opens one that answers all the input submitted so far: it completes once the
-  model's output has caught up with that input (one output frame per input frame).  Output outside
-  a response is dropped.
+  model's output has caught up with that input (one output frame per input frame), and carries
+  exactly those frames: output past its end waits for the next response.  Output that comes before
+  any ``response.create`` is held (bounded) and becomes the next response's start.
+  ``response.cancel`` (or ``output_audio_buffer.clear``) ends the response, and the rest of its
+  answer, which the model is still producing, is dropped as it comes: never sent later.
 * duplex mode (``duplex=True``, for ``/v1/realtime?duplex=1``): one open-ended response lasts the
   whole session, so the client hears everything; ``response.cancel`` mutes the model until the next
   ``response.create`` opens another open-ended response.
@@ -32,7 +35,7 @@ from __future__ import annotations
 import itertools
 import json
 from binascii import a2b_base64, b2a_base64
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
@@ -222,6 +225,10 @@ class RealtimeProtocol(Translator):
         return messages
 
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
+        if self._discard_below:
+            if self.progress.frames_answered < self._discard_below:
+                return []  # the rest of a cancelled response (the batch was split at its end)
+            self._discard_below = 0
         response = self._response
         if response is None:
             if not self.duplex:
@@ -241,11 +248,30 @@ class RealtimeProtocol(Translator):
         return (f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
                 f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
 
+    def next_boundary(self) -> int | None:
+        """Where the output changes hands: the end of the cancelled response being dropped, or
+        the active turn-mode response's target.  Frames past it belong to the next response."""
+        if self._discard_below > self.progress.frames_answered:
+            return self._discard_below
+        response = self._response
+        return None if response is None else response.target
+
+    def recode_held(self, recode: Callable[[Sequence[bytes]], list[bytes]]) -> None:
+        if not self._held:
+            return
+        payloads = recode([payload for payload, _ in self._held])
+        self._held = [(payload, frames) for payload, (_, frames) in zip(payloads, self._held, strict=True)]
+        self._held_bytes = sum(len(payload) for payload in payloads)
+        self._trim_held()  # a narrow format to a wide one grows the bytes
+
     def _hold(self, payload: bytes, frames: int) -> None:
         if not payload:
             return
         self._held.append((payload, frames))
         self._held_bytes += len(payload)
+        self._trim_held()
+
+    def _trim_held(self) -> None:
         while self._held_bytes > MAX_HELD_BYTES and len(self._held) > 1:
             dropped, _ = self._held.pop(0)
             self._held_bytes -= len(dropped)
@@ -267,6 +293,8 @@ class RealtimeProtocol(Translator):
         response = self._response
         if response is None or not text:
             return []
+        if self._discard_below and self.progress.frames_answered < self._discard_below:
+            return []  # the cancelled answer's text, not the new response's
         response.transcript.append(text)
         head, tail = response.text_prefix
         return [f'{head}"event_id":"event_{next(self._event_ids)}",{tail}{json.dumps(text)}}}']
@@ -401,7 +429,7 @@ class RealtimeProtocol(Translator):
         if response is not None and response.target is not None:
             # The frames dropped now will never be sent, so a turn-mode response could not reach
             # its target: clearing what it was saying cancels it.
-            messages += self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
+            messages += self._cancel(response)
         response_id = response.id if response is not None else self._last_response_id
         messages.append(self._event("output_audio_buffer.cleared", response_id=response_id))
         return ClearOutput(messages=tuple(messages))
@@ -429,7 +457,15 @@ class RealtimeProtocol(Translator):
             what = f"response {quote(wanted)} is not" if isinstance(wanted, str) and wanted else "no response is"
             return ProtocolError("response_cancel_not_active", f"{what} in progress",
                                  event_id=_client_event_id(data))
-        return Reply(tuple(self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})))
+        return Reply(tuple(self._cancel(response)))
+
+    def _cancel(self, response: _Response) -> list[Message]:
+        """End ``response`` as cancelled.  In turn mode the model is still producing the rest of
+        its answer (up to the target): that output is dropped as it comes, so that it is neither
+        sent now nor held and replayed as the start of the next response."""
+        if response.target is not None:
+            self._discard_below = max(self._discard_below, response.target)
+        return self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
 
     def _unsupported(self, data: dict[str, Any]) -> Event:
         return ProtocolError("unsupported_event",
