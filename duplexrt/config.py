@@ -97,6 +97,10 @@ class RuntimeConfig:
     #: beyond the model's own context).
     max_session_seconds: float = attrs.field(
         default=0.0, validator=_float_range("runtime.max_session_seconds", 0.0, 7 * 24 * 3600.0))
+    #: After this many failed model steps in a row, ``/readyz`` answers 503 (``model_failing``)
+    #: until a step works again.
+    max_consecutive_step_failures: int = attrs.field(
+        default=3, validator=_int_range("runtime.max_consecutive_step_failures", 1, 1_000_000))
 
 
 @attrs.frozen(kw_only=True)

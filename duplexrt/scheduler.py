@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -44,7 +45,21 @@ class BackendLoadError(RuntimeError):
 
 
 class BackendStepError(RuntimeError):
-    """The model failed on a step this session was part of."""
+    """The model failed on a step this session was part of.
+
+    Its message is what a client may be told: generic, with an error id.  The backend's own
+    exception (file paths, tensor shapes, device messages) is its ``__cause__`` and goes only to
+    the log, under the same id, so an operator can find it from what the client reports.
+    """
+
+    def __init__(self, error_id: str, what: str = "the model failed on this step") -> None:
+        super().__init__(f"{what} (error id {error_id})")
+        self.error_id = error_id
+
+
+def new_error_id() -> str:
+    """An id to tie what a client is told to the log record with the details."""
+    return f"err_{secrets.token_hex(6)}"
 
 
 class SlotOwner(Protocol):
@@ -80,6 +95,9 @@ class SchedulerStatistics:
     open_slots: int
     free_slots: int
     queued_frames: int
+    #: Steps (and slot openings) the backend failed, in all, and in a row up to now.
+    failed_steps: int = 0
+    consecutive_step_failures: int = 0
 
 
 def _host_buffer(shape: tuple[int, ...], device: str) -> np.ndarray:
@@ -166,6 +184,7 @@ class Scheduler:
         self.slots = backend.info.slots
         self.frame_size = backend.info.frame_size
         self.gather_window = config.gather_window_ms / 1e3
+        self.max_consecutive_failures = config.max_consecutive_step_failures
         self.inbox = Inbox(self.slots, config.inbox_depth,
                            lambda: handoffs.count_from_any_thread(HandoffKind.SCHEDULER_WAKE))
         self._free_slots = list(range(self.slots - 1, -1, -1))  # pop() gives the lowest
@@ -186,6 +205,10 @@ class Scheduler:
         self._steps = 0
         self._frames = 0
         self._max_batch = 0
+        self._failed_steps = 0
+        # Failed steps since the last one that worked: a model that fails every step is not
+        # ready, whatever else is true (``failing``).
+        self._consecutive_failures = 0
         self._step_time = Histogram()
         #: Rows per step (written by the scheduler thread).
         self.batch_sizes = Histogram()
@@ -203,6 +226,12 @@ class Scheduler:
     @property
     def ready(self) -> bool:
         return self._started.is_set() and not self._finished.is_set()
+
+    @property
+    def failing(self) -> bool:
+        """The model failed the last ``runtime.max_consecutive_step_failures`` steps in a row.
+        Cleared by the next step that works."""
+        return self._consecutive_failures >= self.max_consecutive_failures
 
     def open_slot(self, owner: SlotOwner, session_id: int | None = None) -> SlotLease:
         """Lease the lowest free slot to ``owner``; raises NoFreeSlotError when none is left."""
@@ -259,6 +288,8 @@ class Scheduler:
             open_slots=self.slots - len(self._free_slots),
             free_slots=len(self._free_slots),
             queued_frames=self.inbox.total_queued(),
+            failed_steps=self._failed_steps,
+            consecutive_step_failures=self._consecutive_failures,
         )
 
     def _take_deliveries(self) -> None:
@@ -363,9 +394,14 @@ class Scheduler:
             else:
                 self.backend.close_slot(control.slot)
         except Exception as exc:
-            log.exception("backend failed to %s slot %d", control.op.value, control.slot)
+            error_id = new_error_id()
+            log.error("backend failed to %s slot %d (error id %s)", control.op.value, control.slot, error_id,
+                      exc_info=exc)
             if control.op is ControlOp.OPEN:
-                outcome = StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), exc)
+                self._step_failed()
+                error = BackendStepError(error_id, "the model failed to open this session")
+                error.__cause__ = exc
+                outcome = StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), error)
                 self._publish(outcome)
 
     def _step(self, batch: Batch) -> None:
@@ -387,12 +423,16 @@ class Scheduler:
         try:
             texts = self.backend.step(rows, inputs, outputs)
         except Exception as exc:
-            log.exception("backend step failed for %d session(s)", n)
             stepped = time.perf_counter_ns()
-            outcome = StepOutcome(batch.owners, batch.stamps, None, None, stepped,
-                                  BackendStepError(f"the model failed on this step: {exc!r}"))
+            error_id = new_error_id()
+            log.error("backend step failed for %d session(s) (error id %s)", n, error_id, exc_info=exc)
+            self._step_failed()
+            error = BackendStepError(error_id)
+            error.__cause__ = exc
+            outcome = StepOutcome(batch.owners, batch.stamps, None, None, stepped, error)
         else:
             stepped = time.perf_counter_ns()
+            self._consecutive_failures = 0
             # The only per-step allocation: trio keeps these rows after the buffer is reused.
             outcome = StepOutcome(batch.owners, batch.stamps, outputs.copy(), texts, stepped,
                                   stages=self.backend.last_stages)
@@ -403,6 +443,13 @@ class Scheduler:
         self._step_time.record(stepped - started)
         self.batch_sizes.record(n)
         self._publish(outcome)
+
+    def _step_failed(self) -> None:
+        self._failed_steps += 1
+        self._consecutive_failures += 1
+        if self._consecutive_failures == self.max_consecutive_failures:
+            log.error("the model failed %d steps in a row: not ready until a step works",
+                      self._consecutive_failures)
 
     def _publish(self, outcome: StepOutcome) -> None:
         """Queue a step for trio; only the first of a run of undelivered steps crosses over."""

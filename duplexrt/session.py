@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,8 +30,10 @@ import trio
 
 from duplexrt.audio import (
     AudioFormatError,
+    AudioSpec,
     AudioTooLongError,
     Decoder,
+    Encoder,
     Framer,
     make_decoder,
     make_encoder,
@@ -49,7 +52,7 @@ from duplexrt.protocols.events import (
     Reply,
     SessionEnd,
 )
-from duplexrt.scheduler import SlotClosedError
+from duplexrt.scheduler import BackendStepError, SlotClosedError, new_error_id
 from duplexrt.transport import (
     GOING_AWAY,
     INTERNAL_ERROR,
@@ -68,8 +71,11 @@ log = logging.getLogger("duplexrt.session")
 
 #: How long a closing session waits for a slow client to take its last messages.
 CLOSE_TIMEOUT = 2.0
-#: Replies and errors a session may have waiting for a client that is not reading.
+#: Replies and errors a session may have waiting for a client that is not reading: past either
+#: bound its reader stops taking messages until the writer catches up.  Audio passes through the
+#: same queue, a batch at a time, so the byte bound sits well above one batch of audio.
 MAX_PENDING_MESSAGES = 64
+MAX_PENDING_BYTES = 1 << 20
 
 STOP = "stop"
 CLIENT_CLOSED = "client_closed"
@@ -110,6 +116,11 @@ class Session:
         # writer sends from it: what the client sees is in the order the translator decided,
         # even when the reader (replies, errors) and the writer (audio) both have something.
         self._pending: deque[Message] = deque()
+        self._pending_bytes = 0  # len() of every message in _pending: characters or bytes
+        # runtime.offload = "always": the writer is encoding a batch on a worker thread, with the
+        # encoder a format switch must not flush or replace under it.
+        self._encoding = False
+        self._encoded = trio.lowlevel.ParkingLot()
         self._metrics = runtime.metrics
         self._in_flight = 0  # submitted and not yet sent
         self._submitted = 0
@@ -298,7 +309,16 @@ class Session:
             self._writer_lot.unpark_all()
 
     def step_failed(self, error: BaseException) -> None:
-        self._finish(ERROR, str(error), INTERNAL_ERROR)
+        # The client hears a generic message with an error id, never the backend's exception
+        # text (paths, shapes, device messages): that is in the log under the same id.
+        if isinstance(error, BackendStepError):
+            message = str(error)
+        else:
+            error_id = new_error_id()
+            log.error("session %s: the model failed (error id %s)", self.lease.session_id, error_id,
+                      exc_info=error)
+            message = str(BackendStepError(error_id))
+        self._finish(ERROR, message, INTERNAL_ERROR)
 
     # -- reader ----------------------------------------------------------------------------------
 
@@ -312,11 +332,13 @@ class Session:
                 kind = type(event)
                 if kind is AudioIn:
                     await self._take_audio(event.payload)
+                    if self._pending_bytes > MAX_PENDING_BYTES:  # errors for bad audio, unread
+                        await self._wait_for_room()
                 elif kind is InputEnd:
                     break
                 elif kind is not Ignored:
                     await self._handle(event)
-                    if len(self._pending) > MAX_PENDING_MESSAGES:
+                    if self._queue_full():
                         await self._wait_for_room()
                 try:
                     message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
@@ -334,8 +356,7 @@ class Session:
         elif isinstance(event, Reply):
             self._queue(event.messages)
         elif isinstance(event, Reconfigure):
-            self._queue(event.messages)
-            await self._reconfigure()
+            await self._reconfigure(event.messages)
         elif isinstance(event, ClearInput):
             self._framer.clear()
             self._decoder = self._new_decoder()
@@ -351,17 +372,49 @@ class Session:
         else:
             raise AssertionError(f"unexpected event {event!r}")
 
-    async def _reconfigure(self) -> None:
-        """New wire formats: what the old decoder still held is model audio already, so it goes
-        on into the framer; the writer switches encoders between two batches."""
+    async def _reconfigure(self, messages: tuple[Message, ...]) -> None:
+        """New wire formats, announced by ``messages``.
+
+        Output: everything the client gets after the announcement is in the new format.  So the
+        old encoder's tail is handed to the translator before it, audio the translator holds back
+        is re-encoded, and the writer encodes every batch from now on, including those already
+        waiting, with the new encoder.  Input: what the old decoder still held is model audio
+        already, so it goes on into the framer."""
+        protocol = self._protocol
+        if protocol.output_spec != self._encoder.spec:
+            while self._encoding:  # a batch on a worker thread, encoded with the old encoder
+                await self._encoded.park()
+            old = self._encoder
+            new = self._encoder = make_encoder(protocol.output_spec, self._model_rate)
+            tail = old.flush()
+            if tail:
+                self._queue(protocol.audio_out(tail, 0))
+            protocol.recode_held(lambda payloads: self._recode(payloads, old.spec, new))
+        self._queue(messages)
+        if protocol.input_spec != self._decoder.spec:
+            try:
+                tail = self._decoder.flush()
+            except AudioFormatError:
+                tail = np.zeros(0, dtype=np.float32)
+            self._decoder = self._new_decoder()
+            for frame in self._framer.push(tail):
+                await self._submit(frame)
+
+    def _recode(self, payloads: Sequence[bytes], old: AudioSpec, encoder: Encoder) -> list[bytes]:
+        """Audio in ``old`` (the session's own output, so PCM or G.711 as the translators that
+        hold audio speak) into ``encoder``'s format, as one stream.  Inline: rare, and bounded by
+        what the translator may hold.  What cannot be decoded inline is dropped."""
+        if old.is_encoded:
+            return [b"" for _ in payloads]
+        decoder = make_decoder(old, self._model_rate)
         try:
-            tail = self._decoder.flush()
+            out = [encoder.encode(decoder.decode(payload)) for payload in payloads]
+            if out:
+                out[-1] += encoder.encode(decoder.flush())
         except AudioFormatError:
-            tail = np.zeros(0, dtype=np.float32)
-        self._decoder = self._new_decoder()
-        self._encoder = make_encoder(self._protocol.output_spec, self._model_rate)
-        for frame in self._framer.push(tail):
-            await self._submit(frame)
+            log.exception("session %s: held audio could not be re-encoded", self.lease.session_id)
+            return [b"" for _ in payloads]
+        return out
 
     def _new_decoder(self) -> Decoder:
         return make_decoder(self._protocol.input_spec, self._model_rate, self._max_message_seconds)
@@ -369,14 +422,21 @@ class Session:
     def _queue(self, messages: list[Message] | tuple[Message, ...]) -> None:
         """Hand messages to the writer, behind everything made before them."""
         if messages:
-            self._pending.extend(messages)
+            pending = self._pending
+            for message in messages:
+                pending.append(message)
+                self._pending_bytes += len(message)
             if self._writer_lot:
                 self._writer_lot.unpark_all()
 
+    def _queue_full(self) -> bool:
+        return len(self._pending) > MAX_PENDING_MESSAGES or self._pending_bytes > MAX_PENDING_BYTES
+
     async def _wait_for_room(self) -> None:
-        """A client that stops reading but keeps sending control messages must not grow the
-        queue of replies without bound: its reader waits until the writer catches up."""
-        while len(self._pending) > MAX_PENDING_MESSAGES:
+        """A client that stops reading but keeps sending control messages (or bad audio) must
+        not grow the queue of replies without bound: its reader waits until the writer catches
+        up."""
+        while self._queue_full():
             await self._credit.park()
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
@@ -475,8 +535,10 @@ class Session:
         pending = self._pending
         transport = self._transport
         while pending:
-            await transport.send(pending[0])
+            message = pending[0]
+            await transport.send(message)
             pending.popleft()
+            self._pending_bytes -= len(message)
         if self._credit:
             self._credit.unpark_all()  # a reader waiting for room in the queue
 
@@ -508,7 +570,6 @@ class Session:
         pending = self._pending
         protocol = self._protocol
         metrics = self._runtime.metrics
-        encoder = self._encoder
         try:
             while True:
                 if pending:
@@ -518,18 +579,28 @@ class Session:
                         break
                     await self._writer_lot.park()
                     continue
-                if self._encoder is not encoder:  # the client switched formats
-                    tail = encoder.flush()
-                    encoder = self._encoder
-                    if tail:
-                        pending.extend(protocol.audio_out(tail, 0))
-                items = list(outbox)
-                outbox.clear()
-                count = len(items)
+                # A batch never crosses a turn's end: each response carries exactly its frames,
+                # the rest waits for the next round of this loop.
+                count = len(outbox)
+                answered = self._told + self._dropped
+                boundary = protocol.next_boundary()
+                if boundary is not None and answered < boundary < answered + count:
+                    count = boundary - answered
+                    items = [outbox.popleft() for _ in range(count)]
+                else:
+                    items = list(outbox)
+                    outbox.clear()
                 samples = items[0][0] if count == 1 else np.concatenate([item[0] for item in items])
+                encoder = self._encoder  # a format switch replaces it between two batches
                 if self._always_offload:
-                    payload = await self._runtime.handoffs.offload(
-                        HandoffKind.CONVERT_OFFLOAD, encoder.encode, samples)
+                    self._encoding = True
+                    try:
+                        payload = await self._runtime.handoffs.offload(
+                            HandoffKind.CONVERT_OFFLOAD, encoder.encode, samples)
+                    finally:
+                        self._encoding = False
+                        if self._encoded:
+                            self._encoded.unpark_all()
                 else:
                     payload = encoder.encode(samples)
                 # Text first: a protocol that closes a turn on its last audio (realtime) must
@@ -538,10 +609,14 @@ class Session:
                     if item[1]:
                         self._text_pieces += 1
                         metrics.text_pieces += 1
-                        pending.extend(protocol.text_out(item[1]))
+                        for message in protocol.text_out(item[1]):
+                            pending.append(message)
+                            self._pending_bytes += len(message)
                 # Even with no bytes (an encoder still filling a packet): the translator counts
                 # the frames, and may close a turn on them.
-                pending.extend(protocol.audio_out(payload, count))
+                for message in protocol.audio_out(payload, count):
+                    pending.append(message)
+                    self._pending_bytes += len(message)
                 # Counted as the translator is told, so that what it reads stays in step with
                 # what it has said, whatever arrives while the messages are being sent...
                 self._told += count
@@ -556,9 +631,9 @@ class Session:
                 self._in_flight -= count
                 if self._credit:
                     self._credit.unpark_all()
-            tail = encoder.flush()
+            tail = self._encoder.flush()
             if tail:
-                pending.extend(protocol.audio_out(tail, 0))
+                self._queue(protocol.audio_out(tail, 0))
             await self._send_pending()
         except TransportClosed:
             self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)

@@ -8,16 +8,19 @@ in for the session that would otherwise count frames in and out.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import threading
+from functools import partial
 
 import attrs
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
-from conftest import PATIENCE, backend_info
+from conftest import PATIENCE, backend_info, wait_until
 from duplexrt.audio import AudioFormat, AudioSpec, make_decoder, make_encoder
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
@@ -374,31 +377,34 @@ def test_malformed_session_objects_are_refused(session, code):
 
 
 @both_namings
-def test_other_session_fields_are_accepted_and_echoed(beta):
+def test_other_session_fields_are_accepted_but_not_echoed(beta):
+    """session.updated shows the configuration in effect: settings the server ignores are not
+    kept, so repeated updates cannot grow what the server holds or sends (it once echoed them
+    all back, re-sending every key ever set in each session.updated)."""
     protocol, _ = make(beta=beta)
+    [first] = decoded(send(protocol, "session.update", session={}).messages)
     event = send(protocol, "session.update", session={
         "instructions": "be brief", "voice": "alloy", "turn_detection": None,
         "tools": [{"type": "function", "name": "f"}], "model": "gpt-4o", "modalities": ["text"],
         "audio": {"output": {"voice": "marin", "speed": 1.1}, "input": {"noise_reduction": None}},
     })
     assert isinstance(event, Reply)  # no format changed: the codecs keep their state
-    session = decoded(event.messages)[0]["session"]
-    assert session["instructions"] == "be brief"
-    assert session["voice"] == "alloy"
-    assert session["turn_detection"] is None
-    assert session["tools"] == [{"type": "function", "name": "f"}]
+    [updated] = decoded(event.messages)
+    session = updated["session"]
+    assert session == first["session"]  # nothing of the above is in effect
+    assert not {"instructions", "voice", "turn_detection", "tools"} & set(session)
     assert session["model"] == "duplexrt"  # the server's own fields stay the server's
     if beta:
         assert session["modalities"] == ["audio", "text"]  # not the client's ["text"]
+        assert "audio" not in session
     else:
         assert session["output_modalities"] == ["audio"] and "modalities" not in session
-    assert session["audio"]["output"]["voice"] == "marin"
-    if not beta:
-        assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
-    # later updates merge
-    event = send(protocol, "session.update", session={"instructions": "be long"})
-    session = decoded(event.messages)[0]["session"]
-    assert (session["instructions"], session["voice"]) == ("be long", "alloy")
+        assert session["audio"] == {"input": {"format": {"type": "audio/pcm", "rate": 24000}},
+                                    "output": {"format": {"type": "audio/pcm", "rate": 24000}}}
+    # Many updates with new keys each: the reply stays the size of the first.
+    for k in range(50):
+        event = send(protocol, "session.update", session={f"key_{k}": "v" * 1000, "audio": {"input": {f"x{k}": 1}}})
+    assert len(event.messages[0]) < len(json.dumps(first)) + 20
 
 
 # -- buffers ----------------------------------------------------------------------------------------
@@ -618,6 +624,125 @@ def test_every_server_event_id_is_unique():
     ids = [json.loads(m)["event_id"] for m in messages]
     assert len(ids) == len(set(ids)) == len(messages)
     assert all(i.startswith("event_") for i in ids)
+
+
+def test_cancel_in_turn_mode_drops_the_rest_of_that_answer():
+    """The model goes on producing a cancelled answer up to its target: that output is dropped,
+    not held and replayed as the next response's start (it once was)."""
+    protocol, progress = make()
+    progress.frames_in = 5
+    send(protocol, "response.create")
+    assert protocol.next_boundary() == 5  # the turn ends after frame 5
+    assert len(protocol.audio_out(b"\1\0", 1)) == 1
+    progress.frames_out = 1
+    assert isinstance(send(protocol, "response.cancel"), Reply)
+    assert protocol.next_boundary() == 5  # the rest of the cancelled answer ends there too
+    for k in range(2, 6):
+        assert protocol.audio_out(bytes([k, 0]), 1) == []
+        progress.frames_out = k
+    assert protocol.next_boundary() is None
+    assert protocol.audio_out(b"\6\0", 1) == []  # the next turn's answer: held
+    progress.frames_out, progress.frames_in = 6, 6
+    events = decoded(send(protocol, "response.create").messages)
+    assert [base64.b64decode(e["delta"]) for e in events if e["type"] == names(False)["delta"]] == [b"\6\0"]
+    assert events[-1]["response"]["usage"]["output_token_details"]["audio_tokens"] == 1
+
+
+def test_a_response_created_while_the_cancelled_answer_runs_gets_none_of_it():
+    protocol, progress = make()
+    progress.frames_in = 3
+    send(protocol, "response.create")
+    send(protocol, "response.cancel")
+    progress.frames_in = 5
+    [created] = decoded(send(protocol, "response.create").messages)
+    for k in range(3):  # the cancelled answer, still coming out of the model
+        assert protocol.text_out("old") == []
+        assert protocol.audio_out(bytes([k, 0]), 1) == []
+        progress.frames_out += 1
+    [text] = decoded(protocol.text_out("new"))
+    assert text["response_id"] == created["response"]["id"]
+    assert len(protocol.audio_out(b"\3\0", 1)) == 1
+    progress.frames_out += 1
+    events = decoded(protocol.audio_out(b"\4\0", 1))
+    done = events[-1]["response"]
+    assert done["status"] == "completed"
+    assert done["usage"]["output_token_details"]["audio_tokens"] == 2
+    assert done["output"][0]["content"][0]["transcript"] == "new"
+
+
+def test_output_clear_in_turn_mode_drops_the_rest_of_that_answer_too():
+    protocol, progress = make()
+    progress.frames_in = 4
+    send(protocol, "response.create")
+    protocol.audio_out(b"\1\0", 1)
+    progress.frames_out = 1
+    assert isinstance(send(protocol, "output_audio_buffer.clear"), ClearOutput)
+    progress.frames_dropped = 1  # the session dropped one frame waiting in its outbox
+    for k in (3, 4):  # frames 3 and 4 were still in the model
+        assert protocol.audio_out(bytes([k, 0]), 1) == []
+        progress.frames_out += 1
+    assert protocol.audio_out(b"\5\0", 1) == []  # held: the next turn's
+    progress.frames_out += 1
+    progress.frames_in = 5
+    events = decoded(send(protocol, "response.create").messages)
+    assert [base64.b64decode(e["delta"]) for e in events if e["type"] == names(False)["delta"]] == [b"\5\0"]
+
+
+def test_duplex_mode_has_no_boundaries():
+    protocol, progress = make(duplex=True)
+    protocol.start()
+    progress.frames_in = 3
+    assert protocol.next_boundary() is None
+    send(protocol, "response.cancel")
+    assert protocol.next_boundary() is None
+
+
+def test_held_audio_is_recoded_in_order_and_stays_bounded():
+    from duplexrt.protocols.realtime import MAX_HELD_BYTES
+
+    protocol, progress = make()
+    chunk = MAX_HELD_BYTES // 3
+    for k in range(3):
+        protocol.audio_out(bytes([k]) * chunk, 1)
+        progress.frames_out += 1
+    seen = []
+
+    def recode(payloads):
+        seen.extend(p[:1] for p in payloads)
+        return [p[:1] * (2 * len(p)) for p in payloads]  # twice the bytes: past the bound
+
+    protocol.recode_held(recode)
+    assert seen == [b"\0", b"\1", b"\2"]
+    progress.frames_in = 3
+    events = decoded(send(protocol, "response.create").messages)
+    deltas = [base64.b64decode(e["delta"]) for e in events if e["type"] == names(False)["delta"]]
+    assert deltas == [b"\2" * (2 * chunk)]  # the oldest dropped to stay within MAX_HELD_BYTES
+    assert events[-1]["response"]["usage"]["output_token_details"]["audio_tokens"] == 1
+
+
+def test_errors_quote_client_values_short():
+    """A client's values are quoted in errors, cut to about 100 characters: a megabyte-long value
+    (or event id) does not make a megabyte-long reply."""
+    protocol, _ = make()
+    huge = "v" * 200_000
+    events = [
+        send(protocol, huge, event_id=huge),
+        send(protocol, "response.cancel", event_id=huge, response_id=huge),
+        send(protocol, "session.update", event_id=huge, session={"type": huge}),
+        send(protocol, "session.update", event_id=huge, session={"output_audio_format": huge}),
+        send(protocol, "session.update", event_id=huge, session={"audio": {"input": {"format": [huge] * 3}}}),
+        send(protocol, "session.update", event_id=huge,
+             session={"audio": {"input": {"format": {"type": "audio/pcm", "rate": huge}}}}),
+        send(protocol, "session.update", event_id=huge,
+             session={"audio": {"input": {"format": {"type": {"k": huge}}}}}),
+    ]
+    for event in events:
+        assert isinstance(event, ProtocolError), event
+        assert "vvvv" in event.message and ("…" in event.message or "..." in event.message)  # named, cut
+        assert len(event.message) < 400, event.message[:500]
+        assert event.event_id == "v" * 100 + "…"
+        [message] = protocol.error(event)
+        assert len(message) < 800
 
 
 # -- responses, duplex mode -------------------------------------------------------------------------
@@ -1003,3 +1128,217 @@ def test_output_audio_buffer_clear_drops_held_audio():
     send(protocol, "output_audio_buffer.clear")
     types = [e["type"] for e in decoded(send(protocol, "response.create").messages)]
     assert "response.output_audio.delta" not in types
+
+
+# -- hardening: cancelled answers, turn boundaries, format switches, unread replies -----------------
+
+
+@contextlib.asynccontextmanager
+async def realtime_session(config, backend=None, *, read: bool = True, **options):
+    """One Realtime session on a real runtime: yields the client, the server's session and the
+    nursery (to start the client's reader later when ``read`` is False).  Hangs up at the end."""
+    client_end, server_end = memory_transport_pair()
+    client = RealtimeClient(client_end)
+    try:
+        async with open_runtime(config, backend) as runtime:
+            with trio.fail_after(PATIENCE):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(runtime.serve, server_end, RealtimeProtocol(**options))
+                    if read:
+                        nursery.start_soon(client.receive_all)
+                    await wait_until(lambda: len(runtime.sessions) == 1, "the session started")
+                    (session,) = runtime.sessions
+                    yield client, session, nursery
+                    await client_end.close()
+                    if client.closed is None and read:
+                        await client.wait_closed()
+                    nursery.cancel_scope.cancel()
+    finally:
+        if isinstance(backend, GatedEcho):
+            backend.gate.set()
+
+
+def numbered_frames(count: int, start: int = 0) -> list[bytes]:
+    """pcm16 frames at the model rate, each a different constant: the echo model returns them
+    bit for bit, so every byte a response carries names the frame it came from."""
+    return [np.full(FRAME, 1000 * (k + 1), dtype="<i2").tobytes() for k in range(start, start + count)]
+
+
+def deltas_of(client: RealtimeClient, response_id: str) -> bytes:
+    return b"".join(base64.b64decode(e["delta"]) for e in client.of_type(names(False)["delta"])
+                    if e["response_id"] == response_id)
+
+
+async def test_a_cancelled_answer_is_never_sent_later():
+    """response.cancel: the model still produces the rest of that answer; it is dropped, not held
+    and replayed as the start of the next response (it once was)."""
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    backend = GatedEcho(config)
+    frames = numbered_frames(8)
+    async with realtime_session(config, backend) as (client, session, _):
+        for frame in frames[:6]:
+            await client.send("input_audio_buffer.append", audio=b64(frame))
+        await wait_until(lambda: session.frames_in == 6, "six frames submitted")
+        await client.send("response.create")
+        first = (await client.wait_for("response.created"))["response"]["id"]
+        await client.send("response.cancel")
+        cancelled = await client.wait_for("response.done")
+        backend.gate.set()  # the model now answers all six frames: the cancelled answer
+        await wait_until(lambda: session.frames_answered == 6, "the cancelled answer went through")
+        for frame in frames[6:]:
+            await client.send("input_audio_buffer.append", audio=b64(frame))
+        await wait_until(lambda: session.frames_answered == 8, "the next answer came out")
+        await client.send("response.create")
+        second = (await client.wait_for("response.created", 2))["response"]["id"]
+        done = await client.wait_for("response.done", 2)
+
+    assert cancelled["response"]["id"] == first
+    assert cancelled["response"]["status"] == "cancelled"
+    assert cancelled["response"]["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+    assert deltas_of(client, first) == b""
+    assert done["response"]["id"] == second and done["response"]["status"] == "completed"
+    assert deltas_of(client, second) == frames[6] + frames[7]  # exactly its own two frames
+    assert client.audio() == frames[6] + frames[7]
+    assert done["response"]["usage"]["output_token_details"]["audio_tokens"] == 2
+
+
+async def test_a_batch_crossing_the_end_of_a_turn_is_split_between_the_responses():
+    """A client that reads late finds six frames waiting at once, three for the open response and
+    three after its end: each response gets exactly its own (the first once got all six)."""
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    backend = GatedEcho(config)
+    frames = numbered_frames(6)
+    async with realtime_session(config, backend, read=False) as (client, session, nursery):
+        for frame in frames[:3]:
+            await client.send("input_audio_buffer.append", audio=b64(frame))
+        await wait_until(lambda: session.frames_in == 3, "three frames submitted")
+        await client.send("response.create")  # target: those three frames
+        for frame in frames[3:]:
+            await client.send("input_audio_buffer.append", audio=b64(frame))
+        await client.send("input_audio_buffer.commit")  # a reply the writer blocks on: nobody reads
+        await wait_until(lambda: session.frames_in == 6, "six frames submitted")
+        backend.gate.set()
+        await wait_until(lambda: len(session._outbox) == 6, "all six outputs waiting for the writer")
+        nursery.start_soon(client.receive_all)
+        first = await client.wait_for("response.done")
+        await wait_until(lambda: session.frames_answered == 6, "the rest held for the next response")
+        await client.send("response.create")
+        second = await client.wait_for("response.done", 2)
+
+    assert first["response"]["status"] == second["response"]["status"] == "completed"
+    assert deltas_of(client, first["response"]["id"]) == b"".join(frames[:3])
+    assert deltas_of(client, second["response"]["id"]) == b"".join(frames[3:])
+    for done in (first, second):
+        assert done["response"]["usage"]["output_token_details"]["audio_tokens"] == 3
+    kinds = [e["type"] for e in client.events]
+    assert kinds.index("response.done") < kinds.index("response.created", kinds.index("response.created") + 1)
+
+
+async def test_held_audio_after_a_switch_to_pcmu_is_sent_in_pcmu():
+    """Turn mode holds the model's answer until response.create; the client switches the output
+    from pcm16 to G.711 mu-law in between: what the response carries is mu-law (it once was the
+    held pcm16 bytes)."""
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    pcm = AudioSpec.create("pcm_s16le", 24000, model_rate=MODEL_RATE)
+    frames = 3
+    sent = encode(tones(frames * FRAME, MODEL_RATE), pcm)
+    async with realtime_session(config) as (client, session, _):
+        await client.send("input_audio_buffer.append", audio=b64(sent))
+        await wait_until(lambda: session.frames_answered == frames, "the answer is held")
+        await client.send("session.update", session={
+            "type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}})
+        updated = await client.wait_for("session.updated")
+        await client.send("response.create")
+        done = await client.wait_for("response.done")
+
+    assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcmu"}
+    kinds = [e["type"] for e in client.events]
+    assert kinds.index("session.updated") < kinds.index(names(False)["delta"])
+    heard = client.audio()
+    # mu-law at 8 kHz: one byte a sample, the resampler's delay still held back.
+    assert frames * ULAW_FRAME_BYTES - 600 <= len(heard) <= frames * ULAW_FRAME_BYTES
+    lag, corr = best_alignment(tones(frames * ULAW_FRAME_BYTES, 8000), make_decoder(
+        AudioSpec.create("g711_ulaw", model_rate=MODEL_RATE), 8000).decode(heard), 200)
+    assert corr > 0.99, (lag, corr)
+    assert done["response"]["usage"]["output_token_details"]["audio_tokens"] == frames
+
+
+async def test_after_session_updated_every_delta_is_in_the_new_format():
+    """Duplex, output mu-law then pcm16: the mu-law encoder's tail goes out before session.updated,
+    and everything after it is pcm16 (the tail once came after it)."""
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    first, second = numbered_frames(3), numbered_frames(2, start=3)
+    delta = names(False)["delta"]
+    async with realtime_session(config, duplex=True) as (client, session, _):
+        await client.send("session.update", session={"audio": {"output": {"format": "audio/pcmu"}}})
+        await client.wait_for("session.updated")
+        for frame in first:
+            await client.send("input_audio_buffer.append", audio=b64(frame))
+        await wait_until(lambda: session.frames_out == 3, "three frames out in mu-law")
+        await client.send("session.update", session={"audio": {"output": {"format": "audio/pcm"}}})
+        await client.wait_for("session.updated", 2)
+        for frame in second:
+            await client.send("input_audio_buffer.append", audio=b64(frame))
+        await wait_until(lambda: session.frames_out == 5, "two frames out in pcm16")
+        await client.send("input_audio_buffer.clear")  # its reply comes after everything sent
+        await client.wait_for("input_audio_buffer.cleared")
+
+    switch = max(i for i, e in enumerate(client.events) if e["type"] == "session.updated")
+    before = [base64.b64decode(e["delta"]) for e in client.events[:switch] if e["type"] == delta]
+    after = b"".join(base64.b64decode(e["delta"]) for e in client.events[switch:] if e["type"] == delta)
+    assert after == b"".join(second)  # pcm16 at the model rate: the echo, bit for bit
+    assert sum(map(len, before)) == 3 * ULAW_FRAME_BYTES  # the tail came before the announcement
+
+
+async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_unaffected():
+    """Large control messages from a client that never reads: every reply is short (client values
+    are quoted short, ignored settings not echoed) and the queue of replies is bounded in bytes,
+    while another session is served as usual."""
+    from duplexrt import session as session_module
+
+    limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    big = "x" * 100_000
+    floods = [
+        lambda k: {"type": "session.update", "event_id": big, "session": {f"key_{k}": big, "instructions": big}},
+        lambda k: {"type": "response.cancel", "event_id": big, "response_id": big},
+        lambda k: {"type": big, "event_id": big},
+        lambda k: {"type": "session.update", "session": {"type": big}},
+        lambda k: {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm",
+                                                                                       "rate": big}}}}},
+        lambda k: {"type": "session.update", "session": {"output_audio_format": big}},
+    ]
+    flood_end, flood_server = memory_transport_pair()
+    other_end, other_server = memory_transport_pair()
+    other = RealtimeClient(other_end)
+    frames = numbered_frames(5)
+    async with open_runtime(config) as runtime:
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(runtime.serve, flood_server, RealtimeProtocol(), session_id=1))
+                nursery.start_soon(partial(runtime.serve, other_server, RealtimeProtocol(duplex=True), session_id=2))
+                nursery.start_soon(other.receive_all)
+                await wait_until(lambda: len(runtime.sessions) == 2, "both sessions started")
+                flooded = next(s for s in runtime.sessions if s.lease.session_id == 1)
+
+                async def flood() -> None:
+                    with contextlib.suppress(TransportClosed):
+                        for k in range(600):
+                            await flood_end.send(json.dumps(floods[k % len(floods)](k)))
+
+                nursery.start_soon(flood)
+                for frame in frames:
+                    await other.send("input_audio_buffer.append", audio=b64(frame))
+                while len(other.audio()) < len(frames) * PCM_FRAME_BYTES:
+                    await other.wait_for(names(False)["delta"], len(other.of_type(names(False)["delta"])) + 1)
+                await trio.testing.wait_all_tasks_blocked()  # the flood is stuck: nobody reads
+                queued = list(flooded._pending)
+                await flood_end.close()
+                await other_end.close()
+                await other.wait_closed()
+
+    assert len(queued) > 10  # the reader did stop on a full queue
+    assert sum(len(m) for m in queued) <= limit + 4096
+    assert max(len(m) for m in queued) < 2000
+    assert other.audio() == b"".join(frames)
+    assert other.of_type("error") == []

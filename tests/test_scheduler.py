@@ -165,8 +165,11 @@ async def test_step_error_reaches_exactly_that_steps_sessions_and_the_scheduler_
         for owner in (a, b):
             assert len(owner.failures) == 1
             assert isinstance(owner.failures[0], BackendStepError)
-            assert "injected failure on step 2" in str(owner.failures[0])
+            # What a client may be told is generic; the backend's own error is only the cause.
+            assert str(owner.failures[0]) == f"the model failed on this step (error id {owner.failures[0].error_id})"
+            assert "injected failure on step 2" in str(owner.failures[0].__cause__)
             assert owner.outputs == []
+        assert a.failures[0].error_id == b.failures[0].error_id  # one step, one id
         assert c.failures == []
         np.testing.assert_array_equal(c.outputs[0], synthetic_out(c_first, lease_c.session_id, 0))
 
@@ -188,6 +191,30 @@ async def test_step_error_reaches_exactly_that_steps_sessions_and_the_scheduler_
         assert 1 <= stats[HandoffKind.OUTPUT_DELIVERY] <= len(backend.step_rows)
         for lease in (lease_a, lease_b, lease_c, lease_d):
             lease.release()
+
+
+async def test_consecutive_step_failures_are_counted_and_reset_by_a_step_that_works(caplog):
+    config = make_config("runtime.slots=2", "runtime.max_consecutive_step_failures=3")
+    backend = ControlledBackend(config, fail_on=[1, 2, 3, 4, 6])
+    async with open_runtime(config, backend=backend) as runtime:
+        scheduler = runtime.scheduler
+        owner = RecordingOwner()
+        lease = scheduler.open_slot(owner)
+        expected = [(1, 1, False), (2, 2, False), (3, 3, True), (4, 4, True), (4, 0, False), (5, 1, False)]
+        for step, (failed, in_a_row, failing) in enumerate(expected, start=1):
+            await lease.submit(frame_of(0.1 * step))
+            await owner.wait_for(outputs=step - failed, failures=failed)
+            stats = scheduler.statistics()
+            assert (stats.failed_steps, stats.consecutive_step_failures, scheduler.failing) == (
+                failed, in_a_row, failing), step
+        assert scheduler.ready  # failing is a state of the model, not of the thread
+        lease.release()
+    # Every failure is in the log with its id and the backend's own error.
+    records = [r for r in caplog.records if r.name == "duplexrt.scheduler" and r.exc_info]
+    assert len(records) == 5
+    for record, failure in zip(records, owner.failures, strict=True):
+        assert failure.error_id in record.getMessage()
+        assert "injected failure" in str(record.exc_info[1])
 
 
 # -- backpressure ----------------------------------------------------------------------------------------

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import trio
 import trio_websocket
 
+from conftest import backend_info
+from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
 
@@ -94,6 +98,60 @@ async def test_health_ready_and_metrics_are_plain_http(nursery):
     assert (await http_get(running.port, "/nope"))[0] == 404
     assert (await http_get(running.port, "/healthz", method="POST"))[0] == 405
     assert (await http_get(running.port, "/v1/duplex"))[0] == 426
+
+
+class FailingEcho(EchoBackend):
+    """FAKE (a test hook on the real echo model): while ``failing`` is set every step raises, with
+    the kind of detail a real model failure carries; otherwise the echo model, bit for bit."""
+
+    def __init__(self, config) -> None:
+        super().__init__(backend_info(config, "echo"), config.backend.options)
+        self.failing = threading.Event()
+        self.failing.set()
+
+    def step(self, rows, inputs, outputs):
+        if self.failing.is_set():
+            raise RuntimeError("CUDA error: device-side assert triggered at /srv/models/secret/attn.py:42, "
+                               "shape (3, 1920)")
+        return super().step(rows, inputs, outputs)
+
+
+async def test_readyz_is_503_while_the_model_fails_every_step_and_clients_get_no_details(nursery, caplog):
+    config = _config("runtime.max_consecutive_step_failures=2")
+    backend = FailingEcho(config)
+    server = Server(config, backend)
+    await nursery.start(server.run)
+    running = Running(server)
+    status, _, body = await http_get(running.port, "/readyz")
+    assert status == 200 and json.loads(body)["reason"] is None
+
+    ends = []
+    for seed in (10, 11):  # one frame each: one failed step each
+        _, events = await _duplex_session(running.url("/v1/duplex"), _noise(FRAME, seed))
+        [end] = [e for e in events if e["type"] == "session.end"]
+        assert events[-1]["code"] == 1011 and events[-1]["reason"] == end["error"]
+        ends.append(end)
+    for end in ends:
+        assert end["reason"] == "error"
+        assert re.fullmatch(r"the model failed on this step \(error id err_[0-9a-f]+\)", end["error"]), end
+        error_id = end["error"].split()[-1].rstrip(")")
+        [logged] = [r for r in caplog.records if error_id in r.getMessage()]
+        assert "CUDA error" in str(logged.exc_info[1]) and "/srv/models" in str(logged.exc_info[1])
+
+    status, _, body = await http_get(running.port, "/readyz")
+    ready = json.loads(body)
+    assert status == 503
+    assert (ready["ready"], ready["reason"], ready["consecutive_step_failures"]) == (False, "model_failing", 2)
+    assert ready["model_loaded"] and ready["free_slots"] == 4
+
+    # New sessions are still admitted: one step that works is what makes the server ready again.
+    backend.failing.clear()
+    audio = _noise(2 * FRAME, seed=12)
+    received, events = await _duplex_session(running.url("/v1/duplex"), audio)
+    assert received == audio.tobytes()
+    status, _, body = await http_get(running.port, "/readyz")
+    ready = json.loads(body)
+    assert status == 200 and (ready["ready"], ready["reason"], ready["consecutive_step_failures"]) == (True, None, 0)
 
 
 async def test_malformed_http_gets_400_and_the_server_goes_on(nursery):

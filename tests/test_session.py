@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import numpy as np
 import pytest
@@ -347,17 +348,23 @@ async def test_non_finite_f32_messages_are_refused_and_loud_ones_clipped():
 # -- model failure -------------------------------------------------------------------------------------
 
 
-async def test_backend_step_failure_ends_the_session_with_1011_and_later_sessions_work():
+async def test_backend_step_failure_ends_the_session_with_1011_and_later_sessions_work(caplog):
     config = make_config("runtime.slots=2")
     backend = ControlledBackend(config, fail_on=[3])
     messages, wire = pcm_workload("pcm_f32le", 12.5, seed=700)
     async with open_runtime(config, backend=backend) as runtime:
         failed = await run_session(runtime, messages, wire, session_id=1)
         assert failed.end.reason == "error"
-        assert "injected failure on step 3" in failed.end.error
+        # The client hears a generic message with an id, never the backend's exception text...
+        assert re.fullmatch(r"the model failed on this step \(error id (err_[0-9a-f]+)\)", failed.end.error)
+        error_id = failed.end.error.split()[-1].rstrip(")")
         client_end = failed.client.end
         assert client_end is not None and client_end["reason"] == "error"
-        assert "injected failure on step 3" in client_end["error"]
+        assert client_end["error"] == failed.end.error
+        assert failed.client.close_reason == failed.end.error
+        # ... which the log has in full, under the same id.
+        [logged] = [r for r in caplog.records if error_id in r.getMessage()]
+        assert logged.levelname == "ERROR" and "injected failure on step 3" in str(logged.exc_info[1])
         assert client_end["usage"]["frames_out"] == failed.end.frames_out <= 2
         assert failed.client.close_code == INTERNAL_ERROR == 1011
         # What did arrive before the failure is right.
@@ -415,6 +422,33 @@ async def test_input_end_with_nothing_sent_ends_cleanly():
         assert log.messages_sent == 0  # nothing but input.end
         assert log.end["usage"]["frames_in"] == 0 and log.audio_messages == 0
         assert runtime.scheduler.free_slots == 2
+
+
+async def test_a_client_that_never_reads_its_audio_errors_holds_bounded_memory():
+    """Every bad audio message gets an error; a client that never reads them must not grow the
+    queue of replies without bound (the audio path once never waited for room)."""
+    from duplexrt import session as session_module
+
+    limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
+    config = make_config("runtime.slots=2")
+    async with open_runtime(config) as runtime:
+        client, server = memory_transport_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runtime.serve, server)  # raw, pcm_f32le
+
+            async def flood() -> None:
+                with contextlib.suppress(TransportClosed):
+                    for _ in range(20_000):
+                        await client.send(b"\0\0\0")  # three bytes: not a whole f32 sample
+
+            nursery.start_soon(flood)
+            await trio.testing.wait_all_tasks_blocked()
+            (session,) = runtime.sessions
+            queued = list(session._pending)
+            await client.close(1000, "bye")
+    assert len(queued) > 1000  # every message was answered ...
+    assert all(json.loads(m)["code"] == "invalid_audio" for m in queued)
+    assert sum(len(m) for m in queued) <= limit + 4096  # ... up to a bounded backlog
 
 
 async def test_a_client_that_sends_but_never_reads_cannot_grow_the_reply_queue():

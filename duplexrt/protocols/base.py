@@ -11,6 +11,7 @@ path to a list of one message where they can.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from duplexrt.audio import AudioSpec
@@ -61,6 +62,20 @@ class Translator(abc.ABC):
     @abc.abstractmethod
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
         """Messages carrying ``payload`` (``frames`` model frames of output, in ``output_spec``)."""
+
+    def next_boundary(self) -> int | None:
+        """The frame count (``progress.frames_answered``) at which this translator starts to treat
+        output differently: the end of a turn, after which frames belong to the next response.
+        The session never hands one ``audio_out`` call frames from both sides of it, so each
+        response carries exactly its own.  None (the default): no boundary ahead.  Called once
+        per batch of output, so it must be cheap."""
+        return None
+
+    def recode_held(self, recode: Callable[[Sequence[bytes]], list[bytes]]) -> None:
+        """The output format changed: re-encode any audio the translator holds back, in its old
+        format, so that none goes out in the old format after the change is announced.
+        ``recode`` maps the held payloads, in order, to as many payloads in the new format (one
+        stream: the last carries what the conversion still held back).  Default: nothing held."""
 
     def text_out(self, text: str) -> list[Message]:
         """Messages carrying model text; none by default."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import reprlib
+
 import attrs
 
 from duplexrt.audio import AudioSpec
@@ -89,7 +91,34 @@ class SessionEnd:
     generation_seconds: float = 0.0
 
 
+#: Client values quoted in error messages are cut to about this many characters.
+QUOTE_LIMIT = 100
+
+_quoter = reprlib.Repr()
+_quoter.maxlevel = 2
+_quoter.maxdict = _quoter.maxlist = _quoter.maxtuple = _quoter.maxset = 4
+_quoter.maxlong = _quoter.maxstring = _quoter.maxother = QUOTE_LIMIT
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)``, cut to about ``limit`` characters with an ellipsis.
+
+    An error names what the client sent, but must not echo it whole: a client that sends
+    megabyte-long values and never reads would otherwise make every reply a megabyte.  reprlib
+    never builds the full repr of a big container, so the cost is bounded too.
+    """
+    if isinstance(value, str):  # the usual case: the head of the string, then the ellipsis
+        return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
+    text = _quoter.repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def clip(text: str, limit: int = QUOTE_LIMIT) -> str:
+    """``text`` itself, cut to ``limit`` characters with an ellipsis when longer."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 __all__ = [
     "AudioIn", "AudioSpec", "ClearInput", "ClearOutput", "Event", "Ignored", "InputEnd",
-    "ProtocolError", "Reconfigure", "Reply", "SessionEnd",
+    "ProtocolError", "QUOTE_LIMIT", "Reconfigure", "Reply", "SessionEnd", "clip", "quote",
 ]

@@ -16,7 +16,7 @@ import attrs
 
 from duplexrt.audio import AudioSpec
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.events import AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd
+from duplexrt.protocols.events import AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd, quote
 from duplexrt.transport import Message
 
 _PONG = json.dumps({"type": "pong"})
@@ -54,7 +54,7 @@ class RawProtocol(Translator):
             return InputEnd()
         if kind == "ping":
             return Reply((_PONG,))
-        return ProtocolError("unknown_event", f"unknown event type {kind!r}; expected input.end or ping")
+        return ProtocolError("unknown_event", f"unknown event type {quote(kind)}; expected input.end or ping")
 
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
         return [payload] if payload else []

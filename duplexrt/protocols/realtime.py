@@ -10,15 +10,24 @@ A full-duplex model speaks all the time; the protocol only decides what the clie
 
 * turn mode (the default): output audio goes to the client only while a response is active.
   ``response.create`` opens one that answers all the input submitted so far: it completes once the
-  model's output has caught up with that input (one output frame per input frame).  Output outside
-  a response is dropped.
+  model's output has caught up with that input (one output frame per input frame), and carries
+  exactly those frames: output past its end waits for the next response.  Output that comes before
+  any ``response.create`` is held (bounded) and becomes the next response's start.
+  ``response.cancel`` (or ``output_audio_buffer.clear``) ends the response, and the rest of its
+  answer, which the model is still producing, is dropped as it comes: never sent later.
 * duplex mode (``duplex=True``, for ``/v1/realtime?duplex=1``): one open-ended response lasts the
   whole session, so the client hears everything; ``response.cancel`` mutes the model until the next
   ``response.create`` opens another open-ended response.
 
 One "token" of usage is one model frame (80 ms).  Conversation items are not modelled beyond the ids
 that events must carry: ``conversation.item.*`` events are answered with an ``unsupported_event``
-error and the session goes on.
+error and the session goes on.  ``session.update`` fields the server does not act on
+(``instructions``, ``voice``, ``tools``, ...) are accepted and ignored, and ``session.updated``
+does not list them: it describes the configuration in effect.
+
+Nothing the client sends is echoed back at full length: values quoted in errors and client event ids
+are cut to about 100 characters, so a client that sends huge values and never reads cannot make
+each queued reply huge.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import json
 import math
 import sys
 from binascii import a2b_base64, b2a_base64
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
@@ -42,6 +51,8 @@ from duplexrt.protocols.events import (
     Reconfigure,
     Reply,
     SessionEnd,
+    clip,
+    quote,
 )
 from duplexrt.transport import UNSUPPORTED_DATA, Message
 
@@ -81,12 +92,6 @@ _UNSUPPORTED = (
     "transcription_session.update",
     "input_audio_buffer.dtmf",
 )
-
-#: Session fields that describe formats or identity: the server owns these in the session object.
-_OWN_FIELDS = frozenset({
-    "id", "object", "type", "model", "audio", "input_audio_format", "output_audio_format",
-    "modalities", "output_modalities",
-})
 
 #: SessionEnd.reason -> (response status, status_details reason).
 _END_STATUS = {
@@ -146,7 +151,7 @@ class _Response:
 
 def _client_event_id(data: dict[str, Any]) -> str | None:
     event_id = data.get("event_id")
-    return event_id if isinstance(event_id, str) else None
+    return clip(event_id) if isinstance(event_id, str) else None
 
 
 def _usage(frames_in: int, frames_out: int, text_out: int = 0) -> dict[str, Any]:
@@ -158,16 +163,6 @@ def _usage(frames_in: int, frames_out: int, text_out: int = 0) -> dict[str, Any]
         "input_token_details": {"audio_tokens": frames_in, "text_tokens": 0},
         "output_token_details": {"audio_tokens": frames_out, "text_tokens": text_out},
     }
-
-
-def _merge(target: dict[str, Any], update: dict[str, Any]) -> None:
-    """Merge ``update`` into ``target``, objects key by key, everything else replaced."""
-    for key, value in update.items():
-        old = target.get(key)
-        if isinstance(old, dict) and isinstance(value, dict):
-            _merge(old, value)
-        else:
-            target[key] = value
 
 
 class RealtimeProtocol(Translator):
@@ -200,10 +195,10 @@ class RealtimeProtocol(Translator):
         # a turn before the client's response.create arrives; dropping that would lose the reply.
         self._held: list[tuple[bytes, int]] = []
         self._held_bytes = 0
+        # Turn mode: output below this frame count belongs to a response the client cancelled
+        # (or cleared): it is dropped as it arrives, never held for the next response.
+        self._discard_below = 0
         self._fatal_sent = False
-        #: Session fields the client set that mean nothing to the server, echoed back as given.
-        self._extra: dict[str, Any] = {}
-        self._audio_extra: dict[str, dict[str, Any]] = {"input": {}, "output": {}}
         if beta:
             self._audio_delta = "response.audio.delta"
             self._audio_done = "response.audio.done"
@@ -236,6 +231,10 @@ class RealtimeProtocol(Translator):
         return messages
 
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
+        if self._discard_below:
+            if self.progress.frames_answered < self._discard_below:
+                return []  # the rest of a cancelled response (the batch was split at its end)
+            self._discard_below = 0
         response = self._response
         if response is None:
             if not self.duplex:
@@ -255,11 +254,30 @@ class RealtimeProtocol(Translator):
         return (f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
                 f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
 
+    def next_boundary(self) -> int | None:
+        """Where the output changes hands: the end of the cancelled response being dropped, or
+        the active turn-mode response's target.  Frames past it belong to the next response."""
+        if self._discard_below > self.progress.frames_answered:
+            return self._discard_below
+        response = self._response
+        return None if response is None else response.target
+
+    def recode_held(self, recode: Callable[[Sequence[bytes]], list[bytes]]) -> None:
+        if not self._held:
+            return
+        payloads = recode([payload for payload, _ in self._held])
+        self._held = [(payload, frames) for payload, (_, frames) in zip(payloads, self._held, strict=True)]
+        self._held_bytes = sum(len(payload) for payload in payloads)
+        self._trim_held()  # a narrow format to a wide one grows the bytes
+
     def _hold(self, payload: bytes, frames: int) -> None:
         if not payload:
             return
         self._held.append((payload, frames))
         self._held_bytes += len(payload)
+        self._trim_held()
+
+    def _trim_held(self) -> None:
         while self._held_bytes > MAX_HELD_BYTES and len(self._held) > 1:
             dropped, _ = self._held.pop(0)
             self._held_bytes -= len(dropped)
@@ -281,6 +299,8 @@ class RealtimeProtocol(Translator):
         response = self._response
         if response is None or not text:
             return []
+        if self._discard_below and self.progress.frames_answered < self._discard_below:
+            return []  # the cancelled answer's text, not the new response's
         response.transcript.append(text)
         head, tail = response.text_prefix
         return [f'{head}"event_id":"event_{next(self._event_ids)}",{tail}{json.dumps(text)}}}']
@@ -342,7 +362,7 @@ class RealtimeProtocol(Translator):
         if not isinstance(kind, str):
             return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"',
                                  event_id=_client_event_id(data))
-        return ProtocolError("unknown_event", f"unknown event type {kind[:100]!r}",
+        return ProtocolError("unknown_event", f"unknown event type {quote(kind)}",
                              event_id=_client_event_id(data))
 
     def _append(self, data: dict[str, Any]) -> Event:
@@ -438,7 +458,7 @@ class RealtimeProtocol(Translator):
         if response is not None and response.target is not None:
             # The frames dropped now will never be sent, so a turn-mode response could not reach
             # its target: clearing what it was saying cancels it.
-            messages += self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
+            messages += self._cancel(response)
         response_id = response.id if response is not None else self._last_response_id
         messages.append(self._event("output_audio_buffer.cleared", response_id=response_id))
         return ClearOutput(messages=tuple(messages))
@@ -463,10 +483,18 @@ class RealtimeProtocol(Translator):
         response = self._response
         wanted = data.get("response_id")
         if response is None or (isinstance(wanted, str) and wanted and wanted != response.id):
-            what = f"response {wanted!r} is not" if isinstance(wanted, str) and wanted else "no response is"
+            what = f"response {quote(wanted)} is not" if isinstance(wanted, str) and wanted else "no response is"
             return ProtocolError("response_cancel_not_active", f"{what} in progress",
                                  event_id=_client_event_id(data))
-        return Reply(tuple(self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})))
+        return Reply(tuple(self._cancel(response)))
+
+    def _cancel(self, response: _Response) -> list[Message]:
+        """End ``response`` as cancelled.  In turn mode the model is still producing the rest of
+        its answer (up to the target): that output is dropped as it comes, so that it is neither
+        sent now nor held and replayed as the start of the next response."""
+        if response.target is not None:
+            self._discard_below = max(self._discard_below, response.target)
+        return self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
 
     def _unsupported(self, data: dict[str, Any]) -> Event:
         return ProtocolError("unsupported_event",
@@ -488,9 +516,8 @@ class RealtimeProtocol(Translator):
             return invalid("invalid_type", "'session' must be an object")
         kind = session.get("type")
         if kind is not None and kind != "realtime":
-            return invalid("invalid_value", f"session.type must be 'realtime', got {kind!r}")
+            return invalid("invalid_value", f"session.type must be 'realtime', got {quote(kind)}")
         specs: dict[str, AudioSpec] = {}
-        audio_extra: dict[str, dict[str, Any]] = {}
         audio = session.get("audio")
         if audio is not None:
             if type(audio) is not dict:
@@ -501,7 +528,6 @@ class RealtimeProtocol(Translator):
                     continue
                 if type(part) is not dict:
                     return invalid("invalid_type", f"session.audio.{direction} must be an object")
-                audio_extra[direction] = {k: v for k, v in part.items() if k != "format"}
                 if part.get("format") is not None:
                     spec = self._parse_format(part["format"], f"session.audio.{direction}.format", event_id)
                     if isinstance(spec, ProtocolError):
@@ -520,10 +546,8 @@ class RealtimeProtocol(Translator):
                                f"session.audio.{direction}.format ({self._format_name(specs[direction])}) "
                                f"and session.{field} ({self._format_name(spec)}) disagree")
             specs[direction] = spec
-        # Everything checked: apply.
-        _merge(self._extra, {k: v for k, v in session.items() if k not in _OWN_FIELDS})
-        for direction, extra in audio_extra.items():
-            _merge(self._audio_extra[direction], extra)
+        # Everything checked: apply.  Other fields (instructions, voice, tools, ...) change nothing
+        # here, so they are neither kept nor echoed: session.updated shows what is in effect.
         new_input = specs.get("input", self.input_spec)
         new_output = specs.get("output", self.output_spec)
         changed = new_input != self.input_spec or new_output != self.output_spec
@@ -545,25 +569,28 @@ class RealtimeProtocol(Translator):
             name, rate = value.get("type"), value.get("rate")
             field += ".type"
             if not isinstance(name, str):
-                return ProtocolError("invalid_value", f"{field} must be one of {_FORMAT_NAMES}; got {name!r}",
+                return ProtocolError("invalid_value", f"{field} must be one of {_FORMAT_NAMES}; got {quote(name)}",
                                      event_id=event_id)
         else:
-            return ProtocolError("invalid_type", f"{field} must be a format object or name, got {value!r}",
+            return ProtocolError("invalid_type", f"{field} must be a format object or name, got {quote(value)}",
                                  event_id=event_id)
         fmt = _FORMATS.get(name.strip().lower())
         if fmt is None:
             return ProtocolError("unsupported_audio_format",
-                                 f"{field}: unsupported audio format {name[:100]!r}; allowed: {_FORMAT_NAMES}",
+                                 f"{field}: unsupported audio format {quote(name)}; allowed: {_FORMAT_NAMES}",
                                  event_id=event_id)
+        rate_field = field.removesuffix(".type") + ".rate"
         if rate is None:
             rate = _PCM_RATE if fmt is AudioFormat.PCM_S16LE else _G711_RATE
         elif isinstance(rate, float) and rate.is_integer():
             rate = int(rate)
+        elif not isinstance(rate, int):  # named here, quoted short: not by AudioSpec, whole
+            return ProtocolError("invalid_value", f"{rate_field}: sample rate must be a positive integer "
+                                 f"number of Hz, got {quote(rate)}", event_id=event_id)
         try:
             return AudioSpec.create(fmt, rate, model_rate=self.model_rate)
         except AudioFormatError as exc:
-            rate_field = field.removesuffix(".type") + ".rate"
-            return ProtocolError("invalid_value", f"{rate_field}: {exc}", event_id=event_id)
+            return ProtocolError("invalid_value", f"{rate_field}: {clip(str(exc), 200)}", event_id=event_id)
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -598,8 +625,6 @@ class RealtimeProtocol(Translator):
             for direction, spec in (("input", self.input_spec), ("output", self.output_spec)):
                 if spec.format is AudioFormat.PCM_S16LE and spec.sample_rate != _PCM_RATE:
                     session[f"{direction}_audio_sample_rate"] = spec.sample_rate
-            if self._audio_extra["input"] or self._audio_extra["output"]:
-                session["audio"] = {k: dict(v) for k, v in self._audio_extra.items() if v}
         else:
             session = {
                 "id": self.session_id,
@@ -608,12 +633,10 @@ class RealtimeProtocol(Translator):
                 "model": self.model,
                 "output_modalities": ["audio"],
                 "audio": {
-                    "input": {"format": self._format_object(self.input_spec), **self._audio_extra["input"]},
-                    "output": {"format": self._format_object(self.output_spec), **self._audio_extra["output"]},
+                    "input": {"format": self._format_object(self.input_spec)},
+                    "output": {"format": self._format_object(self.output_spec)},
                 },
             }
-        for key, value in self._extra.items():
-            session.setdefault(key, value)
         return session
 
     def _response_object(self, response: _Response, status: str, details: dict[str, Any] | None,

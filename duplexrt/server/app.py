@@ -213,11 +213,17 @@ class Server:
         if path == "/readyz":
             scheduler = runtime.scheduler
             free = scheduler.slots - self._admitted
-            ready = scheduler.ready and not self._draining and free > 0
-            body = {"ready": ready, "model_loaded": scheduler.ready, "draining": self._draining,
-                    "backend": runtime.backend.info.name, "slots": scheduler.slots, "free_slots": free,
-                    "sessions": runtime.metrics.sessions_active}
-            return (200 if ready else 503), json.dumps(body).encode(), "application/json"
+            failures = scheduler.statistics().consecutive_step_failures
+            # A model failing every step is not ready: the balancer should send clients
+            # elsewhere.  New sessions are still admitted (see README: a step that works is what
+            # clears it, and only a session can bring one).
+            reason = ("model_not_loaded" if not scheduler.ready else "draining" if self._draining
+                      else "model_failing" if scheduler.failing else "no_free_slot" if free <= 0 else None)
+            body = {"ready": reason is None, "reason": reason, "model_loaded": scheduler.ready,
+                    "draining": self._draining, "backend": runtime.backend.info.name,
+                    "slots": scheduler.slots, "free_slots": free, "sessions": runtime.metrics.sessions_active,
+                    "consecutive_step_failures": failures}
+            return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
         if path == "/":
