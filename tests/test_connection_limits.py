@@ -148,7 +148,8 @@ async def test_first_message_timeout_frees_the_slot(nursery, caplog):
 
 async def test_peer_that_stops_answering_pings_is_dropped_and_a_live_one_stays(nursery, caplog):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
-    server = await _start(nursery, "server.ping_interval_s=0.2", "server.ping_timeout_s=0.2",
+    # A pong may be late by up to half a second on a loaded machine before the live one is lost.
+    server = await _start(nursery, "server.ping_interval_s=0.2", "server.ping_timeout_s=0.5",
                           "server.idle_timeout_s=0")
     result = {}
 
@@ -156,7 +157,7 @@ async def test_peer_that_stops_answering_pings_is_dropped_and_a_live_one_stays(n
         async with trio_websocket.open_websocket_url(_url(server)) as ws:
             await ws.get_message()
             await ws.send_message(_audio())
-            await trio.sleep(1.0)  # five pings
+            await trio.sleep(1.2)  # six pings
             await ws.send_message(INPUT_END)
             messages = []
             while isinstance(message := await ws.get_message(), bytes):
@@ -169,7 +170,7 @@ async def test_peer_that_stops_answering_pings_is_dropped_and_a_live_one_stays(n
         await peer.send(_audio())
         started = trio.current_time()
         dropped = await peer.read_until_dropped()
-        assert dropped - started >= 0.35  # one interval and one timeout
+        assert dropped - started >= 0.65  # one interval and one timeout
     assert result["live"] == (_audio(), "stop")
     assert sorted(_ended(caplog)) == ["ping_timeout", "stop"]
     with trio.fail_after(PATIENCE):
@@ -180,13 +181,13 @@ async def test_peer_that_stops_answering_pings_is_dropped_and_a_live_one_stays(n
 
 async def test_idle_client_is_told_idle_timeout_and_a_busy_one_is_not(nursery, caplog):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
-    server = await _start(nursery, "server.idle_timeout_s=0.3", "server.ping_interval_s=0")
+    server = await _start(nursery, "server.idle_timeout_s=0.6", "server.ping_interval_s=0")
     result = {}
 
     async def busy() -> None:
         async with trio_websocket.open_websocket_url(_url(server)) as ws:
             await ws.get_message()
-            for k in range(8):  # 0.8 s in all, never 0.3 s apart
+            for k in range(12):  # 1.2 s in all, never near 0.6 s apart
                 await ws.send_message(_audio(seed=k))
                 await trio.sleep(0.1)
             await ws.send_message(INPUT_END)
@@ -205,7 +206,7 @@ async def test_idle_client_is_told_idle_timeout_and_a_busy_one_is_not(nursery, c
                     message = await ws.get_message()
                     if isinstance(message, str):
                         end = json.loads(message)
-        assert trio.current_time() - started >= 0.3
+        assert trio.current_time() - started >= 0.6
     assert end["type"] == "session.end" and end["reason"] == "idle_timeout"
     assert end["usage"]["frames_in"] == end["usage"]["frames_out"] == 1  # what was taken is answered
     assert closed.value.reason.code == 1008 and closed.value.reason.reason == "idle_timeout"
