@@ -124,6 +124,23 @@ def _is_string(key: str, *, may_be_empty: bool = False):
     return check
 
 
+def _stripped(value: object) -> object:
+    return value.strip() if isinstance(value, str) else value
+
+
+def _is_api_key(key: str):
+    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {type(value).__name__}")
+        # The key itself is never echoed: it is a secret.
+        if not all(33 <= ord(c) <= 126 for c in value):
+            raise ConfigError(f"{key} must be printable ASCII without spaces or control characters "
+                              "(surrounding whitespace is removed); a client could never send this key "
+                              "in an Authorization header")
+
+    return check
+
+
 def _as_table(value: object) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"backend.options must be a table of option = value, got {value!r}")
@@ -145,7 +162,8 @@ class ServerConfig:
     host: str = attrs.field(default="127.0.0.1", validator=_is_string("server.host"))
     port: int = attrs.field(default=8000, validator=_int_range("server.port", 0, 65535))
     #: Empty: no key needed.  Otherwise clients send it as a Bearer token or ``?api_key=``.
-    api_key: str = attrs.field(default="", validator=_is_string("server.api_key", may_be_empty=True))
+    #: Surrounding whitespace is removed (a secret read from a file ends in a newline).
+    api_key: str = attrs.field(default="", converter=_stripped, validator=_is_api_key("server.api_key"))
     #: Largest WebSocket message on /v1/duplex and /api/chat (1 MiB: 5 s of f32 audio).
     max_message_bytes: int = attrs.field(
         default=1 << 20, validator=_int_range("server.max_message_bytes", 1024, 1 << 30))
@@ -161,6 +179,23 @@ class ServerConfig:
     #: On SIGINT/SIGTERM, how long sessions get to finish what they have before being cut.
     shutdown_grace_s: float = attrs.field(
         default=5.0, validator=_float_range("server.shutdown_grace_s", 0.0, 3600))
+    #: A closing connection's last messages and closing handshake get this long; a peer that
+    #: has not answered Close by then is dropped.
+    close_timeout_s: float = attrs.field(
+        default=3.0, validator=_float_range("server.close_timeout_s", 0.01, 600))
+    #: A WebSocket ping this often (0: none) ...
+    ping_interval_s: float = attrs.field(
+        default=20.0, validator=_float_range("server.ping_interval_s", 0.0, 3600))
+    #: ... and a peer whose pong has not come this long after a ping is dropped (0: never).
+    ping_timeout_s: float = attrs.field(
+        default=20.0, validator=_float_range("server.ping_timeout_s", 0.0, 3600))
+    #: A session whose client sends nothing for this long ends with reason ``idle_timeout`` (0: never).
+    idle_timeout_s: float = attrs.field(
+        default=120.0, validator=_float_range("server.idle_timeout_s", 0.0, 7 * 24 * 3600.0))
+    #: Connections still sending their request head; above this, new ones get HTTP 503 at once
+    #: (a plain GET whose head is already there is still answered, so /metrics works).
+    max_pending_handshakes: int = attrs.field(
+        default=256, validator=_int_range("server.max_pending_handshakes", 1, 65536))
 
 
 @attrs.frozen(kw_only=True)

@@ -69,8 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duplexrt.session")
 
-#: How long a closing session waits for a slow client to take its last messages.
-CLOSE_TIMEOUT = 2.0
 #: Replies and errors a session may have waiting for a client that is not reading: past either
 #: bound its reader stops taking messages until the writer catches up.  Audio passes through the
 #: same queue, a batch at a time, so the byte bound sits well above one batch of audio.
@@ -78,6 +76,8 @@ MAX_PENDING_MESSAGES = 64
 MAX_PENDING_BYTES = 1 << 20
 
 STOP = "stop"
+#: The client closed the connection or it went away.  When this end closed it — a limit, a dead
+#: peer, a broken frame — the transport names the reason instead (duplexrt.transport).
 CLIENT_CLOSED = "client_closed"
 ERROR = "error"
 SHUTDOWN = "shutdown"
@@ -133,6 +133,9 @@ class Session:
         self._finish_reason: str | None = None
         self._finish_error: str | None = None
         self._close_code = NORMAL_CLOSURE
+        # The whole goodbye (last messages, Close and the peer's answer) fits in this: a peer
+        # that never answers cannot keep the session, its slot or a shutdown waiting.
+        self._close_timeout = config.server.close_timeout_s
         self._cancel_scope: trio.CancelScope | None = None
         self._reader_scope: trio.CancelScope | None = None
         self.lease = None
@@ -268,10 +271,12 @@ class Session:
     async def _say_goodbye(self) -> SessionEnd:
         """Send what the writer left (a fatal error, audio cut off mid-send), then the end with
         its usage, then close.  Returns the end as the client was told it."""
+        deadline = trio.current_time() + self._close_timeout
         if self._finish_reason == CLIENT_CLOSED:
-            await self._transport.close(self._close_code)
+            with trio.move_on_at(deadline):
+                await self._transport.close(self._close_code)
             return self.summary()
-        with trio.move_on_after(CLOSE_TIMEOUT) as timeout:
+        with trio.move_on_at(deadline) as timeout:
             try:
                 await self._send_pending()
                 # Every output the translator was given is now out.
@@ -285,7 +290,8 @@ class Session:
         if timeout.cancelled_caught or self._pending:
             end = self.summary()
         reason = end.error or end.reason
-        await self._transport.close(self._close_code, reason[:120])
+        with trio.move_on_at(deadline):  # past it, the transport drops the connection at once
+            await self._transport.close(self._close_code, reason[:120])
         return end
 
     # -- scheduler callbacks (trio thread, once per step) ----------------------------------------
@@ -344,8 +350,8 @@ class Session:
                     message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
                 except trio.WouldBlock:
                     message = await transport.receive()
-        except TransportClosed:
-            self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
+        except TransportClosed as closed:
+            self._transport_closed(closed)
             return
         await self._end_input()
 
@@ -635,8 +641,14 @@ class Session:
             if tail:
                 self._queue(protocol.audio_out(tail, 0))
             await self._send_pending()
-        except TransportClosed:
+        except TransportClosed as closed:
+            self._transport_closed(closed)
+
+    def _transport_closed(self, closed: TransportClosed) -> None:
+        if closed.finish_reason is None:
             self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
+        else:  # this end closed it (a limit, a dead peer): its own reason, for the log and usage
+            self._finish(closed.finish_reason, None, closed.code)
 
 
 def _only_cancellation(exc: BaseException) -> bool:

@@ -25,14 +25,26 @@ MESSAGE_TOO_BIG = 1009
 INTERNAL_ERROR = 1011
 TRY_AGAIN_LATER = 1013
 
+#: Finish reasons of a connection this end closed itself, so that a limit or a dead peer is not
+#: mistaken for a client that hung up (``client_closed``) in the usage and the log.
+FIRST_MESSAGE_TIMEOUT = "first_message_timeout"
+IDLE_TIMEOUT = "idle_timeout"
+PING_TIMEOUT = "ping_timeout"
+MESSAGE_TOO_BIG = "message_too_big"
+PROTOCOL_ERROR = "protocol_error"
+
 
 class TransportClosed(Exception):
-    """The other end closed (or went away): nothing more can be received or sent."""
+    """The connection is closed: nothing more can be received (or sent).
 
-    def __init__(self, code: int, reason: str = "") -> None:
+    ``finish_reason`` is None when the other end closed or went away, and names why when this
+    end closed it (a limit reached, a peer that stopped answering pings)."""
+
+    def __init__(self, code: int, reason: str = "", finish_reason: str | None = None) -> None:
         super().__init__(f"connection closed with code {code}" + (f": {reason}" if reason else ""))
         self.code = code
         self.reason = reason
+        self.finish_reason = finish_reason
 
 
 class Transport(Protocol):

@@ -1,5 +1,11 @@
 """A trio-websocket connection as a ``Transport``: the server's sessions and the clients
-(``duplexrt client``, ``simulate --url``) speak through the same adapter."""
+(``duplexrt client``, ``simulate --url``) speak through the same adapter.
+
+On a server it also bounds how long a connection may hold its slot without doing its part: a
+first message that never comes, a peer that stops answering pings or sends nothing for too long,
+and a closing handshake the peer never finishes all end the connection, each with a finish reason
+of its own (``TransportClosed.finish_reason``) so that the log tells a limit from a hang-up.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +13,66 @@ import math
 
 import trio
 import trio_websocket
+from wsproto.connection import ConnectionState
 
-from duplexrt.transport import GOING_AWAY, Message, POLICY_VIOLATION, TransportClosed
+from duplexrt.transport import (
+    FIRST_MESSAGE_TIMEOUT,
+    GOING_AWAY,
+    IDLE_TIMEOUT,
+    MESSAGE_TOO_BIG,
+    PING_TIMEOUT,
+    POLICY_VIOLATION,
+    PROTOCOL_ERROR,
+    Message,
+    TransportClosed,
+)
+
+#: How long a close may wait for the peer's Close frame unless told otherwise.
+DEFAULT_CLOSE_TIMEOUT = 3.0
+#: The idle watch looks this many times per idle limit: a silent peer is noticed within 1/8
+#: of the limit past it, and a busy one costs a wake-up every limit/8, not a clock read per message.
+_IDLE_CHECKS = 8
 
 
 class WebSocketTransport:
-    """Adapts ``WebSocketConnection`` to the transport interface.  On a server, also enforces
-    that the client sends its first message within ``first_message_timeout`` seconds."""
+    """Adapts ``WebSocketConnection`` to the transport interface.
 
-    def __init__(self, ws: trio_websocket.WebSocketConnection, first_message_timeout: float = math.inf) -> None:
+    On a server, also enforces that the client sends its first message within
+    ``first_message_timeout`` seconds, and ``watch`` (run beside the session) keeps the peer
+    alive-or-gone and non-idle.  Every close gives up after ``close_timeout`` seconds and then
+    drops ``stream`` (the socket under the WebSocket), so a peer that never answers Close cannot
+    keep its slot."""
+
+    def __init__(self, ws: trio_websocket.WebSocketConnection, first_message_timeout: float = math.inf, *,
+                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT, stream: trio.SocketStream | None = None) -> None:
         self.ws = ws
         self._first_deadline = trio.current_time() + first_message_timeout
-        self._heard = False
+        #: Messages taken so far: the one piece of per-message bookkeeping (the idle watch reads it).
+        self.received = 0
+        self._close_timeout = close_timeout
+        self._stream = stream
+        #: Set when this end ended the connection itself: what every later receive/send raises.
+        self._ended: TransportClosed | None = None
+        self._closing: trio.Event | None = None
+        self._close_deadline = math.inf
+        self._close_scope: trio.CancelScope | None = None
 
     async def receive(self) -> Message:
         try:
-            if self._heard:
-                return await self.ws.get_message()
+            if self.received:
+                message = await self.ws.get_message()
+                self.received += 1
+                return message
             with trio.move_on_at(self._first_deadline):
                 message = await self.ws.get_message()
-                self._heard = True
+                self.received += 1
                 return message
         except trio_websocket.ConnectionClosed as exc:
-            raise _closed(exc) from None
+            raise self._closed(exc) from None
         reason = "no message arrived in time after the connection opened"
+        ended = self._end(FIRST_MESSAGE_TIMEOUT, POLICY_VIOLATION, reason)
         await self.close(POLICY_VIOLATION, reason)
-        raise TransportClosed(POLICY_VIOLATION, reason)
+        raise ended
 
     def receive_nowait(self) -> Message:
         # trio-websocket queues parsed messages in a memory channel; taking one that is already
@@ -43,8 +83,8 @@ class WebSocketTransport:
         try:
             message = channel.receive_nowait()
         except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise _closed(trio_websocket.ConnectionClosed(self.ws.closed)) from None
-        self._heard = True
+            raise self._closed(trio_websocket.ConnectionClosed(self.ws.closed)) from None
+        self.received += 1
         return message
 
     async def send(self, message: Message) -> None:
@@ -53,14 +93,117 @@ class WebSocketTransport:
         try:
             await self.ws.send_message(message)
         except trio_websocket.ConnectionClosed as exc:
-            raise _closed(exc) from None
+            raise self._closed(exc) from None
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
-        await self.ws.aclose(code, reason or None)
+        """Send Close and wait for the peer's, at most ``close_timeout`` seconds; then (or on
+        cancellation) drop the connection.  A second caller waits for the first one's close,
+        within the same deadline."""
+        if self._closing is not None:
+            with trio.move_on_at(self._close_deadline):
+                await self._closing.wait()
+            return
+        self._closing = trio.Event()
+        self._close_deadline = trio.current_time() + self._close_timeout
+        done = False
+        try:
+            with trio.move_on_at(self._close_deadline) as self._close_scope:
+                await self.ws.aclose(code, reason or None)
+                done = True
+        finally:
+            if not done:  # timed out, aborted or cancelled: the peer gets no more time
+                self._drop_stream()
+            self._closing.set()
 
+    def abort(self) -> None:
+        """Drop the connection now, cutting short a close under way (a second shutdown signal)."""
+        if self._close_scope is not None:
+            self._close_scope.cancel()
+        self._drop_stream()
 
-def _closed(exc: trio_websocket.ConnectionClosed) -> TransportClosed:
-    reason = exc.reason
-    if reason is None:
-        return TransportClosed(GOING_AWAY, "the connection went away")
-    return TransportClosed(reason.code, reason.reason or "")
+    # -- keeping the peer honest -------------------------------------------------------------------
+
+    async def watch(self, ping_interval: float, ping_timeout: float, idle_timeout: float) -> None:
+        """Run beside the session until cancelled: a WebSocket ping every ``ping_interval``
+        seconds, and the connection dropped when no pong comes within ``ping_timeout``; and the
+        session ended when no message comes for ``idle_timeout``.  A 0 turns that part off
+        (``ping_timeout`` 0: pings keep middleboxes awake but a missing pong ends nothing)."""
+        async with trio.open_nursery() as nursery:
+            if ping_interval > 0:
+                nursery.start_soon(self._keep_alive, ping_interval, ping_timeout)
+            if idle_timeout > 0:
+                nursery.start_soon(self._watch_idle, idle_timeout)
+
+    async def _keep_alive(self, interval: float, timeout: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            with trio.move_on_after(timeout if timeout > 0 else interval) as waited:
+                try:
+                    await self.ws.ping()
+                except trio_websocket.ConnectionClosed:
+                    return
+            if waited.cancelled_caught and timeout > 0:
+                # A peer that cannot even take a ping (or answer it) is gone or stuck: a Close
+                # would wait on it too, so the socket goes at once.
+                self._end(PING_TIMEOUT, GOING_AWAY, f"no pong within {timeout:g} s")
+                self.abort()
+                return
+
+    async def _watch_idle(self, limit: float) -> None:
+        seen = self.received
+        last_heard = trio.current_time()
+        while True:
+            await trio.sleep(limit / _IDLE_CHECKS)
+            now = trio.current_time()
+            # Messages queued but not yet taken (a session waiting on the model) count as heard.
+            if self.received != seen or self._backlog():
+                seen = self.received
+                last_heard = now
+            elif now - last_heard >= limit:
+                self._interrupt(IDLE_TIMEOUT, POLICY_VIOLATION, f"no message from the client for {limit:g} s")
+                return
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _end(self, finish_reason: str, code: int, reason: str) -> TransportClosed:
+        if self._ended is None:
+            self._ended = TransportClosed(code, reason, finish_reason)
+        return self._ended
+
+    def _interrupt(self, finish_reason: str, code: int, reason: str) -> None:
+        """End the session's input with ``finish_reason`` but leave the connection open, so the
+        session can still send its end and close with its usage: closing trio-websocket's queue
+        of received messages wakes a waiting receive, which then raises the recorded end."""
+        self._end(finish_reason, code, reason)
+        channel = getattr(self.ws, "_recv_channel", None)
+        if channel is None:  # see receive_nowait: without it, end the connection outright
+            self.abort()
+        else:
+            channel.close()
+
+    def _backlog(self) -> bool:
+        channel = getattr(self.ws, "_recv_channel", None)
+        return channel is not None and channel.statistics().current_buffer_used > 0
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            # A synchronous close: it wakes whatever waits on the socket (trio's reader task, a
+            # send stuck on a full buffer) with ClosedResourceError, even inside a shield.
+            self._stream.socket.close()
+
+    def _closed(self, exc: trio_websocket.ConnectionClosed) -> TransportClosed:
+        if self._ended is not None:
+            return self._ended
+        reason = exc.reason
+        if reason is None:
+            return TransportClosed(GOING_AWAY, "the connection went away")
+        # trio-websocket ends a connection itself on a message over the size limit (it sends
+        # Close 1009) and on a frame it cannot parse (1002, or 1007 for bad UTF-8); the peer
+        # never sent a Close then, which is how those are told from a client's own close.
+        state = getattr(getattr(self.ws, "_wsproto", None), "state", None)
+        local = (reason.code not in (1000, 1006)
+                 and state in (ConnectionState.OPEN, ConnectionState.LOCAL_CLOSING))
+        if local:
+            finish = MESSAGE_TOO_BIG if reason.code == 1009 else PROTOCOL_ERROR
+            return TransportClosed(reason.code, reason.reason or "", finish)
+        return TransportClosed(reason.code, reason.reason or "")

@@ -1,6 +1,7 @@
 """The server: one TCP port, WebSocket sessions on three routes, plain HTTP for the rest.
 
-Each connection is read up to the end of its request head first.  A WebSocket upgrade to a known
+Each connection is read up to the end of its request head first (at most
+``server.max_pending_handshakes`` at once: see ``_serve_connection``).  A WebSocket upgrade to a known
 route is checked (API key, free slot, route options) and handed, bytes and all, to trio-websocket;
 anything else is answered as plain HTTP (health, readiness, metrics).  Whatever one connection
 does, the handler catches it: a misbehaving client never takes the server down.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
 from collections import Counter
 
 import trio
@@ -30,8 +32,12 @@ from duplexrt.transport import GOING_AWAY
 
 log = logging.getLogger("duplexrt.server")
 
-#: How long a refused or finished connection gets to take its last bytes.
-_CLOSE_TIMEOUT = 2.0
+#: Above the pending-handshake cap, how long a new connection gets to show a whole request head:
+#: enough for one that sent it with the connection (a metrics scraper), too short to be held.
+_OVERFLOW_READ_S = 0.1
+#: TCP keepalive on accepted sockets: a peer gone without a FIN is noticed after
+#: idle + interval x count seconds even where no WebSocket ping runs (plain HTTP, pings off).
+_TCP_KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
 
 
 class Server:
@@ -47,6 +53,12 @@ class Server:
         self.refused: Counter[str] = Counter()
         self._admitted = 0
         self._open_connections = 0
+        #: Connections still reading their request head, and those over the cap being peeked at.
+        self.pending_handshakes = 0
+        self._overflow = 0
+        #: Every open socket and WebSocket, so a second signal can drop them all at once.
+        self._streams: set[trio.SocketStream] = set()
+        self._transports: set[WebSocketTransport] = set()
         self._all_closed = trio.lowlevel.ParkingLot()
         self._draining = False
         self._accept_scope: trio.CancelScope | None = None
@@ -84,6 +96,14 @@ class Server:
         if self._accept_scope is not None:
             self._accept_scope.cancel()
 
+    def abort(self) -> None:
+        """Drop every connection now, closing handshakes under way included: nothing is left for
+        the shutdown to wait on."""
+        for transport in list(self._transports):
+            transport.abort()
+        for stream in list(self._streams):
+            stream.socket.close()
+
     async def _drain(self) -> None:
         assert self.runtime is not None
         for session in list(self.runtime.sessions):
@@ -96,26 +116,53 @@ class Server:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         self._open_connections += 1
+        self._streams.add(stream)
         try:
+            _enable_tcp_keepalive(stream)
             await self._serve_connection(stream)
         except BaseException as exc:
             _reraise_cancellation_only(exc)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
+            self._streams.discard(stream)
             self._open_connections -= 1
             if not self._open_connections:
                 self._all_closed.unpark_all()
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         settings = self.config.server
+        cap = settings.max_pending_handshakes
+        # Each connection still sending its head holds a task, buffers and a descriptor: at most
+        # `cap` of them wait the full handshake timeout.  One more gets a moment to show a whole
+        # head (what a client sends with the connection): a plain GET is then answered, so health
+        # checks and /metrics work under a flood; anything else gets 503.  Past twice the cap a
+        # connection is refused unread.
+        overflow = self.pending_handshakes >= cap
+        if overflow and self._overflow >= cap:
+            await self._refuse_pending(stream)
+            return
+        deadline = trio.current_time() + settings.handshake_timeout_s
         head: RequestHead | None = None
-        with trio.move_on_after(settings.handshake_timeout_s):
-            try:
-                head, received = await read_request_head(stream)
-            except BadRequest as exc:
-                await self._respond(stream, exc.status, exc.reason)
-                return
+        if overflow:
+            self._overflow += 1
+        else:
+            self.pending_handshakes += 1
+        try:
+            with trio.move_on_at(trio.current_time() + _OVERFLOW_READ_S if overflow else deadline):
+                try:
+                    head, received = await read_request_head(stream)
+                except BadRequest as exc:
+                    await self._respond(stream, exc.status, exc.reason)
+                    return
+        finally:
+            if overflow:
+                self._overflow -= 1
+            else:
+                self.pending_handshakes -= 1
+        if overflow and (head is None or head.wants_websocket):
+            await self._refuse_pending(stream)
+            return
         if head is None:
             self.refused["handshake_timeout"] += 1
             await self._respond(stream, 408, "the request head did not arrive in time")
@@ -160,26 +207,46 @@ class Server:
             return
         self._admitted += 1  # no await since the check above: admission cannot be raced
         try:
-            await self._serve_websocket(stream, received, route.max_message_bytes(self.config), translator)
+            await self._serve_websocket(stream, received, route.max_message_bytes(self.config), translator,
+                                        deadline)
         finally:
             self._admitted -= 1
 
+    async def _refuse_pending(self, stream: trio.SocketStream) -> None:
+        self.refused["too_many_pending"] += 1
+        await self._respond(stream, 503, f"more than {self.config.server.max_pending_handshakes} connections "
+                                         "are waiting to be served; try again later", [("retry-after", "1")])
+
     async def _serve_websocket(self, stream: trio.SocketStream, received: bytes, max_message: int,
-                               translator) -> None:
+                               translator, deadline: float) -> None:
         assert self.runtime is not None
+        settings = self.config.server
         async with trio.open_nursery() as nursery:
-            request = await trio_websocket.wrap_server_stream(
-                nursery, PrefixedStream(stream, received), message_queue_size=4,
-                max_message_size=max_message, receive_buffer_size=None)
-            ws = await request.accept()
-            transport = WebSocketTransport(ws, self.config.server.first_message_timeout_s)
+            transport: WebSocketTransport | None = None
             try:
-                if self._draining:  # shutdown began while this client's handshake was under way
+                # A request wsproto refuses (no Sec-WebSocket-Key...) would otherwise wait forever.
+                with trio.move_on_at(deadline):
+                    request = await trio_websocket.wrap_server_stream(
+                        nursery, PrefixedStream(stream, received), message_queue_size=4,
+                        max_message_size=max_message, receive_buffer_size=None)
+                    ws = await request.accept()
+                    transport = WebSocketTransport(ws, settings.first_message_timeout_s,
+                                                   close_timeout=settings.close_timeout_s, stream=stream)
+                if transport is None:
+                    self.refused["bad_handshake"] += 1
                     return
-                await self.runtime.serve(transport, translator)
+                self._transports.add(transport)
+                try:
+                    if self._draining:  # shutdown began while this client's handshake was under way
+                        return
+                    nursery.start_soon(transport.watch, settings.ping_interval_s, settings.ping_timeout_s,
+                                       settings.idle_timeout_s)
+                    await self.runtime.serve(transport, translator)
+                finally:
+                    with trio.CancelScope(shield=True):  # bounded by close_timeout_s
+                        await transport.close(GOING_AWAY if self._draining else 1000)
+                    self._transports.discard(transport)
             finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
-                    await ws.aclose(GOING_AWAY if self._draining else 1000)
                 nursery.cancel_scope.cancel()
 
     def _authorized(self, head: RequestHead) -> bool:
@@ -237,11 +304,24 @@ class Server:
         await self._send(stream, response_bytes(status, body, "text/plain; charset=utf-8", extra_headers))
 
     async def _send(self, stream: trio.SocketStream, data: bytes) -> None:
-        with trio.move_on_after(_CLOSE_TIMEOUT):
+        with trio.move_on_after(self.config.server.close_timeout_s):
             try:
                 await stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+
+
+def _enable_tcp_keepalive(stream: trio.SocketStream) -> None:
+    """Let the kernel find peers that vanished without a FIN (a cable pulled, a NAT forgetting
+    the flow), where nothing is being sent that would fail."""
+    try:
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _TCP_KEEPALIVE:
+            option = getattr(socket, name, None)  # Linux names; other systems keep their defaults
+            if option is not None:
+                stream.setsockopt(socket.IPPROTO_TCP, option, value)
+    except OSError:  # not a TCP socket (a test's stream), or the option is refused: no keepalive
+        pass
 
 
 def _reraise_cancellation_only(exc: BaseException) -> None:
@@ -272,6 +352,7 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
             async for signum in signals:
                 log.warning("received %s", signal.Signals(signum).name)
                 if server._draining:
+                    server.abort()  # closing handshakes run shielded: only this ends them now
                     nursery.cancel_scope.cancel()
                 server.shutdown()
 

@@ -42,6 +42,8 @@ class RuntimeCollector:
         for reason, count in sorted(self._server.refused.items()):
             refused.add_metric([reason], count)
         yield refused
+        yield GaugeMetricFamily("duplexrt_pending_handshakes", "Connections still sending their request head.",
+                                self._server.pending_handshakes)
         yield GaugeMetricFamily("duplexrt_slots", "Slots (batch rows) of the model.", scheduler.slots)
         yield GaugeMetricFamily("duplexrt_slots_free", "Slots free for new sessions.", scheduler.free_slots)
         yield CounterMetricFamily("duplexrt_frames_in", "Model frames submitted by sessions.", metrics.frames_in)
