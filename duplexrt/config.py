@@ -167,9 +167,12 @@ class ServerConfig:
     #: Largest WebSocket message on /v1/duplex and /api/chat (1 MiB: 5 s of f32 audio).
     max_message_bytes: int = attrs.field(
         default=1 << 20, validator=_int_range("server.max_message_bytes", 1024, 1 << 30))
-    #: Largest message on /v1/realtime, where audio travels as base64 inside JSON.
+    #: Largest message on /v1/realtime, where audio travels as base64 inside JSON.  2 MiB holds
+    #: ten seconds of 24 kHz pcm16 (``audio.max_message_seconds``) three times over; a larger
+    #: message costs its JSON parse on the trio thread (~20 ms for 16 MiB) before it can be
+    #: refused, and trio-websocket may queue four of them per connection.
     realtime_max_message_bytes: int = attrs.field(
-        default=16 << 20, validator=_int_range("server.realtime_max_message_bytes", 1024, 1 << 30))
+        default=2 << 20, validator=_int_range("server.realtime_max_message_bytes", 1024, 1 << 30))
     #: A client must finish its HTTP request head within this time.
     handshake_timeout_s: float = attrs.field(
         default=10.0, validator=_float_range("server.handshake_timeout_s", 0.1, 3600))
