@@ -334,8 +334,8 @@ class Session:
 
     async def _receive(self) -> Message:
         """Wait for the next message: the one place where a stop may cancel the reader."""
-        if self._stop_taking:  # asked before the reader got here (a stop cancels only a waiter)
-            self._reader_scope.cancel()
+        if self._stop_taking and self._reader_scope is not None:
+            self._reader_scope.cancel()  # asked before the reader got here: a stop cancels only a waiter
         self._between_messages = True
         message = await self._transport.receive()
         self._between_messages = False
