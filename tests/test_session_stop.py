@@ -223,6 +223,41 @@ async def test_shutdown_waiting_for_the_next_message_ends_at_once_with_what_was_
     assert_exactly(run, model_frames(taken, wire), 8, wire)
 
 
+async def test_shutdown_while_a_message_is_decoded_on_a_worker_thread_answers_all_of_it():
+    config = make_config("runtime.slots=2", "runtime.offload=always", "backend.name=synthetic")
+    wire = spec("pcm_f32le")
+    message = message_of(2.5, seed=6, wire=wire)
+    async with open_runtime(config) as runtime:
+        # Hold the message's decode (a conversion on a worker thread with offload = "always").
+        held, gate = threading.Event(), threading.Event()
+        offload = runtime.handoffs.offload
+
+        def held_decode(decode, payload):
+            held.set()
+            if not gate.wait(GATE_TIMEOUT):
+                raise RuntimeError("test gate never opened")
+            return decode(payload)
+
+        async def gated_offload(kind, fn, *args, **kwargs):
+            if kind is HandoffKind.CONVERT_OFFLOAD and not held.is_set():
+                return await offload(kind, held_decode, fn, *args, **kwargs)
+            return await offload(kind, fn, *args, **kwargs)
+
+        runtime.handoffs.offload = gated_offload
+        run = StoppedSession(runtime)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run.run, [message], wire, 9)
+                await wait_until(held.is_set, "the message's decode is held")
+                run.session.shutdown()
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+                await run.wait_done()
+        finally:
+            gate.set()
+    assert_exactly(run, model_frames([message], wire), 9, wire)
+
+
 # -- a stop while a submit waits on a worker thread (issue 8, defect 9) -----------------------------------
 #
 # offload = "always": every submit is a put on a worker thread.  The message is two frames and a
