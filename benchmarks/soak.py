@@ -24,6 +24,7 @@ import gc
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,6 +268,9 @@ def main() -> None:
             print(f"  {obj['more']:+8d} (now {obj['now']})  {obj['type']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    server.log_path.unlink()  # kept only when the run fails, to see why
+    if work_dir is not None:
+        shutil.rmtree(work_dir)
 
 
 if __name__ == "__main__":
