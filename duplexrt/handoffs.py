@@ -91,7 +91,13 @@ class Handoffs:
 
     async def offload(self, kind: HandoffKind, fn: Callable[..., T], *args: Any,
                       abandon_on_cancel: bool = False) -> T:
-        """Run ``fn(*args)`` on a worker thread.  ``fn`` must only touch what it is given."""
+        """Run ``fn(*args)`` on a worker thread.  ``fn`` must only touch what it is given.
+
+        By default a cancellation waits for ``fn`` to return, so nothing it does can happen after
+        the caller has moved on.  ``abandon_on_cancel`` returns at once instead, leaving the thread
+        running: only for a call that may wait unboundedly, and whose caller can settle, once it
+        is abandoned, whether its effect happened (a full-inbox put, withdrawn by its ticket).
+        """
         if kind not in OFFLOAD_KINDS:
             raise ValueError(f"{kind} is not an offload kind")
         self._counts[kind] += 1

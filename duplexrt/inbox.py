@@ -46,6 +46,22 @@ class Control:
     payload: Any = None
 
 
+class PutTicket:
+    """One put handed to a worker thread, so that the trio side can settle it if it stops waiting.
+
+    A trio task that abandons a thread (cancelled while it waits for room) must still know
+    whether its frame went in: the thread could land it at any moment after.  Both sides look at
+    the ticket under the inbox's lock, so exactly one of them decides: the thread queues the frame
+    (``queued``), or the trio side withdraws it first and the thread then never will.
+    """
+
+    __slots__ = ("queued", "withdrawn")
+
+    def __init__(self) -> None:
+        self.queued = False
+        self.withdrawn = False
+
+
 @attrs.define
 class Batch:
     """What the scheduler takes for one step: one frame per ready slot, slots ascending."""
@@ -138,21 +154,37 @@ class Inbox:
 
     # -- worker thread (a submit that found its queue full) ----------------------------------
 
-    def put_blocking(self, slot: int, owner: Any, frame: Any, stamp: int) -> bool:
-        """Wait for room, then queue.  False if the slot was closed or the inbox stopped first."""
+    def put_blocking(self, slot: int, owner: Any, frame: Any, stamp: int,
+                     ticket: PutTicket | None = None) -> bool:
+        """Wait for room, then queue.  False if the slot was closed, the inbox stopped or the
+        ``ticket`` was withdrawn first."""
         with self._lock:
             queue = self._queues[slot]
             while True:
-                if self._stopping or self._owners[slot] is not owner or not self._accepting[slot]:
+                if (self._stopping or self._owners[slot] is not owner or not self._accepting[slot]
+                        or (ticket is not None and ticket.withdrawn)):
                     return False
                 if len(queue) < self.depth:
                     self._append(queue, frame, stamp)
+                    if ticket is not None:
+                        ticket.queued = True
                     return True
                 self._space_waiters += 1
                 try:
                     self._has_space.wait()
                 finally:
                     self._space_waiters -= 1
+
+    def withdraw(self, ticket: PutTicket) -> bool:
+        """Called by a trio task that stopped waiting for its put: True if the frame was already
+        queued; otherwise it never will be, and its thread returns as soon as it looks again."""
+        with self._lock:
+            if ticket.queued:
+                return True
+            ticket.withdrawn = True
+            if self._space_waiters:
+                self._has_space.notify_all()
+            return False
 
     def _append(self, queue: deque[tuple[Any, int]], frame: Any, stamp: int) -> None:
         # Lock held.  The wake rule lives here, so every kind of put obeys it.

@@ -25,7 +25,7 @@ from duplexrt.backends.base import Backend, SlotSession
 from duplexrt.config import RuntimeConfig
 from duplexrt.handoffs import HandoffKind, Handoffs
 from duplexrt.histogram import Histogram, Summary
-from duplexrt.inbox import Batch, ControlOp, Inbox
+from duplexrt.inbox import Batch, ControlOp, Inbox, PutTicket
 
 log = logging.getLogger("duplexrt.scheduler")
 
@@ -136,6 +136,9 @@ class SlotLease:
         """Queue ``frame`` (submitted at ``stamp``, perf_counter_ns, now by default), waiting on
         a worker thread only when the inbox is full.
 
+        Returns once the frame is queued, and only then: raising (Cancelled, SlotClosedError)
+        means it was not queued and never will be, even if the worker thread is still winding down.
+
         ``offload = "always"`` sends every submit through a worker thread, as the reference
         orchestrator did, so the two can be compared.
         """
@@ -150,9 +153,21 @@ class SlotLease:
             return
         else:
             kind = HandoffKind.FULL_INBOX_OFFLOAD
-        queued = await scheduler.handoffs.offload(
-            kind, self._inbox.put_blocking, self.slot, self.owner, frame, stamp, abandon_on_cancel=True
-        )
+        # The wait is abandoned on cancellation, so that a cancelled submit returns at once even
+        # while the model is stalled; the ticket then settles what the thread does after.
+        ticket = PutTicket()
+        try:
+            queued = await scheduler.handoffs.offload(
+                kind, self._inbox.put_blocking, self.slot, self.owner, frame, stamp, ticket,
+                abandon_on_cancel=True,
+            )
+        except trio.Cancelled:
+            if self._inbox.withdraw(ticket):
+                # The frame went in before the cancellation: the submit happened, so it returns
+                # like one (trio's rule: Cancelled means "not done"), and the caller counts it.
+                # The cancellation is still pending: it lands at the caller's next checkpoint.
+                return
+            raise  # withdrawn: the frame will never be queued
         if not queued:
             raise SlotClosedError("the session's slot was released while its submit waited")
 

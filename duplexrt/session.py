@@ -138,6 +138,11 @@ class Session:
         self._close_timeout = config.server.close_timeout_s
         self._cancel_scope: trio.CancelScope | None = None
         self._reader_scope: trio.CancelScope | None = None
+        # A stop (shutdown, the length limit) takes effect between two messages, never inside
+        # one: the reader is only cancelled while it waits for the next message, and otherwise
+        # stops by itself once the message in hand is submitted whole.
+        self._stop_taking = False
+        self._between_messages = False
         self.lease = None
         # Usage: always exact, whatever is collected besides.
         self._text_pieces = 0
@@ -190,7 +195,7 @@ class Session:
                 nursery.start_soon(self._write_loop)
                 with trio.CancelScope() as self._reader_scope:
                     await self._read_loop()
-                if self._reader_scope.cancelled_caught:  # shutdown(): drain what was taken
+                if self._reader_scope.cancelled_caught:  # stopped while waiting for a message
                     await self._end_input()
         except BaseException as exc:
             if self._finish_reason is None:
@@ -235,18 +240,25 @@ class Session:
         )
 
     def shutdown(self) -> None:
-        """The server is stopping: take no more input, finish the frames already taken, then end
-        with reason ``shutdown``.  Whoever calls this also bounds how long that may take."""
+        """The server is stopping: take no more messages, submit and answer every frame of the
+        messages already taken (the one being read included, nothing after it), then end with
+        reason ``shutdown``.  Whoever calls this also bounds how long that may take."""
         self._stop_input(SHUTDOWN, GOING_AWAY)
 
     def _stop_input(self, reason: str, close_code: int) -> None:
-        """End the session after the frames already taken have been answered: the reader stops,
-        the writer finishes, the client gets full usage and ``reason``."""
+        """End the session after the messages already taken have been answered: the reader stops
+        at the next message boundary, the writer finishes, the client gets full usage and
+        ``reason``."""
         if self._finish_reason is None:
             self._finish_reason = reason
             self._close_code = close_code
+        self._stop_taking = True
         if self._reader_scope is not None:
-            self._reader_scope.cancel()
+            # Mid-message (decoding, submitting, waiting for credit) the reader is left to finish
+            # the message: cancelling it there would drop the rest of the message's frames and
+            # then submit the framer's tail after the hole.
+            if self._between_messages:
+                self._reader_scope.cancel()
         elif self._cancel_scope is not None:
             self._cancel_scope.cancel()
 
@@ -332,7 +344,7 @@ class Session:
         transport = self._transport
         protocol = self._protocol
         try:
-            message = await transport.receive()
+            message = await self._receive()
             while True:
                 event = protocol.parse(message)
                 kind = type(event)
@@ -346,14 +358,25 @@ class Session:
                     await self._handle(event)
                     if self._queue_full():
                         await self._wait_for_room()
+                if self._stop_taking:
+                    break  # every frame of every message taken is submitted; nothing after them
                 try:
                     message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
                 except trio.WouldBlock:
-                    message = await transport.receive()
+                    message = await self._receive()
         except TransportClosed as closed:
             self._transport_closed(closed)
             return
         await self._end_input()
+
+    async def _receive(self) -> Message:
+        """Wait for the next message: the one place where a stop may cancel the reader."""
+        if self._stop_taking and self._reader_scope is not None:
+            self._reader_scope.cancel()  # asked before the reader got here: a stop cancels only a waiter
+        self._between_messages = True
+        message = await self._transport.receive()
+        self._between_messages = False
+        return message
 
     async def _handle(self, event: Event) -> None:
         """Everything but audio: rare, so clarity over speed."""
@@ -442,8 +465,12 @@ class Session:
         """A client that stops reading but keeps sending control messages (or bad audio) must
         not grow the queue of replies without bound: its reader waits until the writer catches
         up."""
+        if self._stop_taking:
+            return  # the reader stops now; its goodbye waits for the writer anyway
+        self._between_messages = True  # the message that queued the replies is handled
         while self._queue_full():
             await self._credit.park()
+        self._between_messages = False
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
         # Decoding and framing cost the same message after message: one message in four is
@@ -485,9 +512,9 @@ class Session:
     async def _submit(self, frame: np.ndarray) -> None:
         if self._max_frames is not None and self._submitted >= self._max_frames:
             # The session has had all the audio it may have: answer what was taken, then end
-            # with reason "length".  Inside the reader, the checkpoint lands the stop at once.
+            # with reason "length".  The rest of the message is skipped here, frame by frame,
+            # and the reader stops at the end of it.
             self._stop_input(LENGTH, NORMAL_CLOSURE)
-            await trio.lowlevel.checkpoint()
             return
         while (self._submitted - self._delivered >= self._inbox_depth
                or self._in_flight >= self._max_in_flight):
