@@ -22,7 +22,7 @@ from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.scheduler import BackendLoadError, Scheduler, SchedulerStatistics
-from duplexrt.session import Session
+from duplexrt.session import Session, SessionServices
 from duplexrt.transport import Transport
 
 
@@ -71,7 +71,10 @@ class Runtime:
         if protocol is None:
             input_spec = input_spec or self.audio_spec()
             protocol = RawProtocol(input_spec, output_spec or input_spec)
-        return await Session(self, transport, protocol, session_id).run()
+        services = SessionServices(config=self.config, scheduler=self.scheduler, handoffs=self.handoffs,
+                                   metrics=self.metrics, registry=self.sessions,
+                                   max_session_frames=self.backend.info.max_session_frames)
+        return await Session(services, transport, protocol, session_id).run()
 
     def statistics(self) -> RuntimeStatistics:
         return RuntimeStatistics(

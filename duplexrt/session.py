@@ -23,8 +23,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+import attrs
 import numpy as np
 import trio
 
@@ -38,7 +38,8 @@ from duplexrt.audio import (
     make_decoder,
     make_encoder,
 )
-from duplexrt.handoffs import HandoffKind
+from duplexrt.config import Config
+from duplexrt.handoffs import HandoffKind, Handoffs
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (
     AudioIn,
@@ -52,7 +53,8 @@ from duplexrt.protocols.events import (
     Reply,
     SessionEnd,
 )
-from duplexrt.scheduler import BackendStepError, SlotClosedError, new_error_id
+from duplexrt.metrics import FrameMetrics
+from duplexrt.scheduler import BackendStepError, Scheduler, SlotClosedError, new_error_id
 from duplexrt.transport import (
     GOING_AWAY,
     INTERNAL_ERROR,
@@ -63,9 +65,6 @@ from duplexrt.transport import (
     TransportClosed,
 )
 
-if TYPE_CHECKING:
-    from duplexrt.metrics import FrameMetrics
-    from duplexrt.runtime import Runtime
 
 log = logging.getLogger("duplexrt.session")
 
@@ -84,13 +83,31 @@ SHUTDOWN = "shutdown"
 LENGTH = "length"
 
 
+@attrs.frozen
+class SessionServices:
+    """What a session takes from the runtime that serves it, handed over explicitly: a session
+    can be read (and built in a test) without the runtime, and never reaches back into it."""
+
+    config: Config
+    #: Opens the session's slot; everything after goes through the slot's lease.
+    scheduler: Scheduler
+    #: Counts the session's worker-thread crossings (encoded formats, large messages).
+    handoffs: Handoffs
+    #: Where per-frame figures and usage totals go.
+    metrics: FrameMetrics
+    #: The live sessions, so that a shutdown can reach each of them.
+    registry: set[Session]
+    #: The model's own limit on a session's frames (None: none).
+    max_session_frames: int | None = None
+
+
 class Session:
     """Serves one client over ``transport``.  ``run`` returns how the session ended."""
 
-    def __init__(self, runtime: Runtime, transport: Transport, protocol: Translator,
+    def __init__(self, services: SessionServices, transport: Transport, protocol: Translator,
                  session_id: int | None = None) -> None:
-        config = runtime.config
-        self._runtime = runtime
+        config = services.config
+        self._services = services
         self._transport = transport
         self._protocol = protocol
         self._requested_id = session_id
@@ -121,7 +138,7 @@ class Session:
         # encoder a format switch must not flush or replace under it.
         self._encoding = False
         self._encoded = trio.lowlevel.ParkingLot()
-        self._metrics = runtime.metrics
+        self._metrics = services.metrics
         self._in_flight = 0  # submitted and not yet sent
         self._submitted = 0
         self._delivered = 0
@@ -157,7 +174,7 @@ class Session:
         self._late = 0
         self._late_ns = int(self._frame_seconds * 1e9)
         self._first_audio_ns = 0
-        limits = [runtime.backend.info.max_session_frames]
+        limits = [services.max_session_frames]
         if config.runtime.max_session_seconds > 0:
             limits.append(int(config.runtime.max_session_seconds / self._frame_seconds + 1e-9))
         self._max_frames = min((limit for limit in limits if limit), default=None)
@@ -181,12 +198,12 @@ class Session:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def run(self) -> SessionEnd:
-        runtime = self._runtime
-        self.lease = runtime.scheduler.open_slot(self, self._requested_id)
-        metrics = runtime.metrics
+        services = self._services
+        self.lease = services.scheduler.open_slot(self, self._requested_id)
+        metrics = services.metrics
         metrics.sessions_opened += 1
         metrics.sessions_active += 1
-        runtime.sessions.add(self)
+        services.registry.add(self)
         self._opened_ns = time.perf_counter_ns()
         try:
             async with trio.open_nursery() as nursery:
@@ -207,7 +224,7 @@ class Session:
             raise
         finally:
             self._release()
-            runtime.sessions.discard(self)
+            services.registry.discard(self)
             metrics.sessions_active -= 1
             with trio.CancelScope(shield=True):
                 end = await self._say_goodbye()
@@ -292,7 +309,7 @@ class Session:
             try:
                 await self._send_pending()
                 # Every output the translator was given is now out.
-                self._runtime.metrics.frames_out += self._told - self._sent
+                self._metrics.frames_out += self._told - self._sent
                 self._sent = self._told
                 end = self.summary()
                 for message in self._protocol.end(end):
@@ -481,10 +498,10 @@ class Session:
         decoder = self._decoder
         try:
             if decoder.is_encoded:
-                samples = await self._runtime.handoffs.offload(
+                samples = await self._services.handoffs.offload(
                     HandoffKind.DECODE_OFFLOAD, decoder.decode, bytes(payload))
             elif self._always_offload:
-                samples = await self._runtime.handoffs.offload(
+                samples = await self._services.handoffs.offload(
                     HandoffKind.CONVERT_OFFLOAD, decoder.decode, bytes(payload))
             elif len(payload) <= decoder.inline_bytes:
                 samples = decoder.decode(payload)
@@ -493,7 +510,7 @@ class Session:
             else:
                 # Seconds of audio in one message: worth a thread hop, so that its conversion
                 # (numpy releases the GIL over large arrays) does not hold up every other session.
-                samples = await self._runtime.handoffs.offload(
+                samples = await self._services.handoffs.offload(
                     HandoffKind.LARGE_DECODE_OFFLOAD, decoder.decode, bytes(payload))
         except AudioTooLongError as exc:
             # Fatal only when the decoder had to stop inside the message (an Ogg stream).
@@ -602,7 +619,7 @@ class Session:
         outbox = self._outbox
         pending = self._pending
         protocol = self._protocol
-        metrics = self._runtime.metrics
+        metrics = self._metrics
         try:
             while True:
                 if pending:
@@ -628,7 +645,7 @@ class Session:
                 if self._always_offload:
                     self._encoding = True
                     try:
-                        payload = await self._runtime.handoffs.offload(
+                        payload = await self._services.handoffs.offload(
                             HandoffKind.CONVERT_OFFLOAD, encoder.encode, samples)
                     finally:
                         self._encoding = False
