@@ -566,3 +566,92 @@ async def test_tiny_moshi_speaks_text_on_the_timeline_over_a_real_socket(nursery
     heard = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "session.output_audio.delta")
     assert len(heard) == 13 * 2 * FRAME, "continuous audio: one frame out per frame in"
     assert events[-1]["reason"] == "close_requested" and events[-1]["usage"]["frames_out"] == 13
+
+
+# -- fuzz ---------------------------------------------------------------------------------------------
+
+_EVENTS = ["session.start", "session.update", "session.input_audio.append", "session.input_audio.mute",
+           "session.input_audio.unmute", "session.instructions.append", "session.thinking.append",
+           "session.commentary.append", "response.item.create", "response.create", "session.close"]
+_VALUES = [None, 0, -1, 2 ** 70, 1.5, True, "", "x" * 3000, "%%%", "AQA", "AQID", [], {}, [[[[1]]]],
+           {"type": "audio/pcm", "rate": 0}, {"type": "audio/pcmu", "rate": 24000}, {"format": "pcm16"},
+           {"format": {"type": "audio/pcma", "rate": 8000.0}}, "\ud800", {"audio": {"format": []}}]
+
+
+def fuzz_messages(seed: int, count: int) -> list[str | bytes]:
+    """Client events of every type with fields drawn from values a broken client might send, plus
+    truncated JSON, deep nesting and binary frames.  Seeded: every run sends the same."""
+    rng = np.random.default_rng(seed)
+    messages: list[str | bytes] = []
+    for _ in range(count):
+        roll = rng.integers(10)
+        if roll == 0:
+            messages.append(bytes(rng.integers(0, 256, rng.integers(0, 40), dtype=np.uint8)))
+            continue
+        body: dict = {"type": _EVENTS[rng.integers(len(_EVENTS))]}
+        for field in ("session", "audio", "event_id", "content", "delegation_id", "item"):
+            if rng.random() < 0.4:
+                body[field] = _VALUES[rng.integers(len(_VALUES))]
+        if rng.random() < 0.2:
+            body["type"] = _VALUES[rng.integers(len(_VALUES))]
+        text = json.dumps(body)
+        if roll == 1:
+            text = text[:rng.integers(len(text))]
+        elif roll == 2:
+            text = "[" * 100000
+        messages.append(text)
+    return messages
+
+
+def test_fuzzed_messages_get_an_event_and_a_short_answer():
+    for protocol in (make()[0], started()[0]):
+        for message in fuzz_messages(7, 3000):
+            event = protocol.parse(message)
+            if isinstance(event, ProtocolError):
+                [answer] = protocol.error(event)
+                assert len(answer) < 1200 and json.loads(answer)["error"]["code"] == event.code
+            elif isinstance(event, AudioIn):
+                assert len(event.payload) % (protocol.input_spec.format.bytes_per_sample or 1) == 0
+            else:
+                assert isinstance(event, InputEnd | Reply | Reconfigure), event
+        assert all(json.loads(m) for m in protocol.end(end("stop")))
+
+
+async def test_a_fuzzing_peer_harms_no_other_session_and_frees_its_slot(nursery):
+    server = await _server(nursery, None, "backend.options.delay_frames=0", "runtime.slots=2")
+    url = f"ws://127.0.0.1:{server.ports[0]}/v1/live/sessions"
+    headers = [("Authorization", f"Bearer {KEY}")]
+    audio = tone(24000)
+    result = {}
+
+    async def fuzzer() -> None:
+        sessions = 0
+        messages = fuzz_messages(11, 400)
+        while messages:
+            sessions += 1
+            async with trio_websocket.open_websocket_url(url, extra_headers=headers) as ws:
+                await ws.send_message(json.dumps({"type": "session.start", "session": {"model": "m"}}))
+                try:
+                    while messages:
+                        await ws.send_message(messages.pop(0))
+                    await ws.send_message(json.dumps({"type": "session.close"}))
+                    while True:
+                        await ws.get_message()
+                except trio_websocket.ConnectionClosed:
+                    pass  # a fatal message: the server closed; connect again for the rest
+        result["fuzz_sessions"] = sessions
+
+    async def healthy() -> None:
+        result["events"] = await _converse(url, audio)
+
+    with trio.fail_after(PATIENCE * 2):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(fuzzer)
+            inner.start_soon(healthy)
+        while server.runtime.scheduler.free_slots != 2:
+            await trio.sleep(0.01)
+    events = result["events"]
+    check_sequence(events)
+    heard = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "session.output_audio.delta")
+    assert heard[:len(audio)] == audio and events[-1]["reason"] == "close_requested"
+    assert result["fuzz_sessions"] >= 1
