@@ -605,7 +605,7 @@ def fuzz_messages(seed: int, count: int) -> list[str | bytes]:
 
 def test_fuzzed_messages_get_an_event_and_a_short_answer():
     for protocol in (make()[0], started()[0]):
-        for message in fuzz_messages(7, 3000):
+        for message in fuzz_messages(7, 1500):
             event = protocol.parse(message)
             if isinstance(event, ProtocolError):
                 [answer] = protocol.error(event)
