@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import pytest
 import trio
+import trio.testing
 import trio_websocket
 
 from conftest import PATIENCE
@@ -485,6 +486,45 @@ async def test_a_session_reaching_its_length_limit_closes_as_expired():
     assert closed["reason"] == "expired" and closed["usage"]["seconds"] == 0.4 and closed["usage"]["frames_out"] == 5
     ratios = [e["context_window"]["usage_ratio"] for e in client.events if e["type"] == "session.usage.updated"]
     assert all(r is not None for r in ratios)
+
+
+async def test_the_drain_on_sigterm_closes_as_remote_hangup_with_exact_usage():
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    holder = {}
+
+    async def script(client: Client) -> None:
+        await client.send("session.start", session={"model": "m"})
+        await client.wait_for("session.started")
+        for _ in range(3):
+            await client.send("session.input_audio.append", audio=b64(tone(2400)))
+        while len(client.audio()) < 3 * 2 * FRAME:
+            await client.wait_for("session.output_audio.delta")
+            await trio.testing.wait_all_tasks_blocked()
+        for session in list(holder["runtime"].sessions):
+            session.shutdown()  # what the server's drain does to every session
+        await client.wait_for("session.closed")
+
+    client_end, server_end = memory_transport_pair()
+    client = Client(client_end)
+    result = {}
+    async with open_runtime(config) as runtime:
+        holder["runtime"] = runtime
+
+        async def serve() -> None:
+            result["end"] = await runtime.serve(server_end, LiveProtocol())
+
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve)
+                nursery.start_soon(client.receive_all)
+                await script(client)
+                await trio.sleep(0)
+    check_sequence(client.events)
+    closed = client.events[-1]
+    assert result["end"].reason == "shutdown"
+    assert closed["reason"] == "remote_hangup" and closed["usage"]["frames_in"] == result["end"].frames_in
+    assert closed["usage"]["frames_out"] == result["end"].frames_out == closed["usage"]["frames_in"]
+    assert client.audio()[:3 * 2 * FRAME] == (tone(2400) * 3)[:3 * 2 * FRAME]
 
 
 # -- over real sockets -----------------------------------------------------------------------------
