@@ -20,6 +20,7 @@ import trio_websocket
 from conftest import PATIENCE
 from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.config import load_config
+from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn, InputEnd, ProtocolError, Reconfigure, Reply, SessionEnd
 from duplexrt.protocols.live import CLOSE_REASONS, LiveProtocol, close_reason
 from duplexrt.runtime import open_runtime
@@ -216,10 +217,15 @@ def test_bad_appends_are_errors_that_do_not_end_the_session(audio, code):
         assert "session.input_audio.append needs 'audio'" in event.message
 
 
-def test_an_append_longer_than_max_message_seconds_is_refused_before_decoding():
+def test_an_append_longer_than_max_message_seconds_is_refused_before_decoding(monkeypatch):
     protocol, _ = started(max_message_seconds=0.5)
     fits = bytes(2 * 12000)
     assert send(protocol, "session.input_audio.append", audio=b64(fits)) == AudioIn(fits)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the base64 was decoded")
+
+    monkeypatch.setattr(b64audio, "a2b_base64", no_decoding)
     event = send(protocol, "session.input_audio.append", audio=b64(fits + bytes(2)))
     assert isinstance(event, ProtocolError) and event.code == "audio_too_long"
     assert "audio.max_message_seconds" in event.message and "session.input_audio.append" in event.message
