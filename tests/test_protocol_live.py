@@ -582,10 +582,36 @@ async def test_echo_over_a_real_socket_with_a_bearer_key(nursery):
 async def test_a_wrong_key_is_refused_at_the_upgrade(nursery):
     server = await _server(nursery, None, "runtime.slots=1")
     url = f"ws://127.0.0.1:{server.ports[0]}/v1/live/sessions"
-    with trio.fail_after(PATIENCE), pytest.raises(trio_websocket.HandshakeError) as caught:
+    with trio.fail_after(PATIENCE), pytest.raises(trio_websocket.ConnectionRejected) as caught:
         async with trio_websocket.open_websocket_url(url, extra_headers=[("Authorization", "Bearer nope")]):
             pass
-    assert getattr(caught.value, "status_code", 401) == 401
+    assert caught.value.status_code == 401
+
+
+async def test_admission_size_and_first_message_rules_apply_to_the_live_route(nursery):
+    server = await _server(nursery, None, "runtime.slots=1", "server.realtime_max_message_bytes=4096",
+                           "server.first_message_timeout_s=0.3")
+    url = f"ws://127.0.0.1:{server.ports[0]}/v1/live/sessions"
+    headers = [("Authorization", f"Bearer {KEY}")]
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(url, extra_headers=headers) as ws:
+            await ws.send_message(json.dumps({"type": "session.start", "session": {"model": "m"}}))
+            assert json.loads(await ws.get_message())["type"] == "session.started"
+            with pytest.raises(trio_websocket.ConnectionRejected) as refused:
+                async with trio_websocket.open_websocket_url(url, extra_headers=headers):
+                    pass
+            assert refused.value.status_code == 503, "one slot, taken"
+            await ws.send_message(json.dumps({"type": "session.input_audio.append", "audio": "A" * 8000}))
+            with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                while True:
+                    await ws.get_message()
+            assert closed.value.reason.code == 1009
+        while server.runtime.scheduler.free_slots != 1:
+            await trio.sleep(0.01)
+        async with trio_websocket.open_websocket_url(url, extra_headers=headers) as ws:
+            with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                await ws.get_message()  # nothing comes before session.start; the server gives up
+            assert closed.value.reason.code == 1008
 
 
 async def test_tiny_moshi_speaks_text_on_the_timeline_over_a_real_socket(nursery):
