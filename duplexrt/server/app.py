@@ -1,4 +1,4 @@
-"""The server: one TCP port, WebSocket sessions on three routes, plain HTTP for the rest.
+"""The server: one TCP port, WebSocket sessions on the routes of routes.py, plain HTTP for the rest.
 
 Each connection is read up to the end of its request head first.  A WebSocket upgrade to a known
 route is checked (API key, free slot, route options) and handed, bytes and all, to trio-websocket;
