@@ -59,7 +59,7 @@ def simulate(url: str, concurrency: int, frames: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=100)
-    parser.add_argument("--routes", default="/v1/duplex,/v1/realtime")
+    parser.add_argument("--routes", default="/v1/duplex,/v1/realtime,/v1/live/sessions")
     parser.add_argument("--capacity", default="96,192,288,384,512")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

@@ -124,7 +124,8 @@ def simulate(
     format: Annotated[Optional[str], typer.Option("--format", help="Wire format both ways: pcm_f32le, pcm_s16le, "
                                                                    "g711_ulaw, g711_alaw or opus (default "
                                                                    "pcm_f32le; with --url, the route's: "
-                                                                   "pcm_s16le on /v1/realtime, opus on "
+                                                                   "pcm_s16le on /v1/realtime and "
+                                                                   "/v1/live/sessions, opus on "
                                                                    "/api/chat).")] = None,
     sample_rate: Annotated[Optional[int], typer.Option(help="Wire sample rate (default: the model's; "
                                                             "8000 for G.711).")] = None,
@@ -139,7 +140,8 @@ def simulate(
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
                                                      help="Progress bar (default: when stderr is a terminal).")] = None,
     url: Annotated[Optional[str], typer.Option(
-        help="Load a running server instead: ws://HOST:PORT/ROUTE (/v1/duplex, /v1/realtime or /api/chat). "
+        help="Load a running server instead: ws://HOST:PORT/ROUTE (/v1/duplex, /v1/realtime, /api/chat or "
+             "/v1/live/sessions). "
              "Each virtual session is a real WebSocket; server-side figures come from its /metrics, and "
              "--backend/-o describe the server's backend for the guards (default: the backend its "
              "/readyz names, with its default options).")] = None,
@@ -224,6 +226,7 @@ class ClientProtocolName(str, enum.Enum):
     duplex = "duplex"
     realtime = "realtime"
     moshi = "moshi"
+    live = "live"
 
 
 @app.command()
@@ -232,7 +235,8 @@ def client(
                                                                       "sphn reads); mixed to mono.")],
     url: Annotated[str, typer.Option(help="ws://HOST:PORT/ROUTE: /v1/duplex (PCM f32 at the file's rate; "
                                           "?format=&rate= to choose), /v1/realtime (pcm16 24 kHz; "
-                                          "?duplex=1 for one continuous response) or /api/chat (Opus).")],
+                                          "?duplex=1 for one continuous response), /api/chat (Opus) or "
+                                          "/v1/live/sessions (OpenAI Live, pcm16 24 kHz).")],
     out: Annotated[Path, typer.Option("--out", "-O", help="Where to write what comes back (WAV).")],
     realtime: Annotated[bool, typer.Option("--realtime", help="Send in real time, one 80 ms message every "
                                                               "80 ms, as a live caller does (default: as "
@@ -289,6 +293,7 @@ def serve(
     \b
       /v1/realtime   OpenAI Realtime protocol (?duplex=1 for a continuous response)
       /api/chat      Kyutai Moshi protocol (Ogg Opus), for Moshi's web client
+      /v1/live/sessions  OpenAI's full-duplex Live protocol (GPT-Live clients, e.g. LiveKit's)
       /v1/duplex     raw PCM (?format=pcm_f32le|pcm_s16le|g711_ulaw|g711_alaw&rate=HZ)
       GET /healthz, /readyz, /metrics (Prometheus)
 

@@ -195,6 +195,11 @@ class Session:
         """Frames handed to the translator to send, plus those dropped by ClearOutput."""
         return self._told + self._dropped
 
+    @property
+    def max_frames(self) -> int | None:
+        """The most frames this session may take, or None (what the translator may read)."""
+        return self._max_frames
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def run(self) -> SessionEnd:

@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from duplexrt.audio import AudioSpec, StreamResampler, make_decoder, make_encoder
 from duplexrt.client.protocols import (
     Ended,
+    LiveClient,
     MoshiClient,
     Opened,
     RealtimeClient,
@@ -186,6 +187,20 @@ async def test_realtime_turn_mode_hears_the_whole_reply_to_its_turn(nursery, tmp
         assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", _pcm16(sent), RATE)
 
 
+async def test_live_route_pcm16_comes_back_exactly_and_closes_cleanly(nursery, tmp_path):
+    port = await _serve(nursery)
+    sent = _wav(tmp_path / "in.wav", _noise(4 * FRAME + 700, seed=5), RATE)
+    code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/live/sessions",
+                                              tmp_path / "in.wav")
+    assert code == 0, stderr
+    heard, rate = _read(out)
+    # session.close ends the input: the server pads the last partial frame and answers it.
+    assert rate == RATE and len(heard) == 5 * FRAME
+    expected = _pcm16(_padded(sent, FRAME))
+    assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", expected, RATE)
+    assert "server ended the session: stop" in stdout  # session.closed, close_requested
+
+
 @pytest.mark.parametrize("rate", [24000, 16000])
 async def test_moshi_route_opus_comes_back_close(nursery, tmp_path, rate):
     port = await _serve(nursery)
@@ -335,6 +350,7 @@ def test_routes_name_their_protocols_behind_a_prefix_too():
     assert route_of("ws://h:1/v1/duplex") == "duplex"
     assert route_of("wss://h/proxy/v1/realtime?duplex=1") == "realtime"
     assert route_of("ws://h:1/api/chat/") == "moshi"
+    assert route_of("ws://h:1/v1/live/sessions") == "live"
     with pytest.raises(UnknownRoute):
         route_of("ws://h:1/v1/other")
 
@@ -390,3 +406,26 @@ def test_moshi_client_kinds():
     end = client.parse(b'\x04{"type":"session.end","reason":"shutdown","usage":{"frames_in":2,"frames_out":2}}')
     assert isinstance(end, Ended) and end.reason == "shutdown" and end.frames_out == 2
     assert client.end_input() == [] and client.finish() == []
+
+
+def test_live_client_starts_appends_closes_and_maps_session_closed():
+    client = client_for_url("ws://h:1/v1/live/sessions")
+    assert isinstance(client, LiveClient) and client.greets and client.server_closes
+    [start] = client.hello()
+    assert json.loads(start) == {"type": "session.start", "session": {
+        "model": "duplexrt", "audio": {"format": {"type": "audio/pcm", "rate": 24000}}}}
+    assert json.loads(client.audio(b"\x01\x00")) == {"type": "session.input_audio.append", "audio": "AQA="}
+    assert [json.loads(m) for m in client.end_input()] == [{"type": "session.close"}]
+    assert isinstance(client.parse('{"type": "session.started", "session": {"id": "s"}}'), Opened)
+    assert client.parse('{"type": "session.output_audio.delta", "delta": "AQA="}') == b"\x01\x00"
+    assert client.parse('{"type": "session.output_transcript.delta", "delta": "hi", "start_ms": 0, '
+                        '"end_ms": 80}') == Text("hi")
+    closed = {"type": "session.closed", "reason": "expired", "usage": {"seconds": 0.4}}
+    assert client.parse(json.dumps(closed)) == Ended("length", None, None, None, closed)
+    ours = {"type": "session.closed", "reason": "connection_lost", "finish_reason": "idle_timeout",
+            "usage": {"seconds": 0.16, "frames_in": 2, "frames_out": 2}}
+    assert client.parse(json.dumps(ours)) == Ended("idle_timeout", 2, 2, None, ours)
+    error = {"type": "error", "error": {"code": "unsupported_event", "message": "no"}}
+    assert client.parse(json.dumps(error)) == ServerError("unsupported_event", "no")
+    ulaw = client_for_url("ws://h:1/v1/live/sessions", input_format="g711_ulaw")
+    assert json.loads(ulaw.hello()[0])["session"]["audio"]["format"] == {"type": "audio/pcmu", "rate": 8000}

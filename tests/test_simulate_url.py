@@ -18,7 +18,8 @@ from duplexrt.simulate.report import format_table
 from duplexrt.simulate.runner import SimulateOptions, run_url_simulation
 
 PATIENCE = 30.0
-ROUTES = {"/v1/duplex": "pcm_f32le", "/v1/realtime": "pcm_s16le", "/api/chat": "opus"}
+ROUTES = {"/v1/duplex": "pcm_f32le", "/v1/realtime": "pcm_s16le", "/api/chat": "opus",
+          "/v1/live/sessions": "pcm_s16le"}
 
 
 async def _serve(nursery: trio.Nursery, *overrides: str, echo_delay: int | None = 0) -> str:
@@ -66,7 +67,7 @@ async def test_every_route_passes_the_guards_with_server_figures(nursery, route,
     table = format_table(report)
     assert "server CPU per frame (µs)" in table and "load-generator CPU per frame (µs)" in table
     assert report.settings["route"] == {"/v1/duplex": "duplex", "/v1/realtime": "realtime",
-                                        "/api/chat": "moshi"}[route]
+                                        "/api/chat": "moshi", "/v1/live/sessions": "live"}[route]
 
 
 async def test_duplex_route_in_s16_at_16k_and_odd_message_sizes(nursery):

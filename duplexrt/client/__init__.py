@@ -8,6 +8,7 @@ from duplexrt.client.protocols import (
     ClientProtocol,
     DuplexClient,
     Ended,
+    LiveClient,
     MoshiClient,
     Opened,
     Other,
@@ -20,7 +21,7 @@ from duplexrt.client.protocols import (
 )
 
 __all__ = [
-    "ClientProtocol", "ConnectError", "Conversation", "DuplexClient", "Ended", "MoshiClient", "Opened",
+    "ClientProtocol", "ConnectError", "Conversation", "DuplexClient", "Ended", "LiveClient", "MoshiClient", "Opened",
     "Other", "RealtimeClient", "ServerError", "Text", "UnknownRoute", "WebSocketTransport",
     "client_for_url", "open_connection", "route_of",
 ]

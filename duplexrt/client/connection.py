@@ -94,6 +94,8 @@ async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | 
         raise _classify(exc, url) from None
     try:
         transport = WebSocketTransport(ws)
+        for message in protocol.hello():
+            await transport.send(message)
         opened = await _greeting(transport, protocol, timeout) if protocol.greets else None
         yield transport, opened
     except BaseException as exc:

@@ -24,6 +24,9 @@ How a conversation ends differs by route:
   closes.
 * ``/api/chat`` (Moshi): no end of input either, and no goodbye: once the client has heard as much
   as it sent, it hangs up.
+* ``/v1/live/sessions`` (Live): the client speaks first (``session.start``) and waits for
+  ``session.started``; at the end it sends ``session.close``, the server answers the rest, sends
+  ``session.closed`` with usage, and closes.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from duplexrt.transport import Message
 
 __all__ = [
     "AUDIO_TYPES", "ROUTES", "ClientProtocol", "DuplexClient", "Ended", "MoshiClient", "Opened",
-    "Other", "RealtimeClient", "ServerError", "Text", "UnknownRoute", "client_for_url", "route_of",
+    "LiveClient", "Other", "RealtimeClient", "ServerError", "Text", "UnknownRoute", "client_for_url", "route_of",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -53,7 +56,8 @@ Buffer = bytes | bytearray | memoryview
 AUDIO_TYPES = (bytes, bytearray, memoryview)
 
 #: Route path -> protocol name.  A path that ends with one of these (behind a proxy prefix) counts.
-ROUTES: dict[str, str] = {"/v1/duplex": "duplex", "/v1/realtime": "realtime", "/api/chat": "moshi"}
+ROUTES: dict[str, str] = {"/v1/duplex": "duplex", "/v1/realtime": "realtime", "/api/chat": "moshi",
+                          "/v1/live/sessions": "live"}
 
 #: The model clock the client assumes for padding input to whole frames on routes that have no
 #: end of input (80 ms at 24 kHz, duplexrt's default and Moshi's).
@@ -121,7 +125,7 @@ class UnknownRoute(ValueError):
 class ClientProtocol(abc.ABC):
     """One conversation's client-side protocol state."""
 
-    #: The route's protocol: ``duplex``, ``realtime`` or ``moshi``.
+    #: The route's protocol: ``duplex``, ``realtime``, ``moshi`` or ``live``.
     name: str
     #: What this client sends, and what it expects back (which ``Opened`` may update).
     input_spec: AudioSpec
@@ -140,6 +144,11 @@ class ClientProtocol(abc.ABC):
     def url(self, url: str) -> str:
         """``url`` with whatever query the route needs to speak this protocol's formats."""
         return url
+
+    def hello(self) -> list[Message]:
+        """Messages the client sends first, before waiting for the greeting (Live's
+        ``session.start``)."""
+        return []
 
     def opened(self, event: Opened) -> None:
         """The server's greeting arrived (it may say what the output format is)."""
@@ -367,6 +376,74 @@ class MoshiClient(ClientProtocol):
         return Other(f"kind {kind}", message)
 
 
+# -- /v1/live/sessions ----------------------------------------------------------------------------------
+
+
+_LIVE_FORMATS = {AudioFormat.PCM_S16LE: "audio/pcm", AudioFormat.G711_ULAW: "audio/pcmu",
+                 AudioFormat.G711_ALAW: "audio/pcma"}
+#: session.closed reason -> the finish reason, as the other routes say it (when the server does
+#: not send duplexrt's own ``finish_reason``).
+_LIVE_REASONS = {"close_requested": "stop", "expired": "length", "remote_hangup": "shutdown",
+                 "connection_lost": "error"}
+
+
+class LiveClient(ClientProtocol):
+    """OpenAI's full-duplex Live protocol: ``session.start`` first, base64 audio in JSON both ways,
+    ``session.close`` at the end.  pcm16 at 24 kHz by default, or G.711 at 8 kHz."""
+
+    name = "live"
+
+    def __init__(self, input_format: AudioFormat = AudioFormat.PCM_S16LE, *, model_rate: int = 24000,
+                 model: str = "duplexrt") -> None:
+        if input_format not in _LIVE_FORMATS:
+            raise AudioFormatError(f"/v1/live/sessions takes pcm_s16le, g711_ulaw or g711_alaw, "
+                                   f"not {input_format.value}")
+        rate = _REALTIME_RATE if input_format is AudioFormat.PCM_S16LE else 8000
+        self.input_spec = AudioSpec.create(input_format, rate, model_rate=model_rate)
+        self.output_spec = self.input_spec
+        self.model = model
+
+    def hello(self) -> list[Message]:
+        audio = {"format": {"type": _LIVE_FORMATS[self.input_spec.format], "rate": self.input_spec.sample_rate}}
+        return [json.dumps({"type": "session.start", "session": {"model": self.model, "audio": audio}})]
+
+    def audio(self, payload: Buffer) -> Message:
+        return ('{"type":"session.input_audio.append","audio":"'
+                + b2a_base64(payload, newline=False).decode("ascii") + '"}')
+
+    def end_input(self) -> list[Message]:
+        return [json.dumps({"type": "session.close"})]
+
+    def parse(self, message: Message) -> Buffer | Event:
+        if not isinstance(message, str):
+            return Other("binary", message)
+        data = _json_object(message)
+        if data is None:
+            return Other("invalid", message)
+        kind = data.get("type")
+        if kind == "session.output_audio.delta":
+            delta = data.get("delta")
+            try:
+                return a2b_base64(delta) if isinstance(delta, str) else b""
+            except ValueError:
+                return ServerError("invalid_base64", f"{kind} carried audio that is not base64")
+        if kind == "session.output_transcript.delta":
+            return Text(str(data.get("delta", "")))
+        if kind == "session.closed":
+            usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+            reason = data.get("finish_reason")
+            if not isinstance(reason, str):
+                reason = _LIVE_REASONS.get(data.get("reason"), str(data.get("reason")))
+            return Ended(reason, _int_or_none(usage.get("frames_in")), _int_or_none(usage.get("frames_out")),
+                         None, data)
+        if kind == "error":
+            error = data.get("error") if isinstance(data.get("error"), dict) else {}
+            return ServerError(error.get("code"), str(error.get("message")))
+        if kind == "session.started":
+            return Opened(data)
+        return Other(str(kind), data)
+
+
 # -- choosing one ----------------------------------------------------------------------------------------
 
 
@@ -403,4 +480,7 @@ def client_for_url(url: str, *, protocol: str | None = None, input_format: str |
         return RealtimeClient(duplex=wants_duplex(query), model_rate=model_rate)
     if name == "moshi":
         return MoshiClient()
-    raise UnknownRoute(f"unknown protocol {name!r}: expected duplex, realtime or moshi")
+    if name == "live":
+        fmt = AudioFormat.parse(input_format) if input_format in ("g711_ulaw", "g711_alaw") else AudioFormat.PCM_S16LE
+        return LiveClient(fmt, model_rate=model_rate)
+    raise UnknownRoute(f"unknown protocol {name!r}: expected duplex, realtime, moshi or live")

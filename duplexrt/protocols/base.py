@@ -38,6 +38,12 @@ class SessionProgress(Protocol):
         (``ClearOutput``).  What a translator waits on to know a turn has been answered."""
         ...
 
+    @property
+    def max_frames(self) -> int | None:
+        """The most frames the session may take (the model's context or
+        ``runtime.max_session_seconds``, whichever is less), or None for no limit."""
+        ...
+
 
 class Translator(abc.ABC):
     """One session's protocol state machine."""

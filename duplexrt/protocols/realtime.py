@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
-import sys
-from binascii import a2b_base64, b2a_base64
+from binascii import b2a_base64
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+from duplexrt.protocols.b64audio import Base64Audio
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (
     AudioIn,
@@ -179,10 +178,9 @@ class RealtimeProtocol(Translator):
         self.input_spec = AudioSpec.create(AudioFormat.PCM_S16LE, _PCM_RATE, model_rate=model_rate)
         self.output_spec = self.input_spec
         self.progress = _ZeroProgress()
-        self._sample_bytes = 2
         #: Audio one append may carry (``audio.max_message_seconds``), checked on the base64 text.
         self.max_message_seconds = max_message_seconds
-        self._max_audio_chars = self._audio_chars_limit()
+        self._audio = self._audio_rules()
         self._event_ids = itertools.count(1)
         self._item_ids = itertools.count(1)
         self._response_ids = itertools.count(1)
@@ -366,74 +364,18 @@ class RealtimeProtocol(Translator):
                              event_id=_client_event_id(data))
 
     def _append(self, data: dict[str, Any]) -> Event:
-        audio = data.get("audio")
-        if type(audio) is not str or not audio:
-            return self._bad_audio_field(data, audio)
-        if len(audio) > self._max_audio_chars:
-            return self._too_long(data, len(audio))
-        try:
-            raw = a2b_base64(audio, strict_mode=True)
-        except ValueError:
-            return self._lenient_base64(data, audio)
-        if len(raw) % self._sample_bytes:
-            return self._bad_length(data, len(raw))
+        raw = self._audio.decode(data.get("audio"), _client_event_id(data))
+        if isinstance(raw, ProtocolError):
+            return raw
         self._pending_input = True
         return AudioIn(raw)
 
-    def _bad_audio_field(self, data: dict[str, Any], audio: object) -> ProtocolError:
-        event_id = _client_event_id(data)
-        if audio is None:
-            return ProtocolError("missing_required_parameter",
-                                 "input_audio_buffer.append needs 'audio': base64-encoded audio",
-                                 event_id=event_id)
-        if not isinstance(audio, str):
-            return ProtocolError("invalid_type", "'audio' must be a string of base64-encoded audio, "
-                                 f"got {type(audio).__name__}", event_id=event_id)
-        return ProtocolError("invalid_value", "'audio' is empty: it must hold at least one sample",
-                             event_id=event_id)
-
-    def _lenient_base64(self, data: dict[str, Any], audio: str) -> Event:
-        """Base64 with line breaks (MIME style) is accepted; anything else is an error."""
-        audio = audio.replace("\r", "").replace("\n", "")
-        if len(audio) > self._max_audio_chars:
-            return self._too_long(data, len(audio))
-        try:
-            raw = a2b_base64(audio, strict_mode=True)
-        except ValueError:
-            return ProtocolError("invalid_base64", "'audio' is not valid base64",
-                                 event_id=_client_event_id(data))
-        if not raw:
-            return self._bad_audio_field(data, "")
-        if len(raw) % self._sample_bytes:
-            return self._bad_length(data, len(raw))
-        self._pending_input = True
-        return AudioIn(raw)
-
-    def _audio_chars_limit(self) -> int:
-        """The longest base64 text whose audio can fit in ``max_message_seconds``: a longer one
-        is refused before it is decoded (a 16 MiB append costs ~90 ms of base64 decoding alone)."""
-        if self.max_message_seconds is None:
-            return sys.maxsize
-        samples = math.floor(self.max_message_seconds * self.input_spec.sample_rate + 1e-6)
-        return 4 * -(-samples * self._sample_bytes // 3)
-
-    def _too_long(self, data: dict[str, Any], chars: int) -> ProtocolError:
-        seconds = chars * 3 // 4 // self._sample_bytes / self.input_spec.sample_rate
-        return ProtocolError(
-            "audio_too_long",
-            f"'audio' holds about {seconds:.2f} s of {self._format_name(self.input_spec)}; at most "
-            f"{self.max_message_seconds:g} s per input_audio_buffer.append (audio.max_message_seconds): "
-            "append it in smaller pieces",
-            event_id=_client_event_id(data),
-        )
-
-    def _bad_length(self, data: dict[str, Any], size: int) -> ProtocolError:
-        return ProtocolError(
-            "invalid_audio_length",
-            f"'audio' decodes to {size} bytes, not a whole number of {self._sample_bytes}-byte "
-            f"samples of {self._format_name(self.input_spec)}",
-            event_id=_client_event_id(data),
-        )
+    def _audio_rules(self) -> Base64Audio:
+        """How appends are checked in the current input format (``audio.max_message_seconds``
+        bounds the base64 text before it is decoded)."""
+        spec = self.input_spec
+        return Base64Audio("input_audio_buffer.append", spec.format.bytes_per_sample or 1, spec.sample_rate,
+                           self._format_name(spec), self.max_message_seconds)
 
     def _commit(self, data: dict[str, Any]) -> Event:
         if not self._pending_input:
@@ -553,8 +495,7 @@ class RealtimeProtocol(Translator):
         changed = new_input != self.input_spec or new_output != self.output_spec
         self.input_spec = new_input
         self.output_spec = new_output
-        self._sample_bytes = new_input.format.bytes_per_sample or 1
-        self._max_audio_chars = self._audio_chars_limit()
+        self._audio = self._audio_rules()
         updated = self._event("session.updated", session=self._session_object())
         if changed:
             return Reconfigure(messages=(updated,))

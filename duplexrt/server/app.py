@@ -1,4 +1,4 @@
-"""The server: one TCP port, WebSocket sessions on three routes, plain HTTP for the rest.
+"""The server: one TCP port, WebSocket sessions on the routes of routes.py, plain HTTP for the rest.
 
 Each connection is read up to the end of its request head first (at most
 ``server.max_pending_handshakes`` at once: see ``_serve_connection``).  A WebSocket upgrade to a known

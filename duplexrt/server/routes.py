@@ -48,8 +48,16 @@ def _moshi(head: RequestHead, config: Config) -> Translator:
     return MoshiProtocol(model_rate=config.audio.sample_rate)
 
 
+def _live(head: RequestHead, config: Config) -> Translator:
+    from duplexrt.protocols.live import LiveProtocol
+
+    return LiveProtocol(model_rate=config.audio.sample_rate, frame_seconds=config.audio.frame_seconds,
+                        model=config.backend.name, max_message_seconds=config.audio.max_message_seconds)
+
+
 ROUTES: dict[str, Route] = {
     "/v1/duplex": Route("duplex", _duplex, lambda c: c.server.max_message_bytes),
     "/v1/realtime": Route("realtime", _realtime, lambda c: c.server.realtime_max_message_bytes),
     "/api/chat": Route("moshi", _moshi, lambda c: c.server.max_message_bytes),
+    "/v1/live/sessions": Route("live", _live, lambda c: c.server.realtime_max_message_bytes),
 }

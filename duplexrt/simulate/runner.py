@@ -41,6 +41,7 @@ from duplexrt.client.protocols import (
     Buffer,
     ClientProtocol,
     DuplexClient,
+    LiveClient,
     MoshiClient,
     RealtimeClient,
     UnknownRoute,
@@ -61,7 +62,7 @@ from duplexrt.transport import MemoryTransport, memory_transport_pair
 MODES = ("burst", "paced")
 
 #: The wire format each route takes when ``--format`` is not given.
-ROUTE_FORMATS = {"duplex": "pcm_f32le", "realtime": "pcm_s16le", "moshi": "opus"}
+ROUTE_FORMATS = {"duplex": "pcm_f32le", "realtime": "pcm_s16le", "moshi": "opus", "live": "pcm_s16le"}
 
 
 @attrs.frozen(kw_only=True)
@@ -398,6 +399,11 @@ class UrlTarget:
                                      "continuous response, so each output frame is heard as it is made "
                                      "(turn mode holds it until the client's response.create)")
                     protocol = RealtimeClient(duplex=True, model_rate=model_rate)
+                elif route == "live":
+                    if wanted[0] != "pcm_s16le" or wanted[1] not in (None, 24000):
+                        raise ConfigError("/v1/live/sessions is simulated in pcm16 at 24 kHz: use --format "
+                                          "pcm_s16le (the default there) and no --sample-rate")
+                    protocol = LiveClient(model_rate=model_rate)
                 else:
                     if wanted[0] != "opus" or wanted[1] not in (None, 24000):
                         raise ConfigError("/api/chat (Moshi) takes Ogg Opus at 24 kHz: use --format opus "
@@ -412,6 +418,8 @@ class UrlTarget:
             return DuplexClient(self.input_spec, self.output_spec)
         if self.route == "realtime":
             return RealtimeClient(duplex=True, model_rate=model_rate)
+        if self.route == "live":
+            return LiveClient(model_rate=model_rate)
         return MoshiClient()
 
 

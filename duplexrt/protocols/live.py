@@ -1,0 +1,365 @@
+"""OpenAI's full-duplex "Live" protocol (``/v1/live/sessions``), the one GPT-Live clients speak.
+
+Unlike the Realtime protocol there are no turns and no responses: one session, audio appended
+continuously, the model's audio streamed back continuously (silence included).  The wire format is
+the one LiveKit Agents' ``GPTLiveModel`` client speaks (``livekit/agents/llm/_realtime/gpt_live*.py``
+in ``livekit-agents`` 1.8.9); this is our own reading of it.
+
+Client events, and what this server does with them:
+
+* ``session.start`` must come first; nothing else is accepted before it (``session_not_started``,
+  not fatal).  ``session.audio.format`` picks the format of both directions: ``audio/pcm`` (24 kHz
+  unless ``rate`` says otherwise), ``audio/pcmu`` or ``audio/pcma`` (8 kHz unless ``rate`` says
+  otherwise).  ``model``, ``instructions``, ``input`` (history), ``audio.output.voice`` and
+  ``delegation`` are accepted and not used: no backend of duplexrt takes a text prompt or a voice.
+  A malformed ``session.start`` is fatal: the session could not start.  Answer: ``session.started``.
+* ``session.input_audio.append`` carries base64 audio (no ``event_id`` needed), bounded by
+  ``audio.max_message_seconds`` like the Realtime route's appends.
+* ``session.input_audio.mute`` / ``unmute``: while muted each append reaches the model as silence
+  of the same length, so the model's clock keeps running and it goes on speaking; acknowledged with
+  ``session.input_audio.muted`` / ``unmuted``.
+* ``session.close``: no more input; the model answers what it was given, then ``session.closed``
+  (reason ``close_requested``, the final usage) and the server closes the connection.
+* ``session.update`` (delegation settings), ``session.instructions.append``,
+  ``session.thinking.append``, ``session.commentary.append``, ``response.item.create`` and
+  ``response.create`` need delegation or a text prompt, which no duplexrt backend has: each is
+  answered with an ``unsupported_event`` error naming it, and the session goes on.
+
+Server events:
+
+* ``session.output_audio.delta``: one per batch of model frames sent, so at the model's pace (one
+  80 ms frame each at real-time pace), silence included.
+* ``session.output_transcript.delta``: the model's text, with ``start_ms`` / ``end_ms`` on the
+  session timeline (frame ``i`` spans ``[i × 80, (i + 1) × 80)`` ms): the span of the frames it
+  came with.  There is no ``session.input_transcript.delta``: no backend transcribes the caller.
+* ``session.usage.updated``, about once a second of session timeline: ``usage.seconds`` is the
+  running total of audio the model has taken (the session's length on its own clock), and
+  ``context_window.usage_ratio`` is that length over the session's limit (the model's context or
+  ``runtime.max_session_seconds``, whichever is shorter; null when there is none).
+* ``session.closed`` last, with the final ``usage`` (exact: every frame the model took) and a
+  reason: ``close_requested`` after ``session.close``, ``expired`` when the session reached its
+  length limit, ``remote_hangup`` when the server drains on SIGTERM (the server hung up; the
+  client reconnects, to another server), ``connection_lost`` for everything else (a model failure,
+  a fatal client error, a server timeout, and any reason this translator does not know).  As
+  duplexrt extensions, ``usage`` also carries ``frames_in`` / ``frames_out`` (model frames) and
+  the event ``finish_reason`` (the session's own reason: ``stop``, ``length``, ...).
+* ``error``: ``{"type": "error", "error": {"type", "code", "message", "param",
+  "client_event_id"}}``.  None of our codes is one the client treats as fatal
+  (``invalid_api_key`` and the like): a bad API key is refused at the HTTP upgrade with 401.
+
+Nothing the client sends is echoed back at full length (``clip`` / ``quote``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from binascii import b2a_base64
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+from duplexrt.audio.g711 import alaw_encode, ulaw_encode
+from duplexrt.protocols.b64audio import Base64Audio
+from duplexrt.protocols.base import SessionProgress, Translator
+from duplexrt.protocols.events import (
+    AudioIn,
+    Event,
+    InputEnd,
+    ProtocolError,
+    Reconfigure,
+    Reply,
+    SessionEnd,
+    clip,
+    quote,
+)
+from duplexrt.transport import UNSUPPORTED_DATA, Message
+
+__all__ = ["CLOSE_REASONS", "LiveProtocol", "close_reason"]
+
+_PCM_RATE = 24000
+_G711_RATE = 8000
+_FORMATS = {
+    "audio/pcm": AudioFormat.PCM_S16LE,
+    "audio/pcmu": AudioFormat.G711_ULAW,
+    "audio/pcma": AudioFormat.G711_ALAW,
+}
+_NAMES = {fmt: name for name, fmt in _FORMATS.items()}
+#: One sample of silence in each format (the code nearest zero: A-law has no exact zero, its
+#: nearest is 1/4096 of full scale): what a muted append is replaced with.
+_SILENCE = {
+    AudioFormat.PCM_S16LE: b"\x00\x00",
+    AudioFormat.G711_ULAW: ulaw_encode(np.zeros(1, np.float32)).tobytes(),
+    AudioFormat.G711_ALAW: alaw_encode(np.zeros(1, np.float32)).tobytes(),
+}
+
+#: The session's finish reason -> the Live protocol's close reason.  Anything else (the server's
+#: timeouts, a fatal client error, reasons added later) is ``connection_lost``.
+CLOSE_REASONS = {
+    "stop": "close_requested",
+    "length": "expired",
+    "shutdown": "remote_hangup",
+}
+_DEFAULT_REASON = "connection_lost"
+
+#: Client events that need delegation or a text prompt: no duplexrt backend can use them.
+_UNSUPPORTED = {
+    "session.update": "it changes delegation settings, and this server has no delegation",
+    "session.instructions.append": "no duplexrt backend takes a text prompt",
+    "session.thinking.append": "no duplexrt backend takes a text prompt",
+    "session.commentary.append": "no duplexrt backend takes a text prompt",
+    "response.item.create": "this server has no delegation (no Responses backend)",
+    "response.create": "this server has no delegation (no Responses backend)",
+}
+
+_BINARY = ProtocolError(
+    "binary_not_supported",
+    "binary messages are not part of the Live protocol; send audio as base64 in "
+    "session.input_audio.append events",
+    close_code=UNSUPPORTED_DATA,
+    fatal=True,
+)
+
+_session_ids = itertools.count(1)
+
+
+def close_reason(finish_reason: str) -> str:
+    """The Live close reason for a session's finish reason."""
+    return CLOSE_REASONS.get(finish_reason, _DEFAULT_REASON)
+
+
+class _ZeroProgress:
+    frames_in = 0
+    frames_out = 0
+    frames_answered = 0
+    max_frames = None
+
+
+def _client_event_id(data: dict[str, Any]) -> str | None:
+    event_id = data.get("event_id")
+    return clip(event_id) if isinstance(event_id, str) else None
+
+
+class LiveProtocol(Translator):
+    """One session of the Live protocol."""
+
+    def __init__(self, *, model_rate: int = 24000, frame_seconds: float = 0.08,
+                 model: str = "duplexrt", session_id: str | None = None,
+                 max_message_seconds: float | None = None, usage_interval_seconds: float = 1.0) -> None:
+        self.model_rate = model_rate
+        self.frame_seconds = frame_seconds
+        self.model = model
+        self.session_id = session_id or f"live_{next(_session_ids)}"
+        self.max_message_seconds = max_message_seconds
+        self.input_spec = AudioSpec.create(AudioFormat.PCM_S16LE, _PCM_RATE, model_rate=model_rate)
+        self.output_spec = self.input_spec
+        self.progress: SessionProgress = _ZeroProgress()
+        self._frame_ms = frame_seconds * 1000
+        self._usage_every = max(1, round(usage_interval_seconds / frame_seconds))
+        self._next_usage = self._usage_every
+        self._audio = self._audio_rules()
+        self._silence = _SILENCE[AudioFormat.PCM_S16LE]
+        self.started = False
+        self.muted = False
+        self.close_requested = False
+        self._fatal_sent = False
+        self._text: list[str] = []
+        self._handlers: dict[str, Callable[[dict[str, Any]], Event]] = {
+            "session.start": self._start,
+            "session.input_audio.append": self._append,
+            "session.input_audio.mute": self._mute,
+            "session.input_audio.unmute": self._unmute,
+            "session.close": self._close,
+        }
+        for name in _UNSUPPORTED:
+            self._handlers[name] = self._unsupported
+
+    # -- server -> client ----------------------------------------------------------------------
+
+    def audio_out(self, payload: bytes, frames: int) -> list[Message]:
+        if not self.started:
+            return []
+        messages: list[Message] = []
+        first = self.progress.frames_answered
+        if self._text:
+            start_ms = round(first * self._frame_ms)
+            end_ms = round((first + max(frames, 1)) * self._frame_ms)
+            for text in self._text:
+                messages.append(f'{{"type":"session.output_transcript.delta","delta":{json.dumps(text)},'
+                                f'"start_ms":{start_ms},"end_ms":{end_ms}}}')
+            self._text = []
+        if payload:
+            # By hand: base64 needs no escaping, so the per-frame path skips json.dumps.
+            messages.append('{"type":"session.output_audio.delta","delta":"'
+                            + b2a_base64(payload, newline=False).decode("ascii") + '"}')
+        if first + frames >= self._next_usage:
+            self._next_usage = first + frames + self._usage_every
+            messages.append(self._usage_event())
+        return messages
+
+    def text_out(self, text: str) -> list[Message]:
+        # Held until the batch's audio_out, which says which frames (so which span) it came with.
+        if self.started and text:
+            self._text.append(text)
+        return []
+
+    def error(self, error: ProtocolError) -> list[Message]:
+        if error.fatal:
+            self._fatal_sent = True
+        return [self._error_event("invalid_request_error", error.code, error.message, error.event_id)]
+
+    def end(self, end: SessionEnd) -> list[Message]:
+        messages: list[Message] = []
+        if end.reason == "error" and not self._fatal_sent:
+            messages.append(self._error_event("server_error", "server_error",
+                                              end.error or "internal server error", None))
+        if not self.started:
+            return messages  # no session to close: the client never heard session.started
+        usage = {"seconds": end.seconds_in, "frames_in": end.frames_in, "frames_out": end.frames_out}
+        messages.append(json.dumps({"type": "session.closed", "reason": close_reason(end.reason),
+                                    "usage": usage, "finish_reason": end.reason}))
+        return messages
+
+    def _usage_event(self) -> str:
+        progress = self.progress
+        frames = progress.frames_in
+        limit = getattr(progress, "max_frames", None)
+        ratio = None if not limit else round(min(1.0, frames / limit), 6)
+        return json.dumps({"type": "session.usage.updated",
+                           "usage": {"seconds": round(frames * self.frame_seconds, 6)},
+                           "context_window": {"usage_ratio": ratio}})
+
+    def _error_event(self, kind: str, code: str | None, message: str, event_id: str | None) -> str:
+        return json.dumps({"type": "error", "error": {
+            "type": kind, "code": code, "message": message, "param": None, "client_event_id": event_id}})
+
+    # -- client -> server ----------------------------------------------------------------------
+
+    def parse(self, message: Message) -> Event:
+        if not isinstance(message, str):
+            return _BINARY
+        try:
+            data = json.loads(message)
+        except (ValueError, RecursionError):
+            return ProtocolError("invalid_json", "client events must be JSON objects")
+        if type(data) is not dict:
+            return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"')
+        kind = data.get("type")
+        if type(kind) is not str:
+            return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"',
+                                 event_id=_client_event_id(data))
+        handler = self._handlers.get(kind)
+        if handler is None:
+            return ProtocolError("unknown_event", f"unknown event type {quote(kind)}",
+                                 event_id=_client_event_id(data))
+        if not self.started and kind not in ("session.start", "session.close"):
+            return ProtocolError("session_not_started",
+                                 f"{kind} before session.start: the first event must be session.start, "
+                                 "and nothing else is accepted until session.started",
+                                 event_id=_client_event_id(data))
+        return handler(data)
+
+    def _start(self, data: dict[str, Any]) -> Event:
+        event_id = _client_event_id(data)
+        if self.started:
+            return ProtocolError("session_already_started",
+                                 "session.start may come only once per connection; "
+                                 "a new session needs a new connection", event_id=event_id)
+
+        def invalid(code: str, message: str) -> ProtocolError:
+            # Fatal: a client that waits for session.started would otherwise wait forever.
+            return ProtocolError(code, f"{message}; the session cannot start", event_id=event_id, fatal=True)
+
+        session = data.get("session")
+        if session is None:
+            return invalid("missing_required_parameter", "session.start needs a 'session' object")
+        if type(session) is not dict:
+            return invalid("invalid_type", "'session' must be an object")
+        model = session.get("model")
+        if model is not None and not isinstance(model, str):
+            return invalid("invalid_type", f"session.model must be a string, got {quote(model)}")
+        spec = self.input_spec
+        audio = session.get("audio")
+        if audio is not None:
+            if type(audio) is not dict:
+                return invalid("invalid_type", "session.audio must be an object")
+            fmt = audio.get("format")
+            if fmt is not None:
+                parsed = self._parse_format(fmt)
+                if isinstance(parsed, str):
+                    return invalid("invalid_value", parsed)
+                spec = parsed
+        # model, instructions, input, voice and delegation are accepted and not used (see above).
+        self.started = True
+        self.input_spec = self.output_spec = spec
+        self._silence = _SILENCE[spec.format]
+        self._audio = self._audio_rules()
+        started = json.dumps({"type": "session.started", "session": {
+            "id": self.session_id, "model": self.model,
+            "audio": {"format": self._format_object(spec)}}})
+        return Reconfigure(messages=(started,))
+
+    def _parse_format(self, value: object) -> AudioSpec | str:
+        """``{"type": "audio/pcm", "rate": 24000}``, or an error message."""
+        if type(value) is not dict:
+            return f"session.audio.format must be an object such as {{\"type\": \"audio/pcm\"}}, got {quote(value)}"
+        name, rate = value.get("type"), value.get("rate")
+        fmt = _FORMATS.get(name) if isinstance(name, str) else None
+        if fmt is None:
+            return f"session.audio.format.type must be audio/pcm, audio/pcmu or audio/pcma, got {quote(name)}"
+        if rate is None:
+            rate = _PCM_RATE if fmt is AudioFormat.PCM_S16LE else _G711_RATE
+        elif isinstance(rate, float) and rate.is_integer():
+            rate = int(rate)
+        if not isinstance(rate, int) or isinstance(rate, bool):
+            return f"session.audio.format.rate must be a whole number of Hz, got {quote(rate)}"
+        try:
+            return AudioSpec.create(fmt, rate, model_rate=self.model_rate)
+        except AudioFormatError as exc:
+            return f"session.audio.format.rate: {clip(str(exc), 200)}"
+
+    def _append(self, data: dict[str, Any]) -> Event:
+        raw = self._audio.decode(data.get("audio"), _client_event_id(data))
+        if isinstance(raw, ProtocolError):
+            return raw
+        if self.muted:
+            # The caller's audio is replaced, not dropped: the model's clock keeps running.
+            return AudioIn(self._silence * (len(raw) // len(self._silence)))
+        return AudioIn(raw)
+
+    def _mute(self, data: dict[str, Any]) -> Event:
+        self.muted = True
+        return Reply((json.dumps({"type": "session.input_audio.muted",
+                                  "client_event_id": _client_event_id(data)}),))
+
+    def _unmute(self, data: dict[str, Any]) -> Event:
+        self.muted = False
+        return Reply((json.dumps({"type": "session.input_audio.unmuted",
+                                  "client_event_id": _client_event_id(data)}),))
+
+    def _close(self, data: dict[str, Any]) -> Event:
+        self.close_requested = True
+        return InputEnd()
+
+    def _unsupported(self, data: dict[str, Any]) -> Event:
+        kind = data["type"]
+        return ProtocolError("unsupported_event",
+                             f"{kind} is not supported by this server: {_UNSUPPORTED[kind]}; the session goes on",
+                             event_id=_client_event_id(data))
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _audio_rules(self) -> Base64Audio:
+        spec = self.input_spec
+        return Base64Audio("session.input_audio.append", spec.format.bytes_per_sample or 1,
+                           spec.sample_rate, self._format_name(spec), self.max_message_seconds)
+
+    @staticmethod
+    def _format_name(spec: AudioSpec) -> str:
+        return f"{_NAMES.get(spec.format, spec.format.value)} at {spec.sample_rate} Hz"
+
+    @staticmethod
+    def _format_object(spec: AudioSpec) -> dict[str, Any]:
+        return {"type": _NAMES.get(spec.format, spec.format.value), "rate": spec.sample_rate}
