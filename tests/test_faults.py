@@ -285,3 +285,41 @@ async def test_model_failing_on_random_steps_ends_only_the_sessions_in_those_ste
         if end["reason"] == "stop":
             assert end["usage"]["frames_out"] == 12
     await _settled(server)
+
+
+# -- the Live route: the same faults in another protocol's clothes -------------------------------
+
+_LIVE_START = json.dumps({"type": "session.start", "session": {"model": "duplexrt", "audio": {
+    "input": {"format": {"type": "audio/pcm", "rate": 24000}}}}})
+
+
+def _live_append(seed: int) -> str:
+    import base64
+
+    pcm = (_noise(2400, seed) * 32767).astype("<i2").tobytes()  # 100 ms, as LiveKit sends it
+    return json.dumps({"type": "session.input_audio.append", "audio": base64.b64encode(pcm).decode()})
+
+
+async def test_live_peers_that_vanish_or_never_answer_close_free_their_slots(nursery):
+    server = await _start(nursery)
+
+    async def fault() -> None:
+        closers = []
+        for seed in range(SLOTS - 1):
+            peer = await FaultyPeer.connect(server.ports[0], "/v1/live/sessions")
+            await peer.send_text(_LIVE_START)
+            assert json.loads((await peer.receive())[0])["type"] == "session.started"
+            await peer.send_text(_live_append(seed))
+            if seed % 2:
+                await peer.send_raw(masked_frame_header(0x1, 50_000) + b"{" * 1000)
+                await peer.abort()  # gone mid-message
+            else:
+                await peer.send_text(json.dumps({"type": "session.close"}))
+                closers.append(peer)
+        for peer in closers:
+            events = [json.loads(m) for m in await peer.receive_until_close()]
+            assert events[-1]["type"] == "session.closed" and events[-1]["reason"] == "close_requested"
+            # ... and the Close is never answered.
+
+    await _beside_a_healthy_session(server, fault)
+    await _settled(server)
