@@ -181,3 +181,12 @@ def test_the_installed_server_serves_a_session_and_stops_on_sigterm(product, pre
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_dockerfile_installs_what_this_test_proves():
+    """Images cannot be built here; the Dockerfile stays to the commands tested above."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert "python -m build --outdir /dist /src" in text
+    assert 'PIP="/opt/duplexrt/bin/python -m pip"' in text and "sh /tmp/install.sh /tmp/dist/*.whl" in text
+    assert 'ENTRYPOINT ["duplexrt", "serve"]' in text and "/healthz" in text
+    assert "\nUSER duplexrt\n" in text and "DUPLEXRT_PORT=8000" in text and "\nEXPOSE 8000\n" in text
