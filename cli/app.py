@@ -212,13 +212,13 @@ def simulate(
         if url is not None and (slots is not None or offload is not None):
             raise ConfigError("--slots and --offload configure the in-process runtime; with --url the "
                               "server's own settings apply")
-        config = presets.resolve(config)
+        config_file = presets.resolve(config)
         overrides = _overrides(backend, backend_option, slots, offload, set_)
         # In process, the summary line is off unless asked for: the report says it all.
         overrides += _metrics_overrides(collect_stage_metrics, False if log_stats_flag is None else log_stats_flag)
-        cfg = load_config(config, overrides)
+        cfg = load_config(config_file, overrides)
         if url is None and slots is None and concurrency > cfg.runtime.slots:
-            cfg = load_config(config, [*overrides, f"runtime.slots={concurrency}"])
+            cfg = load_config(config_file, [*overrides, f"runtime.slots={concurrency}"])
         wire_format = format or (default_format(url) if url is not None else AudioFormat.PCM_F32LE.value)
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
                                   mode=mode.value, format=AudioFormat.parse(wire_format).value,

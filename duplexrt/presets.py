@@ -57,8 +57,9 @@ def summary(name: str) -> str:
 def resolve(value: str | os.PathLike[str] | None) -> Path | None:
     """A ``--config`` value as a file: a path that exists is used as it is (a file of yours wins
     over a preset of the same name); otherwise a bare name (``moshi-tiny``, or ``moshi-tiny.toml``)
-    is a preset.  Anything else is one clear error, which names the preset a stale path meant."""
-    if value is None:
+    is a preset.  Anything else is one clear error, which names the preset a stale path meant.
+    None or empty (``DUPLEXRT_CONFIG=`` in a container's settings) means the defaults."""
+    if value is None or not os.fspath(value):
         return None
     given = Path(value)
     if given.exists():

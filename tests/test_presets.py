@@ -39,6 +39,10 @@ def test_a_path_still_works_and_a_file_of_yours_wins_over_a_preset(tmp_path, mon
     assert load_config(presets.resolve("moshi-tiny")).backend.name == "synthetic"
 
 
+def test_no_value_or_an_empty_one_means_the_defaults():
+    assert presets.resolve(None) is None and presets.resolve("") is None
+
+
 def test_an_unknown_name_or_a_missing_file_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="neither a file nor a preset.*moshi-tiny"):
