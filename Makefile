@@ -11,18 +11,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# torch 2.13.0 first: on these machines it is a local CPU build; an unpinned request would pull
-# a multi-GB CUDA build.  The package itself keeps torch>=2.4 open for users.
-# The moshi package pins torch<2.10 and numpy<2.3 but runs fine beside torch 2.13 and numpy 2.x:
-# for the tests it goes in without its pins, with the light dependencies it really uses.
-MOSHI_DEPS := 'safetensors>=0.4,<0.8' 'huggingface-hub>=0.24,<1.0' 'einops>=0.7,<0.9' \
-	'sentencepiece>=0.2,<0.3' 'tqdm>=4.48'
-
-$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps moshi==0.2.13
-	$(BIN)/python -m pip install --quiet $(MOSHI_DEPS)
+# packaging/install.sh is the install sequence the wheel test and the Dockerfile use too:
+# torch 2.13.0 first (on these machines a local CPU build; an unpinned request would pull a
+# multi-GB CUDA build; the package itself keeps torch>=2.4 open for users), then duplexrt, then
+# the moshi package without its version pins (see the script for why).
+$(VENV)/.installed: pyproject.toml Makefile packaging/install.sh | $(BIN)/python
+	PIP='$(BIN)/python -m pip' sh packaging/install.sh -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed

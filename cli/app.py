@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import trio
 import typer
 
+from duplexrt import __version__, presets
 from duplexrt.audio import AudioFormat, AudioFormatError
 from duplexrt.config import ConfigError, load_config
 from duplexrt.scheduler import BackendLoadError
@@ -24,9 +25,48 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"duplexrt {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
     """Serve full-duplex speech models (Moshi, Hibiki and kin) to many real-time sessions per GPU."""
+
+
+configs_app = typer.Typer(no_args_is_help=False, add_completion=False)
+app.add_typer(configs_app, name="configs")
+
+
+@configs_app.callback(invoke_without_command=True)
+def configs(ctx: typer.Context) -> None:
+    """List the model presets shipped with duplexrt, one line each.
+
+    Pass a name to --config (`duplexrt serve --config moshi-tiny`).  To start a config of your
+    own from one: `duplexrt configs show default > my.toml`, then `--config my.toml`."""
+    if ctx.invoked_subcommand is not None:
+        return
+    try:
+        found = presets.names()
+        width = max(map(len, found), default=0)
+        for name in found:
+            typer.echo(f"{name:<{width}}  {presets.summary(name)}")
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+
+@configs_app.command("show")
+def configs_show(name: Annotated[str, typer.Argument(help="A preset's name, as `duplexrt configs` lists it.")]) -> None:
+    """Print a preset's TOML (the installed files are not for editing in place: copy one instead)."""
+    try:
+        typer.echo(presets.read_text(name.removesuffix(".toml")), nl=False)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
 
 
 class Mode(str, enum.Enum):
@@ -40,8 +80,10 @@ class Offload(str, enum.Enum):
 
 
 ConfigOption = Annotated[
-    Optional[Path],
-    typer.Option("--config", "-c", help="TOML file (see configs/default.toml); defaults apply without one.",
+    Optional[str],
+    typer.Option("--config", "-c", metavar="NAME|FILE",
+                 help="A preset's name (moshi-tiny, moshiko, hibiki...: `duplexrt configs` lists them) or "
+                      "a TOML file; defaults apply without one.",
                  envvar="DUPLEXRT_CONFIG"),
 ]
 SetOption = Annotated[
@@ -172,12 +214,13 @@ def simulate(
         if url is not None and (slots is not None or offload is not None):
             raise ConfigError("--slots and --offload configure the in-process runtime; with --url the "
                               "server's own settings apply")
+        config_file = presets.resolve(config)
         overrides = _overrides(backend, backend_option, slots, offload, set_)
         # In process, the summary line is off unless asked for: the report says it all.
         overrides += _metrics_overrides(collect_stage_metrics, False if log_stats_flag is None else log_stats_flag)
-        cfg = load_config(config, overrides)
+        cfg = load_config(config_file, overrides)
         if url is None and slots is None and concurrency > cfg.runtime.slots:
-            cfg = load_config(config, [*overrides, f"runtime.slots={concurrency}"])
+            cfg = load_config(config_file, [*overrides, f"runtime.slots={concurrency}"])
         wire_format = format or (default_format(url) if url is not None else AudioFormat.PCM_F32LE.value)
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
                                   mode=mode.value, format=AudioFormat.parse(wire_format).value,
@@ -311,7 +354,7 @@ def serve(
             overrides.append(f"server.port={port}")
         if api_key is not None:
             overrides.append(f"server.api_key={_quoted(api_key)}")
-        cfg = load_config(config, overrides)
+        cfg = load_config(presets.resolve(config), overrides)
         trio.run(run_server, cfg)
     except (ConfigError, BackendLoadError) as exc:
         raise _fail(str(exc)) from None

@@ -1,0 +1,29 @@
+#!/bin/sh
+# The one install sequence every tested path uses: `make install` (an editable checkout), the
+# wheel test (tests/test_packaging.py: a fresh virtual environment, the built wheel) and the
+# Dockerfile (the image's virtual environment, the same wheel).  What the wheel test proves about
+# these commands is what the image runs.
+#
+#   PIP="PYTHON -m pip" sh packaging/install.sh REQUIREMENT...      (e.g. -e '.[test]', or a .whl)
+#
+# 1. torch first, pinned: an unpinned request lets pip pick any build.  TORCH (default
+#    torch==2.13.0) and TORCH_INDEX_URL (default: pip's own index; on Linux that is a CUDA build,
+#    https://download.pytorch.org/whl/cpu gives the CPU one) choose it.  duplexrt itself asks
+#    only torch>=2.4.
+# 2. The requirement(s) given: duplexrt itself.
+# 3. The moshi package (the `moshi` backend: Moshi, Hibiki, the tiny test model).  It pins
+#    torch<2.10 and numpy<2.3 but runs fine beside torch 2.13 and numpy 2.x, so it goes in
+#    without its pins, with the light dependencies it really uses.
+set -eu
+: "${PIP:=python3 -m pip}"
+: "${TORCH:=torch==2.13.0}"
+
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    $PIP install --quiet --index-url "$TORCH_INDEX_URL" "$TORCH"
+else
+    $PIP install --quiet "$TORCH"
+fi
+$PIP install --quiet "$@"
+$PIP install --quiet --no-deps moshi==0.2.13
+$PIP install --quiet 'safetensors>=0.4,<0.8' 'huggingface-hub>=0.24,<1.0' 'einops>=0.7,<0.9' \
+    'sentencepiece>=0.2,<0.3' 'tqdm>=4.48'
