@@ -107,3 +107,28 @@ async def test_clients_offering_no_key_subprotocol_are_answered_as_before(nurser
     async with trio_websocket.open_websocket_url(url) as ws:
         assert ws.subprotocol is None
         await ws.get_message()
+
+
+def test_serve_greets_at_the_default_log_level_with_the_talk_page_url():
+    """The real command: its first line is plain (no log level, no logger name), names the page to
+    open, the routes and the backend, and that page is there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "duplexrt_cli.app", "serve", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("duplexrt is up: open http://127.0.0.1:"), line
+        port = int(line.split("port(s) ")[1].split()[0])
+        assert f"http://127.0.0.1:{port}/ " in line and "/dashboard" in line
+        assert "/v1/duplex" in line and "backend echo" in line and "WARNING" not in line
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
+            assert page.headers["content-type"].startswith("text/html") and b"Start talking" in page.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        proc.stderr.close()

@@ -408,9 +408,9 @@ def _say_hello(config: Config, ports: list[int]) -> None:
     host = config.server.host
     browse = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     browse = f"[{browse}]" if ":" in browse else browse
-    hello.info("duplexrt is up: open http://%s:%d/ to talk to it, /dashboard to watch it. "
-               "Listening on %s port(s) %s ; WebSocket routes %s ; backend %s, %d slots.",
-               browse, ports[0], host, ", ".join(map(str, ports)), " ".join(ROUTES),
+    hello.info("duplexrt is up: open http://%s:%d/ to talk to it, or /dashboard to watch it. "
+               "Listening on %s port(s) %s with WebSocket routes %s (backend %s, %d slots).",
+               browse, ports[0], host, ", ".join(map(str, ports)), ", ".join(ROUTES),
                config.backend.name, config.runtime.slots)
 
 

@@ -2,7 +2,7 @@
 // /stats holds cumulative counters only; rates and interval percentiles are worked out here.
 'use strict';
 const $ = (id) => document.getElementById(id);
-const POINTS = 120;
+const POINTS = 60;
 const COLORS = ['#4fb3ff', '#5fd38d', '#ffb454', '#ff6b6b', '#c792ea', '#89ddff'];
 const history = { sessions: [], slots: [], steps: [], batch: [], p50: [], p99: [], late: [], stages: {} };
 const board = window.dashboard = { readings: 0, last: null, current: {}, error: null };

@@ -93,7 +93,12 @@ function connect(key) {
   const scheme = location.protocol === 'https:' ? 'wss' : 'ws';
   const url = `${scheme}://${location.host}/v1/duplex?format=pcm_f32le&rate=${talk.server.sample_rate}`;
   // The key rides in a subprotocol (browsers cannot set Authorization), never in the URL.
-  ws = key ? new WebSocket(url, ['duplexrt', KEY_PROTOCOL + key]) : new WebSocket(url);
+  try {
+    ws = key ? new WebSocket(url, ['duplexrt', KEY_PROTOCOL + key]) : new WebSocket(url);
+  } catch (e) {   // a SyntaxError: the key has characters a subprotocol cannot carry
+    fail(`This key cannot be sent from a browser (${e.message}).`);
+    return teardown();
+  }
   ws.binaryType = 'arraybuffer';
   let opened = false;
   ws.onopen = () => {
@@ -207,6 +212,8 @@ setInterval(() => {
   lagHistory.push(talk.lagMs || 0); if (lagHistory.length > 60) lagHistory.shift();
   drawChart($('lagchart'), [{ values: lagHistory, color: '#4fb3ff', label: 'lag' }]);
 }, 1000);
+
+setInterval(() => serverInfo().then(showServer, () => {}), 2000);   // slots in use, in the header
 
 $('start').onclick = start;
 $('stop').onclick = stop;
