@@ -2,7 +2,7 @@
 
 Only what the tests need: open a page, evaluate JavaScript, take a screenshot.  The protocol
 goes over trio-websocket (already a dependency), so a test's server and its browser share one
-trio loop.  Chromium gets a fake microphone playing a WAV file and grants it without asking.
+trio loop.  Chromium gets a fake microphone playing a WAV file; each page opened is granted it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import tempfile
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
 
 import trio
 import trio_websocket
@@ -80,7 +81,14 @@ class Browser:
                     raise RuntimeError(f"{method}: {reply['error']}")
                 return reply["result"]
 
+    async def set_microphone(self, origin: str, setting: str) -> None:
+        """Grant or deny the microphone to ``origin``, as a person answering the prompt would."""
+        await self.send("Browser.setPermission", permission={"name": "microphone"}, setting=setting, origin=origin)
+
     async def open(self, url: str, width: int = 1100, height: int = 800) -> Page:
+        """A new tab at ``url``, its origin allowed the microphone."""
+        parts = urlsplit(url)
+        await self.set_microphone(f"{parts.scheme}://{parts.netloc}", "granted")
         target = await self.send("Target.createTarget", url="about:blank")
         attached = await self.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
         page = Page(self, attached["sessionId"])
@@ -100,7 +108,7 @@ async def open_browser(microphone_wav: Path) -> AsyncIterator[Browser]:
         args = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                 "--no-default-browser-check", "--disable-extensions", "--disable-background-networking",
                 "--remote-debugging-port=0", f"--user-data-dir={profile}", "--autoplay-policy=no-user-gesture-required",
-                "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+                "--use-fake-device-for-media-stream",
                 f"--use-file-for-fake-audio-capture={microphone_wav}", "about:blank"]
         log = Path(profile) / "chromium.log"
         with log.open("wb") as stderr:

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio_websocket
 
 from cdp import CHROMIUM, open_browser
-from conftest import backend_info
+from conftest import backend_info, wait_until
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
@@ -106,17 +107,33 @@ async def test_talk_page_echoes_the_microphone_shows_text_and_the_dashboard_sees
         _keep(tmp_path / shot)
 
 
-async def test_talk_page_asks_for_the_api_key_and_sends_it_as_a_subprotocol(nursery, tmp_path):
-    server = await _server(nursery, 'server.api_key="s3cret"', "backend.options.delay_frames=0")
-    base = f"http://127.0.0.1:{server.ports[0]}"
+async def test_talk_page_with_an_api_key_a_full_server_and_a_denied_microphone(nursery, tmp_path):
+    server = await _server(nursery, 'server.api_key="s3cret"', "runtime.slots=1", "backend.options.delay_frames=0")
+    port = server.ports[0]
+    base = f"http://127.0.0.1:{port}"
+    start = "document.getElementById('start').click()"
     async with open_browser(_tone(tmp_path / "tone.wav")) as browser:
         talk = await browser.open(f"{base}/")
         await talk.wait_for("!document.getElementById('keyrow').hidden", "the page to ask for a key")
-        await talk.evaluate("document.getElementById('key').value = 'wrong'; document.getElementById('start').click()")
+        await talk.evaluate(f"document.getElementById('key').value = 'wrong'; {start}")
         error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the wrong key to be refused")
-        assert "refused the API key" in error
-        assert server.refused["unauthorized"] == 1
-        await talk.evaluate("document.getElementById('key').value = 's3cret'; document.getElementById('start').click()")
+        assert "refused the API key" in error and server.refused["unauthorized"] == 1
+
+        await talk.evaluate(f"document.getElementById('key').value = 's3cret'")
+        await browser.set_microphone(base, "denied")
+        await talk.evaluate(f"duplexrt.error = null; {start}")
+        error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the microphone to be denied")
+        assert "Microphone access was denied" in error
+        await browser.set_microphone(base, "granted")
+
+        async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{port}/v1/duplex",
+                                                     extra_headers=[("Authorization", "Bearer s3cret")]):
+            await talk.evaluate(f"duplexrt.error = null; {start}")
+            error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the full server")
+            assert "The server is full" in error
+        await wait_until(lambda: server.runtime.metrics.sessions_active == 0, "the other session to end")
+
+        await talk.evaluate(f"duplexrt.error = null; {start}")
         await talk.wait_for(f"duplexrt.receivedSamples > {server.config.audio.sample_rate // 2}",
                             "echo with the right key")
         assert "s3cret" not in await talk.evaluate("location.href")
