@@ -67,6 +67,12 @@ async function start() {
     return reset();
   }
   if (key) sessionStorage.setItem('duplexrt-key', key);
+  if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
+    // Browsers give the microphone and AudioWorklets only to https:// pages and to localhost.
+    fail(`This browser allows the microphone only on https:// or on localhost. Open http://127.0.0.1:${location.port || 80}/ ` +
+         'on the server machine (an SSH tunnel does it: ssh -L PORT:127.0.0.1:PORT host), or serve it behind HTTPS.');
+    return reset();
+  }
   try {
     mic = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true } });
   } catch (e) {
