@@ -26,11 +26,18 @@ from duplexrt.server.http import BadRequest, RequestHead, read_request_head, res
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.streams import PrefixedStream
+from duplexrt.server.web import static_answer, stats_json
 from duplexrt.websocket import WebSocketTransport
 from duplexrt.stats_log import log_stats
 from duplexrt.transport import GOING_AWAY
 
 log = logging.getLogger("duplexrt.server")
+#: The start-up line: printed at the default level (warning) without turning every info log on.
+hello = logging.getLogger("duplexrt.hello")
+
+#: Browsers cannot set Authorization on a WebSocket: like OpenAI's Realtime API, they offer the key
+#: as a subprotocol, ``openai-insecure-api-key.KEY``, next to a real one that the server answers with.
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
 #: Above the pending-handshake cap, how long a new connection gets to show a whole request head:
 #: enough for one that sent it with the connection (a metrics scraper), too short to be held.
@@ -182,7 +189,8 @@ class Server:
         if not self._authorized(head):
             self.refused["unauthorized"] += 1
             await self._respond(stream, 401, "a valid API key is required (Authorization: Bearer KEY, "
-                                             "or ?api_key=KEY)", [("www-authenticate", "Bearer")])
+                                             f"?api_key=KEY, or the subprotocol {KEY_SUBPROTOCOL}KEY)",
+                                [("www-authenticate", "Bearer")])
             return
         if self._draining:
             self.refused["shutting_down"] += 1
@@ -229,7 +237,7 @@ class Server:
                     request = await trio_websocket.wrap_server_stream(
                         nursery, PrefixedStream(stream, received), message_queue_size=4,
                         max_message_size=max_message, receive_buffer_size=None)
-                    ws = await request.accept()
+                    ws = await request.accept(subprotocol=_companion_subprotocol(request.proposed_subprotocols))
                     transport = WebSocketTransport(ws, settings.first_message_timeout_s,
                                                    close_timeout=settings.close_timeout_s, stream=stream)
                 if transport is None:
@@ -257,6 +265,9 @@ class Server:
         authorization = head.header("authorization")
         if authorization.lower().startswith("bearer "):
             offered = authorization[7:].strip()
+        for protocol in head.header("sec-websocket-protocol").split(","):
+            if protocol.strip().startswith(KEY_SUBPROTOCOL):
+                offered = protocol.strip()[len(KEY_SUBPROTOCOL):]
         return hmac.compare_digest(offered.encode(), expected.encode())
 
     # -- plain HTTP ------------------------------------------------------------------------------
@@ -293,9 +304,14 @@ class Server:
             return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
-        if path == "/":
+        if path == "/stats":
+            return 200, stats_json(self), "application/json"
+        page = static_answer(path)
+        if page is not None:
+            return page
+        if path in ("/", "/routes"):  # the plain list, also where a build ships without the pages
             routes = "\n".join(f"  ws  {path}  ({route.name})" for path, route in ROUTES.items())
-            return 200, f"duplexrt\n{routes}\n  GET /healthz /readyz /metrics\n".encode(), text
+            return 200, f"duplexrt\n{routes}\n  GET / /dashboard /stats /healthz /readyz /metrics\n".encode(), text
         return 404, f"nothing at {path}\n".encode(), text
 
     async def _respond(self, stream: trio.SocketStream, status: int, text: str,
@@ -309,6 +325,15 @@ class Server:
                 await stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+
+
+def _companion_subprotocol(proposed: list[str]) -> str | None:
+    """The subprotocol to answer a browser that sent its key as one: the first other one it
+    offered (a browser fails the connection when offered subprotocols get no answer).  The key's
+    own is never echoed back.  Clients that sent no key subprotocol get none, as before."""
+    if not any(p.startswith(KEY_SUBPROTOCOL) for p in proposed):
+        return None
+    return next((p for p in proposed if not p.startswith(KEY_SUBPROTOCOL)), None)
 
 
 def _enable_tcp_keepalive(stream: trio.SocketStream) -> None:
@@ -361,9 +386,7 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
             await nursery.start(watch_signals, nursery)
             async with trio.open_nursery() as inner:
                 await inner.start(server.run)
-                log.warning("duplexrt serving %s on %s port(s) %s (backend %s, %d slots)",
-                            ", ".join(ROUTES), config.server.host, ", ".join(map(str, server.ports)),
-                            config.backend.name, config.runtime.slots)
+                _say_hello(config, server.ports)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # A port in use or a model that cannot load is one error for the caller, not nested groups.
@@ -371,6 +394,24 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
         if len(leaves) == 1 and isinstance(leaves[0], Exception):
             raise leaves[0] from None
         raise
+
+
+def _say_hello(config: Config, ports: list[int]) -> None:
+    """One plain line on stderr at the default log level, without turning every info log on:
+    where to point a browser, and what is served."""
+    if not hello.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        hello.addHandler(handler)
+        hello.propagate = False
+        hello.setLevel(logging.INFO)
+    host = config.server.host
+    browse = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    browse = f"[{browse}]" if ":" in browse else browse
+    hello.info("duplexrt is up: open http://%s:%d/ to talk to it, or /dashboard to watch it. "
+               "Listening on %s port(s) %s with WebSocket routes %s (backend %s, %d slots).",
+               browse, ports[0], host, ", ".join(map(str, ports)), ", ".join(ROUTES),
+               config.backend.name, config.runtime.slots)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

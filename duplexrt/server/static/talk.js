@@ -1,0 +1,226 @@
+// The talk page: microphone -> /v1/duplex (raw PCM f32 at the model's rate) -> speakers.
+//
+// Why /v1/duplex and not /api/chat: the page already holds PCM (the AudioWorklet gives float
+// samples), browsers have no Opus encoder reachable from an AudioWorklet without shipping one,
+// and on loopback or a LAN the bandwidth of f32 PCM (96 KB/s at 24 kHz) costs nothing.  No codec
+// also means no codec delay in the lag the page measures.
+'use strict';
+const $ = (id) => document.getElementById(id);
+const KEY_PROTOCOL = 'openai-insecure-api-key.';
+
+// Everything the page measures, also read by the browser tests.
+const talk = window.duplexrt = {
+  state: 'idle', error: null, server: null,
+  sentMessages: 0, sentSamples: 0, receivedMessages: 0, receivedSamples: 0, receivedPeak: 0,
+  playedSamples: 0, playedPeak: 0, late: 0, dropped: 0, bufferMs: 0,
+  ttfaMs: null, lagMs: null, text: '', textPieces: 0, end: null,
+};
+let ws = null, ctx = null, node = null, mic = null;
+let firstSentAt = null, sendLog = [];   // [cumulative samples sent, time] per message, for the lag
+const lagHistory = [];
+
+function show(text, kind) {
+  const m = $('message');
+  m.textContent = text;
+  m.className = 'message' + (kind ? ' ' + kind : '');
+}
+function fail(text) { talk.error = text; show(text, 'error'); }
+
+async function serverInfo() {
+  const response = await fetch('/stats', { cache: 'no-store' });
+  if (!response.ok) throw new Error(`/stats answered ${response.status}`);
+  return response.json();
+}
+
+async function init() {
+  try {
+    const s = talk.server = await serverInfo();
+    showServer(s);
+    if (s.api_key_required) {
+      $('keyrow').hidden = false;
+      $('key').value = sessionStorage.getItem('duplexrt-key') || '';
+      show('This server needs an API key: enter it, then press “Start talking”.');
+    }
+  } catch (e) {
+    fail(`Cannot reach the server: ${e.message}`);
+  }
+}
+
+function showServer(s) {
+  $('info').textContent = `backend ${s.backend} · ${s.sample_rate} Hz · ${s.admitted}/${s.slots} slots in use`;
+}
+
+async function start() {
+  $('start').disabled = true;
+  Object.assign(talk, { state: 'starting', error: null, sentMessages: 0, sentSamples: 0, receivedMessages: 0,
+    receivedSamples: 0, receivedPeak: 0, ttfaMs: null, lagMs: null, text: '', textPieces: 0, end: null });
+  $('text').textContent = '';
+  firstSentAt = null; sendLog = []; lagHistory.length = 0;
+  try {
+    talk.server = await serverInfo();
+  } catch (e) { fail(`Cannot reach the server: ${e.message}`); return reset(); }
+  showServer(talk.server);
+  const key = $('key').value.trim();
+  if (talk.server.api_key_required && !key) { fail('This server needs an API key: enter it first.'); return reset(); }
+  if (talk.server.free_slots <= 0) {
+    fail(`The server is full: all ${talk.server.slots} session slots are in use. Try again in a moment.`);
+    return reset();
+  }
+  if (key) sessionStorage.setItem('duplexrt-key', key);
+  if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
+    // Browsers give the microphone and AudioWorklets only to https:// pages and to localhost.
+    fail(`This browser allows the microphone only on https:// or on localhost. Open http://127.0.0.1:${location.port || 80}/ ` +
+         'on the server machine (an SSH tunnel does it: ssh -L PORT:127.0.0.1:PORT host), or serve it behind HTTPS.');
+    return reset();
+  }
+  try {
+    mic = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true } });
+  } catch (e) {
+    fail(e.name === 'NotAllowedError' || e.name === 'SecurityError'
+      ? 'Microphone access was denied. Allow it for this page (the icon in the address bar) and press Start again.'
+      : e.name === 'NotFoundError' ? 'No microphone was found.'
+      : `The microphone could not be opened: ${e.message}`);
+    return reset();
+  }
+  ctx = new AudioContext({ latencyHint: 'interactive' });
+  await ctx.audioWorklet.addModule('/static/worklet.js');
+  node = new AudioWorkletNode(ctx, 'duplexrt-audio', { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [2],
+    // The server sends whole model frames: the buffer must ride out one frame's gap, plus jitter.
+    processorOptions: { modelRate: talk.server.sample_rate, targetMs: talk.server.frame_ms + 40,
+                        maxMs: 3 * talk.server.frame_ms + 200 } });
+  node.port.onmessage = onWorklet;
+  ctx.createMediaStreamSource(mic).connect(node);
+  node.connect(ctx.destination);
+  await ctx.resume();
+  connect(key);
+}
+
+function connect(key) {
+  const scheme = location.protocol === 'https:' ? 'wss' : 'ws';
+  const url = `${scheme}://${location.host}/v1/duplex?format=pcm_f32le&rate=${talk.server.sample_rate}`;
+  // The key rides in a subprotocol (browsers cannot set Authorization), never in the URL.
+  try {
+    ws = key ? new WebSocket(url, ['duplexrt', KEY_PROTOCOL + key]) : new WebSocket(url);
+  } catch (e) {   // a SyntaxError: the key has characters a subprotocol cannot carry
+    fail(`This key cannot be sent from a browser (${e.message}).`);
+    return teardown();
+  }
+  ws.binaryType = 'arraybuffer';
+  let opened = false;
+  ws.onopen = () => {
+    opened = true; talk.state = 'talking';
+    $('stop').disabled = false;
+    show('Connected: talk now.', 'ok');
+    node.port.postMessage({ type: 'send', on: true });
+  };
+  ws.onmessage = (e) => (typeof e.data === 'string' ? onControl(JSON.parse(e.data)) : onAudio(e.data));
+  ws.onclose = async (e) => {
+    node && node.port.postMessage({ type: 'send', on: false });
+    if (!opened) await explainRefusal(key);
+    else if (talk.state === 'talking') {
+      if (e.code === 1000 || e.code === 1001) show(`The session ended${e.reason ? ': ' + e.reason : ''}.`);
+      else fail(`The connection closed (${e.code}${e.reason ? ': ' + e.reason : ''}).`);
+    }
+    teardown();
+  };
+}
+
+async function explainRefusal(key) {
+  // A browser hides the HTTP status of a refused WebSocket: ask the server why it would refuse.
+  let s = null;
+  try { s = await serverInfo(); } catch (e) { /* the server is gone */ }
+  if (!s) fail('The server could not be reached.');
+  else if (s.free_slots <= 0) fail(`The server is full: all ${s.slots} session slots are in use. Try again in a moment.`);
+  else if (s.api_key_required) fail(key ? 'The server refused the API key: check it and try again.'
+    : 'This server needs an API key: enter it first.');
+  else if (!s.ready) fail('The server is not ready (the model is loading, or it is shutting down).');
+  else fail('The server refused the connection.');
+}
+
+function onControl(m) {
+  if (m.type === 'text') {
+    talk.text += m.text; talk.textPieces++;
+    $('text').textContent = talk.text;
+  } else if (m.type === 'error') {
+    fail(`The server reported: ${m.message}`);
+  } else if (m.type === 'session.end') {
+    talk.end = m;
+    if (m.reason !== 'client_end' && m.reason !== 'input_end' && m.error) fail(`The session ended: ${m.error.message || m.reason}`);
+  }
+}
+
+function onAudio(buffer) {
+  const samples = new Float32Array(buffer);
+  const now = performance.now();
+  talk.receivedMessages++;
+  if (talk.ttfaMs === null && firstSentAt !== null) talk.ttfaMs = now - firstSentAt;
+  talk.receivedSamples += samples.length;
+  for (let i = 0; i < samples.length; i++) {
+    const v = Math.abs(samples[i]); if (v > talk.receivedPeak) talk.receivedPeak = v;
+  }
+  // A duplex model answers sample for sample: the sample just received left as sample N.
+  while (sendLog.length > 1 && sendLog[1][0] <= talk.receivedSamples) sendLog.shift();
+  if (sendLog.length && sendLog[0][0] <= talk.receivedSamples) talk.lagMs = now - sendLog[0][1];
+  node.port.postMessage({ type: 'play', samples }, [samples.buffer]);
+}
+
+function onWorklet(e) {
+  const m = e.data;
+  if (m.type === 'mic') {
+    if (!ws || ws.readyState !== WebSocket.OPEN) return;
+    const now = performance.now();
+    if (firstSentAt === null) firstSentAt = now;
+    ws.send(m.samples.buffer);
+    talk.sentMessages++; talk.sentSamples += m.samples.length;
+    sendLog.push([talk.sentSamples, now]);
+    if (sendLog.length > 2000) sendLog.shift();
+  } else if (m.type === 'stats') {
+    talk.bufferMs = m.bufferMs; talk.late = m.late; talk.dropped = m.dropped;
+    talk.playedSamples = m.played; talk.playedPeak = m.peak; talk.audioBlocks = m.blocks;
+  }
+}
+
+function stop() {
+  $('stop').disabled = true;
+  if (ws && ws.readyState === WebSocket.OPEN) {
+    talk.state = 'stopping';
+    node.port.postMessage({ type: 'send', on: false });
+    ws.send(JSON.stringify({ type: 'input.end' }));
+    show('Stopped.');
+    setTimeout(() => ws && ws.close(1000), 1500);
+  } else teardown();
+}
+
+function teardown() {
+  if (mic) mic.getTracks().forEach((t) => t.stop());
+  if (ctx) ctx.close();
+  ws = null; ctx = null; node = null; mic = null;
+  reset();
+}
+function reset() {
+  talk.state = talk.error ? 'failed' : 'idle';
+  $('start').disabled = false; $('stop').disabled = true;
+}
+
+function ms(v) { return v === null ? '–' : `${v.toFixed(0)}<small> ms</small>`; }
+setInterval(() => {
+  $('ttfa').innerHTML = ms(talk.ttfaMs);
+  $('lag').innerHTML = ms(talk.lagMs);
+  $('late').textContent = String(talk.late);
+  $('buffer').innerHTML = ms(talk.bufferMs);
+  const rate = (talk.server && talk.server.sample_rate) || 24000;
+  $('sent').innerHTML = `${(talk.sentSamples / rate).toFixed(1)}<small> s</small>`;
+  $('received').innerHTML = `${(talk.receivedSamples / rate).toFixed(1)}<small> s</small>`;
+  $('level').style.width = `${Math.min(100, talk.playedPeak * 100)}%`;
+}, 200);
+setInterval(() => {
+  if (talk.state !== 'talking') return;
+  lagHistory.push(talk.lagMs || 0); if (lagHistory.length > 60) lagHistory.shift();
+  drawChart($('lagchart'), [{ values: lagHistory, color: '#4fb3ff', label: 'lag' }]);
+}, 1000);
+
+setInterval(() => serverInfo().then(showServer, () => {}), 2000);   // slots in use, in the header
+
+$('start').onclick = start;
+$('stop').onclick = stop;
+init();

@@ -1,0 +1,103 @@
+"""The browser side of ``duplexrt serve``: the talk page, the dashboard and ``/stats``.
+
+The pages are plain files shipped in the package (``static/``): no build step, nothing fetched
+from the internet.  Only the files found there when the module loads can be served, looked up by
+name in a dict: a request path is never joined onto a directory, so no path can leave it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from duplexrt.server.app import Server
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+}
+
+#: Page routes: the paths a person types, and the file each one is.
+PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
+
+#: Frame lag bucket edges for /stats, in ms: 0.25 ms to ~10 s, 25% apart.  The dashboard
+#: subtracts two readings and takes percentiles of what happened in between, so no state is
+#: kept per viewer here.
+LAG_EDGES_MS = [round(0.25 * 1.25 ** i, 3) for i in range(48)]
+
+
+def _shipped_files() -> dict[str, Path]:
+    if not STATIC_DIR.is_dir():
+        return {}
+    return {path.name: path for path in STATIC_DIR.iterdir() if path.is_file() and path.suffix in _TYPES}
+
+
+_FILES = _shipped_files()
+
+
+def static_answer(path: str) -> tuple[int, bytes, str] | None:
+    """The page or static file at ``path``, or None when the path is not one of ours."""
+    name = PAGES.get(path)
+    if name is None and path.startswith("/static/"):
+        name = path[len("/static/"):]
+        if name not in _FILES:
+            return 404, f"no static file {name!r}\n".encode(), "text/plain; charset=utf-8"
+    if name is None or name not in _FILES:
+        return None
+    file = _FILES[name]
+    return 200, file.read_bytes(), _TYPES[file.suffix]
+
+
+def stats_json(server: Server) -> bytes:
+    """What the dashboard draws, read from the runtime's own counters (nothing per frame).
+
+    Counters are cumulative; the page turns two readings into rates and interval percentiles."""
+    runtime = server.runtime
+    assert runtime is not None
+    scheduler = runtime.scheduler
+    metrics = runtime.metrics
+    steps = scheduler.statistics()
+    frames = metrics.statistics()
+    lag = metrics.latency.snapshot()
+    lag_counts = lag.cumulative([int(edge * 1e6) for edge in LAG_EDGES_MS])
+    stages = {name: {"count": histogram.count, "total_ms": histogram.total / 1e6}
+              for name, histogram in sorted(scheduler.stage_time.items())}
+    step_time = scheduler.step_time_snapshot()
+    config = server.config
+    body = {
+        "time": time.monotonic(),
+        "backend": runtime.backend.info.name,
+        "sample_rate": config.audio.sample_rate,
+        "frame_ms": config.audio.frame_seconds * 1e3,
+        "api_key_required": bool(config.server.api_key),
+        "ready": scheduler.ready and not server._draining,
+        "slots": scheduler.slots,
+        "admitted": server._admitted,
+        "free_slots": scheduler.slots - server._admitted,
+        "sessions_active": frames.sessions_active,
+        "sessions_opened": frames.sessions_opened,
+        "steps": steps.steps,
+        "frames": steps.frames,
+        "max_batch": steps.max_batch,
+        "failed_steps": steps.failed_steps,
+        "queued_frames": steps.queued_frames,
+        "step": {"count": step_time.count, "total_ms": step_time.total / 1e6},
+        "stages": stages,
+        "frames_in": frames.frames_in,
+        "frames_out": frames.frames_out,
+        "late_frames": frames.late_frames,
+        "text_pieces": frames.text_pieces,
+        "lag_ms": {"p50": frames.latency_us.p50 / 1e3, "p99": frames.latency_us.p99 / 1e3},
+        "lag_histogram": {"edges_ms": LAG_EDGES_MS, "cumulative": lag_counts, "count": lag.count},
+        "handoffs": dict(sorted(runtime.handoffs.statistics().by_kind.items())),
+        "refused": dict(sorted(server.refused.items())),
+    }
+    return json.dumps(body).encode()

@@ -1,0 +1,140 @@
+"""The talk page and the dashboard in a real browser (headless Chromium over DevTools).
+
+Chromium's fake microphone plays a WAV tone; the tests check what the page itself counts
+(``window.duplexrt``, ``window.dashboard``) and what it shows.  With DUPLEXRT_SCREENSHOTS=DIR
+the screenshots of both pages are kept there (docs/ holds the README's).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+import trio_websocket
+
+from cdp import CHROMIUM, open_browser
+from conftest import backend_info, wait_until
+from duplexrt.backends.echo import EchoBackend
+from duplexrt.config import load_config
+from duplexrt.server import Server
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (CI installs Debian's)")
+
+
+class SpeakingEcho(EchoBackend):
+    """FAKE: the real echo model, plus a word of 'model text' every fourth step of each slot, so
+    the page's text panel has something to show without a language model."""
+
+    def __init__(self, config):
+        super().__init__(backend_info(config, "echo"), {"delay_frames": 2})
+        self.steps = np.zeros(config.runtime.slots, dtype=np.int64)
+
+    def open_slot(self, slot, session):
+        super().open_slot(slot, session)
+        self.steps[slot] = 0
+
+    def step(self, rows, inputs, outputs):
+        super().step(rows, inputs, outputs)
+        self.steps[rows] += 1
+        return ["hello " if self.steps[row] % 4 == 0 else "" for row in rows]
+
+
+def _tone(path: Path, seconds: float = 1.0, rate: int = 48000) -> Path:
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (np.sin(2 * np.pi * 440 * t) * 0.5 * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(pcm.tobytes())
+    return path
+
+
+async def _server(nursery: trio.Nursery, *overrides: str, backend=None) -> Server:
+    config = load_config(None, ["server.port=0", "runtime.slots=4", *overrides])
+    server = Server(config, backend(config) if backend else None)
+    await nursery.start(server.run)
+    return server
+
+
+def _keep(shot: Path) -> None:
+    where = os.environ.get("DUPLEXRT_SCREENSHOTS")
+    if where:
+        shutil.copy(shot, Path(where) / shot.name)
+
+
+async def test_talk_page_echoes_the_microphone_shows_text_and_the_dashboard_sees_it(nursery, tmp_path):
+    server = await _server(nursery, backend=SpeakingEcho)
+    base = f"http://127.0.0.1:{server.ports[0]}"
+    rate = server.config.audio.sample_rate
+    async with open_browser(_tone(tmp_path / "tone.wav")) as browser:
+        talk = await browser.open(f"{base}/")
+        await talk.wait_for("window.duplexrt.server", "the page to read /stats")
+        await talk.evaluate("document.getElementById('start').click()")
+        await talk.wait_for(f"duplexrt.playedSamples > {rate} && duplexrt.textPieces > 2",
+                            "a second of echo played and some text")
+        state = await talk.evaluate("window.duplexrt")
+        assert state["error"] is None and state["state"] == "talking"
+        assert state["sentSamples"] >= rate
+        # The tone came back as a tone, not silence, and was played through the jitter buffer.
+        assert state["receivedPeak"] > 0.1 and state["playedPeak"] > 0.1
+        assert 0 < state["ttfaMs"] < 5000 and 0 < state["lagMs"] < 5000
+        assert "hello hello" in await talk.evaluate("document.getElementById('text').textContent")
+
+        dashboard = await browser.open(f"{base}/dashboard")
+        await dashboard.wait_for("dashboard.readings >= 3 && dashboard.current.stepsPerSecond > 0",
+                                 "three dashboard readings while the session runs")
+        board = await dashboard.evaluate("window.dashboard")
+        assert board["last"]["sessions_active"] == 1 and board["last"]["slots"] == 4
+        assert board["current"]["batch"] > 0
+        assert await dashboard.evaluate("document.getElementById('sessions').textContent") == "1 / 4"
+        assert server.runtime.metrics.sessions_active == 1
+
+        await talk.wait_for("duplexrt.lagMs !== null && document.getElementById('lag').textContent !== '–'",
+                            "the lag tile")
+        await talk.screenshot(tmp_path / "talk-page.png")
+        await dashboard.screenshot(tmp_path / "dashboard.png")
+        await talk.evaluate("document.getElementById('stop').click()")
+        await talk.wait_for("duplexrt.state === 'idle'", "the session to end")
+    assert server.runtime.metrics.sessions_opened == 1
+    for shot in ("talk-page.png", "dashboard.png"):
+        assert (tmp_path / shot).read_bytes().startswith(b"\x89PNG")
+        _keep(tmp_path / shot)
+
+
+async def test_talk_page_with_an_api_key_a_full_server_and_a_denied_microphone(nursery, tmp_path):
+    server = await _server(nursery, 'server.api_key="s3cret"', "runtime.slots=1", "backend.options.delay_frames=0")
+    port = server.ports[0]
+    base = f"http://127.0.0.1:{port}"
+    start = "document.getElementById('start').click()"
+    async with open_browser(_tone(tmp_path / "tone.wav")) as browser:
+        talk = await browser.open(f"{base}/")
+        await talk.wait_for("!document.getElementById('keyrow').hidden", "the page to ask for a key")
+        await talk.evaluate(f"document.getElementById('key').value = 'wrong'; {start}")
+        error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the wrong key to be refused")
+        assert "refused the API key" in error and server.refused["unauthorized"] == 1
+
+        await talk.evaluate(f"document.getElementById('key').value = 's3cret'")
+        await browser.set_microphone(base, "denied")
+        await talk.evaluate(f"duplexrt.error = null; {start}")
+        error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the microphone to be denied")
+        assert "Microphone access was denied" in error
+        await browser.set_microphone(base, "granted")
+
+        async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{port}/v1/duplex",
+                                                     extra_headers=[("Authorization", "Bearer s3cret")]):
+            await talk.evaluate(f"duplexrt.error = null; {start}")
+            error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the full server")
+            assert "The server is full" in error
+        await wait_until(lambda: server.runtime.metrics.sessions_active == 0, "the other session to end")
+
+        await talk.evaluate(f"duplexrt.error = null; {start}")
+        await talk.wait_for(f"duplexrt.receivedSamples > {server.config.audio.sample_rate // 2}",
+                            "echo with the right key")
+        assert "s3cret" not in await talk.evaluate("location.href")
+        assert server.refused["unauthorized"] == 1
