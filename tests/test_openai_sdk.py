@@ -13,6 +13,7 @@ import trio
 
 from duplexrt.config import load_config
 from duplexrt.server import Server
+from realtime_schema import every_server_event_is_checked  # noqa: F401  (autouse)
 
 KEY = "sk-duplexrt-test"
 
