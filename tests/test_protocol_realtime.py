@@ -1356,3 +1356,244 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_una
     assert max(len(m) for m in queued) < 2000
     assert other.audio() == b"".join(frames)
     assert other.of_type("error") == []
+
+
+# -- the response lifecycle -------------------------------------------------------------------------
+
+def lifecycle(beta: bool) -> tuple[list[str], list[str]]:
+    """The events that open a response's item before its deltas, and close it after them."""
+    n = names(beta)
+    opening = ["response.created", "response.output_item.added",
+               "conversation.item.created" if beta else "conversation.item.added",
+               "response.content_part.added"]
+    closing = [n["done"], n["text_done"], "response.content_part.done", "response.output_item.done",
+               *([] if beta else ["conversation.item.done"]), "response.done"]
+    return opening, closing
+
+
+@both_namings
+def test_turn_response_lifecycle_in_order_with_metadata_echoed(beta):
+    """LiveKit makes the stream it plays from on response.output_item.added (it had none: every
+    delta failed with KeyError), and matches its generate_reply by the metadata echoed in
+    response.created (it was dropped: the reply timed out)."""
+    opening, closing = lifecycle(beta)
+    protocol, progress = make(beta=beta)
+    progress.frames_in = 2
+    metadata = {"client_event_id": "evt_lk_1"}
+    start = decoded(send(protocol, "response.create", response={"metadata": metadata}).messages,
+                    everything=True)
+    assert [e["type"] for e in start] == opening
+    created, added, conv_added, part = start
+    assert created["response"]["metadata"] == metadata
+    item_id = added["item"]["id"]
+    assert added["response_id"] == created["response"]["id"] and added["output_index"] == 0
+    assert added["item"]["status"] == "in_progress" and added["item"]["role"] == "assistant"
+    assert conv_added["item"]["id"] == item_id
+    assert (part["item_id"], part["part"]["type"]) == (item_id, "audio")
+    [delta] = decoded(protocol.audio_out(b"\1\0", 1), everything=True)
+    assert delta["item_id"] == item_id
+    protocol.text_out("hi")
+    progress.frames_out = 1
+    end = decoded(protocol.audio_out(b"\2\0", 1), everything=True)
+    assert [e["type"] for e in end] == [names(beta)["delta"], *closing]
+    assert all(e["item_id"] == item_id for e in end[1:4])
+    item_done = end[4]["item"]
+    assert item_done["id"] == item_id and item_done["status"] == "completed"
+    assert item_done["content"][0]["transcript"] == "hi"
+    assert end[-1]["response"]["metadata"] == metadata
+    assert end[-1]["response"]["output"] == [item_done]
+
+
+def test_response_metadata_must_be_string_values():
+    protocol, progress = make()
+    assert_error(send(protocol, "response.create", event_id="e", response={"metadata": {"a": 1}}),
+                 "invalid_value", "e", contains="metadata")
+    assert_error(send(protocol, "response.create", event_id="e", response=[]), "invalid_type", "e")
+    assert isinstance(send(protocol, "response.create", response={"instructions": "hi"}), Reply)
+
+
+def gated(**kwargs):
+    """Duplex mode cut at pauses: -40 dBFS gate, two frames (160 ms) of hang-over."""
+    return make(duplex=True, duplex_gate_dbfs=-40.0, duplex_hangover_ms=160.0, frame_seconds=0.08, **kwargs)
+
+
+LOUD = (np.full(480, 8000, dtype="<i2")).tobytes()
+QUIET = (np.full(480, 30, dtype="<i2")).tobytes()  # about -61 dBFS
+
+
+@both_namings
+def test_duplex_output_is_cut_into_one_response_per_burst(beta):
+    opening, closing = lifecycle(beta)
+    protocol, _ = gated(beta=beta)
+    assert [e["type"] for e in decoded(protocol.start(), everything=True)] == ["session.created"]
+    assert protocol.audio_out(QUIET, 1) == []  # silence before any speech is not sent
+    first = decoded(protocol.audio_out(LOUD, 1), everything=True)
+    assert [e["type"] for e in first] == [*opening, names(beta)["delta"]]
+    assert len(decoded(protocol.audio_out(QUIET, 1))) == 1  # a short pause stays inside
+    assert len(decoded(protocol.audio_out(LOUD, 1))) == 1
+    assert len(decoded(protocol.audio_out(QUIET, 1))) == 1
+    end = decoded(protocol.audio_out(QUIET, 1), everything=True)  # the hang-over is reached
+    assert [e["type"] for e in end] == [names(beta)["delta"], names(beta)["done"], *closing[2:]]
+    assert end[-1]["response"]["status"] == "completed"
+    assert end[-1]["response"]["usage"]["output_token_details"]["audio_tokens"] == 5
+    assert protocol.audio_out(QUIET, 3) == []
+    second = decoded(protocol.audio_out(LOUD, 1))
+    assert second[0]["type"] == "response.created" and second[0]["response"]["id"] == "resp_2"
+
+
+def test_duplex_cancel_drops_the_rest_of_the_burst_only():
+    protocol, _ = gated()
+    protocol.start()
+    protocol.audio_out(LOUD, 1)
+    [done] = decoded(send(protocol, "response.cancel").messages)[-1:]
+    assert done["response"]["status"] == "cancelled"
+    assert protocol.audio_out(LOUD, 1) == []  # the same burst goes on: dropped
+    assert protocol.audio_out(QUIET, 1) == []
+    assert protocol.audio_out(QUIET, 1) == []  # a pause: the burst is over
+    assert decoded(protocol.audio_out(LOUD, 1))[0]["type"] == "response.created"
+
+
+def test_duplex_response_create_opens_a_response_now_with_its_metadata():
+    protocol, _ = gated()
+    protocol.start()
+    [created] = decoded(send(protocol, "response.create", response={"metadata": {"k": "v"}}).messages)
+    assert created["response"]["metadata"] == {"k": "v"}
+    assert len(decoded(protocol.audio_out(QUIET, 1))) == 1  # inside its hang-over
+    end = decoded(protocol.audio_out(QUIET, 1))
+    assert end[-1]["type"] == "response.done" and end[-1]["response"]["metadata"] == {"k": "v"}
+
+
+def test_the_gate_reads_g711_output_too():
+    protocol, _ = gated()
+    protocol.start()
+    send(protocol, "session.update", session={"audio": {"output": {"format": {"type": "audio/pcmu"}}}})
+    assert protocol.audio_out(b"\xff" * 160, 1) == []  # mu-law silence
+    assert decoded(protocol.audio_out(b"\x10" * 160, 1))[0]["type"] == "response.created"
+
+
+# -- conversation items -----------------------------------------------------------------------------
+
+@both_namings
+def test_a_text_item_is_acknowledged_and_can_be_retrieved_and_deleted(beta):
+    protocol, _ = make(beta=beta)
+    event = send(protocol, "conversation.item.create", event_id="c1", item={
+        "id": "msg_1", "type": "message", "role": "system",
+        "content": [{"type": "input_text", "text": "be brief" * 500}]})
+    assert isinstance(event, Reply)
+    acks = decoded(event.messages, everything=True)
+    assert [a["type"] for a in acks] == (["conversation.item.created"] if beta
+                                         else ["conversation.item.added", "conversation.item.done"])
+    assert acks[0]["item"]["id"] == "msg_1" and acks[0]["previous_item_id"] is None
+    assert len(acks[0]["item"]["content"][0]["text"]) <= 1001  # echoed cut short
+    [got] = decoded(send(protocol, "conversation.item.retrieve", item_id="msg_1").messages)
+    assert got["type"] == "conversation.item.retrieved" and got["item"]["id"] == "msg_1"
+    [deleted] = decoded(send(protocol, "conversation.item.delete", item_id="msg_1").messages)
+    assert deleted == {"type": "conversation.item.deleted", "event_id": deleted["event_id"], "item_id": "msg_1"}
+    assert_error(send(protocol, "conversation.item.delete", event_id="d", item_id="msg_1"), "item_not_found", "d")
+    assert_error(send(protocol, "conversation.item.retrieve", event_id="r", item_id="nope"), "item_not_found", "r")
+    assert_error(send(protocol, "conversation.item.create", event_id="x", item="no"), "invalid_type", "x")
+
+
+def test_an_audio_item_feeds_its_audio_to_the_model():
+    protocol, _ = make()
+    audio = b"\1\0\2\0\3\0\4\0"
+    event = send(protocol, "conversation.item.create", item={
+        "type": "message", "role": "user",
+        "content": [{"type": "input_audio", "audio": b64(audio[:4])}, {"type": "input_audio", "audio": b64(audio[4:])}]})
+    assert isinstance(event, AudioIn)
+    assert bytes(event.payload) == audio
+    assert [e["type"] for e in decoded(event.messages, everything=True)] == [
+        "conversation.item.added", "conversation.item.done"]
+    assert_error(send(protocol, "conversation.item.create", item={
+        "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": "%%"}]}), "invalid_base64")
+    assert_error(send(protocol, "input_audio_buffer.commit"), "input_audio_buffer_commit_empty")
+
+
+def test_truncating_the_speaking_item_cancels_it_and_drops_the_rest():
+    """pipecat and LiveKit truncate the assistant item on barge-in: it was an unsupported_event
+    error (fatal to pipecat); now the response stops at once and its rest is never sent."""
+    protocol, progress = make()
+    progress.frames_in = 6
+    item_id = decoded(send(protocol, "response.create").messages, everything=True)[1]["item"]["id"]
+    protocol.audio_out(b"\0\0", 2)
+    progress.frames_out = 2
+    event = send(protocol, "conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=100)
+    assert isinstance(event, ClearOutput)  # unsent audio is dropped too
+    messages = decoded(event.messages, everything=True)
+    assert messages[0] == {"type": "conversation.item.truncated", "event_id": messages[0]["event_id"],
+                           "item_id": item_id, "content_index": 0, "audio_end_ms": 100}
+    assert messages[-1]["type"] == "response.done" and messages[-1]["response"]["status"] == "cancelled"
+    assert protocol.audio_out(b"\0\0", 2) == []  # the rest of the answer (frames 2..6)
+    # Truncating an item that is done is acknowledged and changes nothing else.
+    again = send(protocol, "conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=50)
+    assert isinstance(again, Reply)
+    assert_error(send(protocol, "conversation.item.truncate", item_id=item_id, audio_end_ms=-1), "invalid_value")
+    assert_error(send(protocol, "conversation.item.truncate", item_id="x", audio_end_ms=0), "item_not_found")
+
+
+def test_items_are_bounded():
+    from duplexrt.protocols.realtime_items import MAX_ITEMS
+
+    protocol, _ = make()
+    for k in range(MAX_ITEMS + 10):
+        send(protocol, "conversation.item.create", item={"type": "message", "role": "user", "content": []})
+    assert_error(send(protocol, "conversation.item.retrieve", item_id="item_1"), "item_not_found")
+    assert isinstance(send(protocol, "conversation.item.retrieve", item_id=f"item_{MAX_ITEMS + 10}"), Reply)
+
+
+# -- what is in force -------------------------------------------------------------------------------
+
+@both_namings
+def test_settings_that_cannot_be_honoured_are_named_in_non_fatal_errors(beta):
+    protocol, _ = make(beta=beta)
+    session = {"tools": [{"type": "function", "name": "f"}], "voice": "alloy"}
+    if beta:
+        session["input_audio_transcription"] = {"model": "whisper-1"}
+    else:
+        session["audio"] = {"input": {"transcription": {"model": "whisper-1"}}}
+    event = send(protocol, "session.update", event_id="u1", session=session)
+    updated, *errors = decoded(event.messages)
+    assert updated["type"] == "session.updated"
+    assert "tools" not in updated["session"] and "voice" not in updated["session"]
+    fields = [e["error"]["message"].split(":")[0] for e in errors]
+    assert fields == ["session.tools", "session.input_audio_transcription" if beta
+                      else "session.audio.input.transcription"]
+    assert all(e["error"]["event_id"] == "u1" and e["error"]["code"] == "unsupported_setting" for e in errors)
+
+
+@both_namings
+def test_server_vad_settings_are_applied_and_shown(beta):
+    protocol, _ = make(beta=beta)
+    detection = {"type": "semantic_vad" if beta else "server_vad", "threshold": 0.7,
+                 "silence_duration_ms": 300, "create_response": True}
+    session = {"turn_detection": detection} if beta else {"audio": {"input": {"turn_detection": detection}}}
+    [updated] = decoded(send(protocol, "session.update", session=session).messages)
+    shown = updated["session"]["turn_detection"] if beta else updated["session"]["audio"]["input"]["turn_detection"]
+    assert shown == {"type": "server_vad", "threshold": 0.7, "prefix_padding_ms": 300,
+                     "silence_duration_ms": 300, "create_response": True, "interrupt_response": True,
+                     "idle_timeout_ms": None}
+    off = {"turn_detection": None} if beta else {"audio": {"input": {"turn_detection": None}}}
+    [updated] = decoded(send(protocol, "session.update", session=off).messages)
+    assert (updated["session"]["turn_detection"] if beta else updated["session"]["audio"]["input"]["turn_detection"]) is None
+
+
+def test_in_duplex_mode_the_vad_only_reports_speech():
+    protocol, _ = make(duplex=True)
+    [updated] = decoded(send(protocol, "session.update", session={"turn_detection": {"type": "server_vad"}}).messages)
+    shown = updated["session"]["audio"]["input"]["turn_detection"]
+    assert shown["create_response"] is False and shown["interrupt_response"] is False
+
+
+@pytest.mark.parametrize(("detection", "contains"), [
+    ({"type": "magic_vad"}, "type"),
+    ({"type": "server_vad", "threshold": 2}, "threshold"),
+    ({"type": "server_vad", "silence_duration_ms": -1}, "silence_duration_ms"),
+    ({"type": "server_vad", "create_response": "yes"}, "create_response"),
+    ("server_vad", "turn_detection"),
+])
+def test_bad_turn_detection_is_refused_and_changes_nothing(detection, contains):
+    protocol, _ = make()
+    assert_error(send(protocol, "session.update", session={"turn_detection": detection}), "invalid_value",
+                 contains=contains)
+    [updated] = decoded(send(protocol, "session.update", session={}).messages)
+    assert updated["session"]["audio"]["input"]["turn_detection"] is None
