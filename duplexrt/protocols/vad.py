@@ -6,7 +6,8 @@ translator: they need no thread and no decoded copy from the session.
 * ``InputVad`` is the server VAD that ``turn_detection: {"type": "server_vad"}`` asks for.  The
   speech/non-speech decision per 20 ms window is WebRTC's VAD (``webrtcvad-wheels``: a small C
   extension, no model file), which accepts 8, 16, 32 or 48 kHz; other rates are brought to one of
-  those first.  Around it sit the protocol's rules: speech starts after a short run of speech
+  those first.  A spectral-flatness check keeps steady broadband noise, which WebRTC's VAD
+  calls speech, from starting a turn.  Around it sit the protocol's rules: speech starts after a short run of speech
   windows (reported ``prefix_padding_ms`` earlier), and stops after ``silence_duration_ms`` of
   non-speech.
 * ``OutputGate`` tells whether a batch of the model's output is sound or silence, by its mean
@@ -29,6 +30,9 @@ _VAD_RATES = (8000, 16000, 32000, 48000)
 _WINDOW_MS = 20
 #: Speech must last this long before it counts as started: one speech-like click is not a turn.
 _MIN_SPEECH_MS = 60
+#: WebRTC's VAD takes loud steady broadband noise (a fan, hiss) for speech; a window that flat
+#: (white noise sits near 0.5, voiced speech near 0.1) is not speech whatever it says.
+_MAX_FLATNESS = 0.4
 
 
 def _as_int16(raw: bytes, fmt: AudioFormat) -> np.ndarray:
@@ -100,12 +104,16 @@ class InputVad:
             samples = np.concatenate((self._carry, samples))
         whole = samples.size // self._in_window
         self._carry = samples[whole * self._in_window:].copy()
+        if not whole:
+            return []
+        windows = self._for_vad(samples[:whole * self._in_window].reshape(whole, self._in_window))
+        tonal = _flatness(windows) < _MAX_FLATNESS
         events: list[tuple[str, int]] = []
         settings = self.settings
         window_ms = self._window_ms
+        is_speech = self._vad.is_speech
         for index in range(whole):
-            window = samples[index * self._in_window:(index + 1) * self._in_window]
-            speech = self._vad.is_speech(self._for_vad(window).tobytes(), self._vad_rate)
+            speech = bool(tonal[index]) and is_speech(windows[index].tobytes(), self._vad_rate)
             self.elapsed_ms += window_ms
             if speech:
                 self._speech_ms += window_ms
@@ -124,15 +132,22 @@ class InputVad:
                         events.append(("stopped", round(self.elapsed_ms)))
         return events
 
-    def _for_vad(self, window: np.ndarray) -> np.ndarray:
-        """One window at a rate WebRTC's VAD takes."""
+    def _for_vad(self, windows: np.ndarray) -> np.ndarray:
+        """Windows (one a row) at a rate WebRTC's VAD takes."""
         size = self._vad_window
-        if window.size == size:
-            return window
-        if window.size % size == 0:
-            return window.reshape(size, -1).mean(axis=1).astype(np.int16)
-        positions = np.linspace(0, window.size - 1, size)
-        return np.interp(positions, np.arange(window.size), window).astype(np.int16)
+        if windows.shape[1] == size:
+            return np.ascontiguousarray(windows)
+        if windows.shape[1] % size == 0:
+            return windows.reshape(windows.shape[0], size, -1).mean(axis=2).astype(np.int16)
+        positions = np.linspace(0, windows.shape[1] - 1, size)
+        grid = np.arange(windows.shape[1])
+        return np.stack([np.interp(positions, grid, row) for row in windows]).astype(np.int16)
+
+
+def _flatness(windows: np.ndarray) -> np.ndarray:
+    """Spectral flatness per window (1: white noise, near 0: a voice's harmonics)."""
+    power = np.abs(np.fft.rfft(windows.astype(np.float32), axis=1)) ** 2 + 1e-3
+    return np.exp(np.log(power).mean(axis=1)) / power.mean(axis=1)
 
 
 class OutputGate:
