@@ -112,3 +112,39 @@ async def test_beta_realtime_client_uses_beta_event_names(nursery):
     returned = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.audio.delta")
     assert returned == audio
     assert events[-1].response.status == "completed"
+
+
+async def test_duplex_by_path_survives_a_client_that_appends_its_own_query(nursery):
+    """pipecat appends ``?model=...`` to its base URL as it is, so ``/v1/realtime?duplex=1`` lost
+    its duplex switch; ``/v1/realtime/duplex`` needs no query string.  A burst of sound is one
+    response with the whole lifecycle; the pause after it ends the response."""
+    import json
+
+    from websockets.sync.client import connect
+
+    port = await _server(nursery)
+    tone = (np.sin(np.arange(24000) * 2 * np.pi * 440 / 24000) * 8000).astype("<i2").tobytes()
+    silence = bytes(24000 * 2 * 4)
+
+    def client() -> list[dict]:
+        url = f"ws://127.0.0.1:{port}/v1/realtime/duplex?model=duplexrt-echo"
+        with connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            events = [json.loads(ws.recv())]
+            for audio in (tone, silence):
+                ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                    "audio": base64.b64encode(audio).decode()}))
+            while events[-1]["type"] != "response.done":
+                events.append(json.loads(ws.recv(timeout=20)))
+            return events
+
+    with trio.fail_after(30):
+        events = await trio.to_thread.run_sync(client)
+    kinds = [e["type"] for e in events if e["type"] != "response.output_audio.delta"]
+    assert kinds == ["session.created", "response.created", "response.output_item.added",
+                     "conversation.item.added", "response.content_part.added", "response.output_audio.done",
+                     "response.content_part.done", "response.output_item.done", "conversation.item.done",
+                     "response.done"]
+    returned = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+    assert returned[:len(tone)] == tone  # the burst, then the pause's hang-over, then nothing
+    # The hang-over (480 ms) counted in whole batches of output: well under the 4 s of silence.
+    assert len(returned) - len(tone) <= 24000 * 2 * 1.0

@@ -1712,3 +1712,18 @@ def _timed(vad, frame: bytes, clock) -> float:
     for _ in range(200):
         vad.feed(frame)
     return (clock() - start) / 200
+
+
+def test_a_pause_is_measured_from_where_the_sound_ended_inside_a_batch():
+    """A client sending faster than real time gets many frames per batch: the pause after the
+    sound is counted frame by frame, not from the batch (responses ran ~8 frames long)."""
+    protocol, _ = gated()
+    protocol.start()
+    events = decoded(protocol.audio_out(LOUD + QUIET * 3, 4))
+    assert [e["type"] for e in events] == ["response.created", names(False)["delta"],
+                                           names(False)["done"], "response.done"]
+    protocol2, _ = gated()
+    protocol2.start()
+    events = decoded(protocol2.audio_out(QUIET + LOUD, 2))
+    assert events[-1]["type"] != "response.done"
+    assert [e["type"] for e in decoded(protocol2.audio_out(QUIET * 2, 2))][-1] == "response.done"

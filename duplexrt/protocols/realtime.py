@@ -276,11 +276,9 @@ class RealtimeProtocol(Translator):
         closes it; silence between responses is not sent.  An encoder tail (no frames) goes with
         whatever is open."""
         assert self._gate is not None
-        if frames:
-            if payload and self._gate.loud(payload):
-                self._quiet = 0
-            else:
-                self._quiet += frames
+        quiet = self._gate.quiet_tail(payload, frames) if frames else 0
+        loud = quiet < frames
+        self._quiet = quiet if loud else self._quiet + frames
         paused = self._quiet >= self._hangover
         if self._muted:  # the rest of a burst the client cancelled
             self._muted = not paused
@@ -288,9 +286,10 @@ class RealtimeProtocol(Translator):
         response = self._response
         messages: list[Message] = []
         if response is None:
-            if not frames or self._quiet:
+            if not loud:
                 return []
             messages += self._open_response(None)
+            self._quiet = quiet  # the batch's own quiet tail counts toward the pause
             response = self._response
             assert response is not None
         if payload:

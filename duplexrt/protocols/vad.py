@@ -162,8 +162,14 @@ class OutputGate:
         # Mean power of a full-scale int16 signal at the threshold: compared without a log.
         self._floor = (10 ** (self.threshold_dbfs / 20) * 32768.0) ** 2
 
-    def loud(self, payload: bytes) -> bool:
+    def quiet_tail(self, payload: bytes, frames: int) -> int:
+        """How many of the batch's last frames are quiet (``frames``: all of them).  A batch is
+        judged frame by frame: a client that sends faster than real time gets batches of many
+        frames, and a pause must be measured from where the sound ended, not from the batch."""
         samples = _as_int16(payload, self._format).astype(np.float32)
-        if not samples.size:
-            return False
-        return float(np.dot(samples, samples)) / samples.size > self._floor
+        per_frame = samples.size // frames if frames else 0
+        if not per_frame:
+            return frames
+        rows = samples[samples.size - per_frame * frames:].reshape(frames, per_frame)
+        loud = np.flatnonzero(np.einsum("ij,ij->i", rows, rows) > self._floor * per_frame)
+        return frames if not loud.size else frames - 1 - int(loud[-1])
