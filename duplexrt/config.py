@@ -212,6 +212,10 @@ class RealtimeConfig:
     #: false: one open-ended response for the whole session (no cutting).
     duplex_split_responses: bool = attrs.field(
         default=True, validator=_is_bool("realtime.duplex_split_responses"))
+    #: What a session starts with before any session.update: OpenAI's own default is server VAD,
+    #: and clients that never set turn_detection (pipecat) rely on it.  "none": the client commits.
+    turn_detection: str = attrs.field(
+        default="server_vad", validator=_one_of("realtime.turn_detection", ("server_vad", "none")))
 
 
 @attrs.frozen(kw_only=True)

@@ -177,7 +177,8 @@ class RealtimeProtocol(Translator):
     def __init__(self, *, model_rate: int = 24000, beta: bool = False, duplex: bool = False,
                  model: str = "duplexrt", session_id: str | None = None,
                  max_message_seconds: float | None = None, duplex_gate_dbfs: float | None = None,
-                 duplex_hangover_ms: float = 480.0, frame_seconds: float = 0.08) -> None:
+                 duplex_hangover_ms: float = 480.0, frame_seconds: float = 0.08,
+                 server_vad: bool = False) -> None:
         self.model_rate = model_rate
         self.beta = beta
         self.duplex = duplex
@@ -208,7 +209,7 @@ class RealtimeProtocol(Translator):
         self._fatal_sent = False
         self._items = Items()
         #: server VAD on the input (``turn_detection``); None: the client commits turns itself.
-        self._vad: InputVad | None = None
+        self._vad: InputVad | None = InputVad(VadSettings(), self.input_spec) if server_vad else None
         self._speech_item: str | None = None  # the user item the current speech will become
         # Duplex mode with a gate: the model's output is cut into responses at its pauses (a
         # batch under the gate's level for ``_hangover`` frames ends the response).  None: one

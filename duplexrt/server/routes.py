@@ -43,7 +43,8 @@ def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Tra
                             max_message_seconds=config.audio.max_message_seconds,
                             duplex_gate_dbfs=realtime.duplex_gate_dbfs if realtime.duplex_split_responses else None,
                             duplex_hangover_ms=realtime.duplex_hangover_ms,
-                            frame_seconds=config.audio.frame_seconds)
+                            frame_seconds=config.audio.frame_seconds,
+                            server_vad=realtime.turn_detection == "server_vad")
 
 
 def _moshi(head: RequestHead, config: Config) -> Translator:
