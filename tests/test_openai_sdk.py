@@ -151,3 +151,41 @@ async def test_duplex_by_path_survives_a_client_that_appends_its_own_query(nurse
     assert returned[:len(tone)] == tone  # the burst, then the pause's hang-over, then nothing
     # The hang-over (480 ms) counted in whole batches of output: well under the 4 s of silence.
     assert len(returned) - len(tone) <= 24000 * 2 * 1.0
+
+
+async def test_a_client_that_never_sets_turn_detection_gets_an_answer_to_speech(nursery):
+    """pipecat's default flow: its session.update names no turn_detection (it relies on the
+    server's default, server VAD), streams the microphone, and waits for the answer.  duplexrt
+    used to have no VAD: the reply never came."""
+    import json
+
+    import speech
+    from websockets.sync.client import connect
+
+    port = await _server(nursery)
+    voice = speech.speech_24k()
+    audio = np.concatenate([np.zeros(12000, "<i2"), voice, np.zeros(24000, "<i2")]).tobytes()
+
+    def client() -> list[dict]:
+        url = f"ws://127.0.0.1:{port}/v1/realtime?model=gpt-realtime"
+        with connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            events = [json.loads(ws.recv())]
+            ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "model": "gpt-realtime"}}))
+            for start in range(0, len(audio), 3840):
+                ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                    "audio": base64.b64encode(audio[start:start + 3840]).decode()}))
+            while events[-1]["type"] != "response.done":
+                events.append(json.loads(ws.recv(timeout=20)))
+            return events
+
+    with trio.fail_after(40):
+        events = await trio.to_thread.run_sync(client)
+    kinds = [e["type"] for e in events]
+    assert events[0]["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+    for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                 "input_audio_buffer.committed", "response.created"):
+        assert kind in kinds
+    assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index("response.created")
+    returned = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+    assert len(returned) >= len(voice) * 2 * 0.8  # the echo of the speech: the model's audio came back
+    assert events[-1]["response"]["status"] == "completed"

@@ -1603,25 +1603,9 @@ def test_bad_turn_detection_is_refused_and_changes_nothing(detection, contains):
 
 @pytest.fixture(scope="module")
 def speech_24k() -> np.ndarray:
-    """About four seconds of real (synthetic) speech, int16 at 24 kHz, from espeak-ng at test time."""
-    import shutil
-    import subprocess
-    import tempfile
-    import wave
+    import speech
 
-    import soxr
-
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng; .ci/run installs it)")
-    with tempfile.TemporaryDirectory() as folder:
-        path = f"{folder}/speech.wav"
-        subprocess.run(["espeak-ng", "-w", path, "Hello there. How are you doing today? "
-                        "I would like to book a table for two."], check=True, timeout=60)
-        with wave.open(path) as wav:
-            rate = wav.getframerate()
-            samples = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
-    resampled = soxr.resample(samples.astype(np.float32) / 32768, rate, 24000)
-    return (np.clip(resampled, -1, 1) * 32767).astype("<i2")
+    return speech.speech_24k()
 
 
 def vad_session(*, duplex: bool = False, beta: bool = False, **detection):
