@@ -15,15 +15,27 @@ A full-duplex model speaks all the time; the protocol only decides what the clie
   any ``response.create`` is held (bounded) and becomes the next response's start.
   ``response.cancel`` (or ``output_audio_buffer.clear``) ends the response, and the rest of its
   answer, which the model is still producing, is dropped as it comes: never sent later.
-* duplex mode (``duplex=True``, for ``/v1/realtime?duplex=1``): one open-ended response lasts the
-  whole session, so the client hears everything; ``response.cancel`` mutes the model until the next
-  ``response.create`` opens another open-ended response.
+* duplex mode (``duplex=True``, for ``/v1/realtime/duplex`` or ``/v1/realtime?duplex=1``): the
+  model's continuous output is cut into responses at its pauses (``OutputGate``: a level gate with
+  a hang-over), so each burst of speech is one response with its own item; silence between bursts
+  is not sent.  ``response.create`` opens a response at once (it ends at the next pause);
+  ``response.cancel`` ends the current one and drops the rest of that burst.  With no gate, one
+  open-ended response lasts the whole session.
 
-One "token" of usage is one model frame (80 ms).  Conversation items are not modelled beyond the ids
-that events must carry: ``conversation.item.*`` events are answered with an ``unsupported_event``
-error and the session goes on.  ``session.update`` fields the server does not act on
-(``instructions``, ``voice``, ``tools``, ...) are accepted and ignored, and ``session.updated``
-does not list them: it describes the configuration in effect.
+Every response goes through the protocol's whole lifecycle, the events clients build their
+per-item state on: ``response.created`` (with the client's ``metadata``), ``response.output_item.added``,
+``conversation.item.added`` (beta: ``conversation.item.created``), ``response.content_part.added``,
+the deltas, then the ``done`` events in reverse and ``response.done``.
+
+Server VAD (``turn_detection``, on by default as in OpenAI's service) reports speech start and
+stop; in turn mode it commits the turn, answers it (``create_response``) and cancels a response
+the user talks over (``interrupt_response``).  Conversation items are ids and echoes: audio in a
+created item is fed to the model, text is acknowledged but cannot reach a speech-only model.
+Settings that cannot be honoured (tools, input transcription, idle timeouts) get a non-fatal
+``unsupported_setting`` error naming the field; others that change nothing audible (voice,
+instructions) are simply not in force, and ``session.updated`` shows only what is.
+
+One "token" of usage is one model frame (80 ms).
 
 Nothing the client sends is echoed back at full length: values quoted in errors and client event ids
 are cut to about 100 characters, so a client that sends huge values and never reads cannot make

@@ -13,16 +13,12 @@ from typing import Any
 
 from duplexrt.protocols.events import clip
 
-__all__ = ["Items", "MAX_ITEMS", "TEXT_LIMIT"]
+__all__ = ["Items", "MAX_ITEMS", "TEXT_LIMIT", "client_item", "message_item"]
 
 #: Items remembered for retrieve, delete and truncate.
 MAX_ITEMS = 256
 #: Text a client put in an item is echoed back cut to this many characters.
 TEXT_LIMIT = 1000
-
-#: Content part types per role that the GA item models allow, and what other names map to.
-_USER_PARTS = {"input_text", "input_audio"}
-_ASSISTANT_PARTS = {"output_text", "output_audio"}
 
 
 class Items:
