@@ -106,16 +106,19 @@ class InputVad:
         self._carry = samples[whole * self._in_window:].copy()
         if not whole:
             return []
-        windows = self._for_vad(samples[:whole * self._in_window].reshape(whole, self._in_window))
-        tonal = _flatness(windows) < _MAX_FLATNESS
+        windows = self._for_vad(samples[:whole * self._in_window], whole)
+        is_speech, rate = self._vad.is_speech, self._vad_rate
+        speech = [is_speech(window.tobytes(), rate) for window in windows]
+        candidates = [index for index, said in enumerate(speech) if said]
+        if candidates:  # the noise check costs an FFT: only where WebRTC's VAD heard speech
+            for index, flatness in zip(candidates, _flatness(windows[candidates]), strict=True):
+                speech[index] = flatness < _MAX_FLATNESS
         events: list[tuple[str, int]] = []
         settings = self.settings
         window_ms = self._window_ms
-        is_speech = self._vad.is_speech
         for index in range(whole):
-            speech = bool(tonal[index]) and is_speech(windows[index].tobytes(), self._vad_rate)
             self.elapsed_ms += window_ms
-            if speech:
+            if speech[index]:
                 self._speech_ms += window_ms
                 self._silence_ms = 0.0
                 if not self.speaking and self._speech_ms >= _MIN_SPEECH_MS:
@@ -132,13 +135,18 @@ class InputVad:
                         events.append(("stopped", round(self.elapsed_ms)))
         return events
 
-    def _for_vad(self, windows: np.ndarray) -> np.ndarray:
-        """Windows (one a row) at a rate WebRTC's VAD takes."""
+    def _for_vad(self, block: np.ndarray, whole: int) -> np.ndarray:
+        """``whole`` windows (one a row) at a rate WebRTC's VAD takes."""
         size = self._vad_window
-        if windows.shape[1] == size:
-            return np.ascontiguousarray(windows)
-        if windows.shape[1] % size == 0:
-            return windows.reshape(windows.shape[0], size, -1).mean(axis=2).astype(np.int16)
+        if self._in_window == size:
+            return block.reshape(whole, size)
+        if self._in_window % size == 0:  # average each run of ``factor`` samples (strided adds)
+            factor = self._in_window // size
+            total = block[0::factor].astype(np.int32)
+            for offset in range(1, factor):
+                total += block[offset::factor]
+            return (total // factor).astype(np.int16).reshape(whole, size)
+        windows = block.reshape(whole, self._in_window)
         positions = np.linspace(0, windows.shape[1] - 1, size)
         grid = np.arange(windows.shape[1])
         return np.stack([np.interp(positions, grid, row) for row in windows]).astype(np.int16)
