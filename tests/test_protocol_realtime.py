@@ -1711,3 +1711,23 @@ def test_a_pause_is_measured_from_where_the_sound_ended_inside_a_batch():
     events = decoded(protocol2.audio_out(QUIET + LOUD, 2))
     assert events[-1]["type"] != "response.done"
     assert [e["type"] for e in decoded(protocol2.audio_out(QUIET * 2, 2))][-1] == "response.done"
+
+
+@pytest.mark.parametrize(("fmt", "rate"), [
+    ("pcm_s16le", 8000), ("g711_ulaw", 8000), ("pcm_s16le", 16000), ("pcm_s16le", 44100), ("pcm_s16le", 48000),
+])
+def test_the_vad_hears_the_same_speech_at_every_input_format(speech_24k, fmt, rate):
+    """Each rate takes its own road to a rate WebRTC's VAD takes (as is, averaged, interpolated)."""
+    import soxr
+
+    from duplexrt.audio.g711 import ulaw_encode
+    from duplexrt.protocols.vad import InputVad, VadSettings
+
+    resampled = soxr.resample(speech_24k.astype(np.float32) / 32768, 24000, rate)
+    signal = np.concatenate([np.zeros(rate, np.float32), resampled, np.zeros(rate, np.float32)])
+    wire = AudioSpec.create(AudioFormat(fmt), rate, model_rate=24000)
+    raw = ulaw_encode(signal) if fmt == "g711_ulaw" else (signal * 32767).astype("<i2")
+    vad = InputVad(VadSettings(), wire)
+    events = [event for start in range(0, raw.size, 997) for event in vad.feed(raw[start:start + 997].tobytes())]
+    assert [kind for kind, _ in events] == ["started", "stopped"]
+    assert 600 <= events[0][1] <= 800  # 1 s of silence, less the 300 ms prefix padding
