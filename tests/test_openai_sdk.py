@@ -189,3 +189,32 @@ async def test_a_client_that_never_sets_turn_detection_gets_an_answer_to_speech(
     returned = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
     assert len(returned) >= len(voice) * 2 * 0.8  # the echo of the speech: the model's audio came back
     assert events[-1]["response"]["status"] == "completed"
+
+
+async def test_continuous_duplex_sends_every_frame_silence_too(nursery):
+    """``duplexrt client`` and ``simulate`` count every output frame to know they have heard it
+    all: with responses cut at pauses they would wait forever for silence that is not sent, so
+    they ask for ``continuous=1``: one open response from the start, every frame in it."""
+    import json
+
+    from websockets.sync.client import connect
+
+    port = await _server(nursery)
+    silence = bytes(3840 * 10)
+
+    def client() -> list[dict]:
+        url = f"ws://127.0.0.1:{port}/v1/realtime?duplex=1&continuous=1"
+        with connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            events = [json.loads(ws.recv())]
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(silence).decode()}))
+            heard = 0
+            while heard < len(silence):
+                events.append(json.loads(ws.recv(timeout=20)))
+                if events[-1]["type"] == "response.output_audio.delta":
+                    heard += len(base64.b64decode(events[-1]["delta"]))
+            return events
+
+    with trio.fail_after(30):
+        events = await trio.to_thread.run_sync(client)
+    assert events[1]["type"] == "response.created"  # opened at the start, not by sound
+    assert not any(e["type"] == "response.done" for e in events)

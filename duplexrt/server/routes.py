@@ -9,7 +9,7 @@ import attrs
 from duplexrt.audio import AudioFormatError
 from duplexrt.config import Config
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.options import duplex_specs, wants_duplex
+from duplexrt.protocols.options import duplex_specs, wants_continuous, wants_duplex
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.server.http import BadRequest, RequestHead
 
@@ -41,7 +41,8 @@ def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Tra
     return RealtimeProtocol(model_rate=config.audio.sample_rate, beta=beta, duplex=duplex,
                             model=head.query.get("model") or config.backend.name,
                             max_message_seconds=config.audio.max_message_seconds,
-                            duplex_gate_dbfs=realtime.duplex_gate_dbfs if realtime.duplex_split_responses else None,
+                            duplex_gate_dbfs=realtime.duplex_gate_dbfs
+                            if realtime.duplex_split_responses and not wants_continuous(head.query) else None,
                             duplex_hangover_ms=realtime.duplex_hangover_ms,
                             frame_seconds=config.audio.frame_seconds,
                             server_vad=realtime.turn_detection == "server_vad")
