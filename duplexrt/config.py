@@ -202,12 +202,33 @@ class ServerConfig:
 
 
 @attrs.frozen(kw_only=True)
+class RealtimeConfig:
+    """/v1/realtime in duplex mode: the model's continuous output is cut into one response per
+    burst of speech, at its pauses, as voice-agent frameworks expect."""
+
+    #: A batch of output quieter than this (mean power, dBFS) is a pause.
+    duplex_gate_dbfs: float = attrs.field(
+        default=-50.0, validator=_float_range("realtime.duplex_gate_dbfs", -120.0, 0.0))
+    #: A pause this long ends the response; shorter ones stay inside it.
+    duplex_hangover_ms: float = attrs.field(
+        default=480.0, validator=_float_range("realtime.duplex_hangover_ms", 1.0, 60000.0))
+    #: false: one open-ended response for the whole session (no cutting).
+    duplex_split_responses: bool = attrs.field(
+        default=True, validator=_is_bool("realtime.duplex_split_responses"))
+    #: What a session starts with before any session.update: OpenAI's own default is server VAD,
+    #: and clients that never set turn_detection (pipecat) rely on it.  "none": the client commits.
+    turn_detection: str = attrs.field(
+        default="server_vad", validator=_one_of("realtime.turn_detection", ("server_vad", "none")))
+
+
+@attrs.frozen(kw_only=True)
 class Config:
     audio: AudioConfig = attrs.field(factory=AudioConfig)
     runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
     backend: BackendConfig = attrs.field(factory=BackendConfig)
     server: ServerConfig = attrs.field(factory=ServerConfig)
     metrics: MetricsConfig = attrs.field(factory=MetricsConfig)
+    realtime: RealtimeConfig = attrs.field(factory=RealtimeConfig)
 
     def __attrs_post_init__(self) -> None:
         if self.metrics.log_stats and not self.metrics.collect_stage_metrics:
@@ -222,7 +243,7 @@ class Config:
 
 _SECTIONS: dict[str, type] = {
     "audio": AudioConfig, "runtime": RuntimeConfig, "backend": BackendConfig, "server": ServerConfig,
-    "metrics": MetricsConfig,
+    "metrics": MetricsConfig, "realtime": RealtimeConfig,
 }
 
 

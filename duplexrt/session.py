@@ -372,6 +372,8 @@ class Session:
                 kind = type(event)
                 if kind is AudioIn:
                     await self._take_audio(event.payload)
+                    if event.messages:
+                        self._queue(event.messages)
                     if self._pending_bytes > MAX_PENDING_BYTES:  # errors for bad audio, unread
                         await self._wait_for_room()
                 elif kind is InputEnd:

@@ -386,7 +386,7 @@ def test_realtime_client_appends_base64_and_maps_response_done():
         "input_tokens": 4, "output_tokens": 5, "output_token_details": {"audio_tokens": 4, "text_tokens": 1}}}}
     assert turn.parse(json.dumps(done)) == Ended("stop", 4, 4, None, done)
     duplex = RealtimeClient(duplex=True)
-    assert duplex.needs_catch_up and duplex.url("ws://h/v1/realtime") == "ws://h/v1/realtime?duplex=1"
+    assert duplex.needs_catch_up and duplex.url("ws://h/v1/realtime") == "ws://h/v1/realtime?duplex=1&continuous=1"
     assert [json.loads(m)["type"] for m in duplex.finish()] == ["response.cancel"]
     cancelled = {"type": "response.done", "response": {"status": "cancelled",
                                                        "status_details": {"reason": "client_cancelled"}}}

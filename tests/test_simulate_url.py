@@ -80,7 +80,7 @@ async def test_duplex_route_in_s16_at_16k_and_odd_message_sizes(nursery):
 async def test_realtime_is_simulated_in_duplex_mode(nursery):
     base = await _serve(nursery)
     report = await _simulate(base + "/v1/realtime", format="pcm_s16le", concurrency=2, frames=6)
-    assert report.ok and report.settings["url"].endswith("?duplex=1")
+    assert report.ok and report.settings["url"].endswith("?duplex=1&continuous=1")
     assert any("duplex mode" in note for note in report.settings["notes"])
 
 

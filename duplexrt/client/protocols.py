@@ -273,7 +273,8 @@ class RealtimeClient(ClientProtocol):
         self._appended = False
 
     def url(self, url: str) -> str:
-        return _with_query(url, {"duplex": "1"}) if self.duplex else url
+        # continuous: every output frame is sent, silence too, so the client can count them.
+        return _with_query(url, {"duplex": "1", "continuous": "1"}) if self.duplex else url
 
     def audio(self, payload: Buffer) -> Message:
         self._appended = True

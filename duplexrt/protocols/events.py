@@ -12,9 +12,11 @@ from duplexrt.transport import Message, POLICY_VIOLATION
 
 @attrs.frozen
 class AudioIn:
-    """Client audio, still in the wire format of the translator's current ``input_spec``."""
+    """Client audio, still in the wire format of the translator's current ``input_spec``, and the
+    messages to send once it is taken (what a server VAD found in it, an item acknowledged)."""
 
     payload: bytes | bytearray | memoryview
+    messages: tuple[Message, ...] = ()
 
 
 @attrs.frozen

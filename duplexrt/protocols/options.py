@@ -32,6 +32,13 @@ def wants_duplex(query: Mapping[str, str]) -> bool:
     return query.get("duplex", "").lower() in ("1", "true", "yes")
 
 
+def wants_continuous(query: Mapping[str, str]) -> bool:
+    """``?duplex=1&continuous=1``: duplex mode as one open-ended response for the whole session,
+    not one response per burst of speech (for clients that count every output frame, such as
+    ``duplexrt client``: silence between bursts is otherwise not sent)."""
+    return query.get("continuous", "").lower() in ("1", "true", "yes")
+
+
 def _rate(text: str | None, name: str) -> int | None:
     if not text:
         return None

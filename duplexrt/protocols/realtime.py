@@ -15,15 +15,27 @@ A full-duplex model speaks all the time; the protocol only decides what the clie
   any ``response.create`` is held (bounded) and becomes the next response's start.
   ``response.cancel`` (or ``output_audio_buffer.clear``) ends the response, and the rest of its
   answer, which the model is still producing, is dropped as it comes: never sent later.
-* duplex mode (``duplex=True``, for ``/v1/realtime?duplex=1``): one open-ended response lasts the
-  whole session, so the client hears everything; ``response.cancel`` mutes the model until the next
-  ``response.create`` opens another open-ended response.
+* duplex mode (``duplex=True``, for ``/v1/realtime/duplex`` or ``/v1/realtime?duplex=1``): the
+  model's continuous output is cut into responses at its pauses (``OutputGate``: a level gate with
+  a hang-over), so each burst of speech is one response with its own item; silence between bursts
+  is not sent.  ``response.create`` opens a response at once (it ends at the next pause);
+  ``response.cancel`` ends the current one and drops the rest of that burst.  With no gate, one
+  open-ended response lasts the whole session.
 
-One "token" of usage is one model frame (80 ms).  Conversation items are not modelled beyond the ids
-that events must carry: ``conversation.item.*`` events are answered with an ``unsupported_event``
-error and the session goes on.  ``session.update`` fields the server does not act on
-(``instructions``, ``voice``, ``tools``, ...) are accepted and ignored, and ``session.updated``
-does not list them: it describes the configuration in effect.
+Every response goes through the protocol's whole lifecycle, the events clients build their
+per-item state on: ``response.created`` (with the client's ``metadata``), ``response.output_item.added``,
+``conversation.item.added`` (beta: ``conversation.item.created``), ``response.content_part.added``,
+the deltas, then the ``done`` events in reverse and ``response.done``.
+
+Server VAD (``turn_detection``, on by default as in OpenAI's service) reports speech start and
+stop; in turn mode it commits the turn, answers it (``create_response``) and cancels a response
+the user talks over (``interrupt_response``).  Conversation items are ids and echoes: audio in a
+created item is fed to the model, text is acknowledged but cannot reach a speech-only model.
+Settings that cannot be honoured (tools, input transcription, idle timeouts) get a non-fatal
+``unsupported_setting`` error naming the field; others that change nothing audible (voice,
+instructions) are simply not in force, and ``session.updated`` shows only what is.
+
+One "token" of usage is one model frame (80 ms).
 
 Nothing the client sends is echoed back at full length: values quoted in errors and client event ids
 are cut to about 100 characters, so a client that sends huge values and never reads cannot make
@@ -41,6 +53,9 @@ from typing import Any
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
 from duplexrt.protocols.b64audio import Base64Audio
 from duplexrt.protocols.base import Translator
+from duplexrt.protocols.realtime_items import Items, client_item, message_item
+from duplexrt.protocols.realtime_session import parse_turn_detection, render_turn_detection, unsupported_settings
+from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
 from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
@@ -84,22 +99,20 @@ _BETA_NAMES = {
 
 #: Client events of the protocol that this server does not implement.
 _UNSUPPORTED = (
-    "conversation.item.create",
-    "conversation.item.delete",
-    "conversation.item.retrieve",
-    "conversation.item.truncate",
     "transcription_session.update",
     "input_audio_buffer.dtmf",
 )
 
-#: SessionEnd.reason -> (response status, status_details reason).
+#: SessionEnd.reason -> (response status, status_details reason).  The protocol's reasons are a
+#: closed list; any other ending is an ``incomplete`` response whose ``status_details.error.code``
+#: names it (``server_shutdown``, ``idle_timeout``, ...).
 _END_STATUS = {
     "stop": ("completed", None),
     "client_closed": ("cancelled", "client_cancelled"),
     "length": ("incomplete", "max_output_tokens"),
-    "shutdown": ("incomplete", "server_shutdown"),
-    "error": ("failed", "error"),
+    "error": ("failed", None),
 }
+_END_CODES = {"shutdown": "server_shutdown"}
 
 _BINARY = ProtocolError(
     "binary_not_supported",
@@ -116,6 +129,9 @@ _session_ids = itertools.count(1)
 MAX_HELD_BYTES = 16 << 20
 
 
+_UNSET = object()
+
+
 class _ZeroProgress:
     """Counters for a translator no session has attached yet."""
 
@@ -128,12 +144,14 @@ class _Response:
     """The state of one response."""
 
     __slots__ = ("id", "item_id", "target", "frames", "audio_sent", "transcript",
-                 "audio_prefix", "text_prefix")
+                 "audio_prefix", "text_prefix", "fields")
 
     def __init__(self, response_id: str, item_id: str, target: int | None,
-                 audio_type: str, text_type: str) -> None:
+                 audio_type: str, text_type: str, fields: dict[str, Any] | None = None) -> None:
         self.id = response_id
         self.item_id = item_id
+        #: What the client set in response.create that is echoed back (``metadata``).
+        self.fields = fields or {}
         #: Turn mode: the response completes once this many frames of output have been sent.
         #: None: open-ended (duplex mode).
         self.target = target
@@ -169,7 +187,9 @@ class RealtimeProtocol(Translator):
 
     def __init__(self, *, model_rate: int = 24000, beta: bool = False, duplex: bool = False,
                  model: str = "duplexrt", session_id: str | None = None,
-                 max_message_seconds: float | None = None) -> None:
+                 max_message_seconds: float | None = None, duplex_gate_dbfs: float | None = None,
+                 duplex_hangover_ms: float = 480.0, frame_seconds: float = 0.08,
+                 server_vad: bool = False) -> None:
         self.model_rate = model_rate
         self.beta = beta
         self.duplex = duplex
@@ -197,6 +217,17 @@ class RealtimeProtocol(Translator):
         # (or cleared): it is dropped as it arrives, never held for the next response.
         self._discard_below = 0
         self._fatal_sent = False
+        self._items = Items()
+        #: server VAD on the input (``turn_detection``); None: the client commits turns itself.
+        self._vad: InputVad | None = InputVad(VadSettings(), self.input_spec) if server_vad else None
+        self._speech_item: str | None = None  # the user item the current speech will become
+        # Duplex mode with a gate: the model's output is cut into responses at its pauses (a
+        # batch under the gate's level for ``_hangover`` frames ends the response).  None: one
+        # open-ended response for the whole session.
+        self._gate = OutputGate(duplex_gate_dbfs, self.output_spec) if duplex and duplex_gate_dbfs is not None else None
+        self._hangover = max(1, math.ceil(duplex_hangover_ms / 1000 / frame_seconds - 1e-9))
+        self._quiet = 0  # frames under the gate since the last loud one
+        self._muted = False  # duplex: the client cancelled this burst; drop it until a pause
         if beta:
             self._audio_delta = "response.audio.delta"
             self._audio_done = "response.audio.done"
@@ -215,6 +246,10 @@ class RealtimeProtocol(Translator):
             "session.update": self._session_update,
             "response.create": self._response_create,
             "response.cancel": self._response_cancel,
+            "conversation.item.create": self._item_create,
+            "conversation.item.truncate": self._item_truncate,
+            "conversation.item.delete": self._item_delete,
+            "conversation.item.retrieve": self._item_retrieve,
         }
         for name in _UNSUPPORTED:
             handlers[name] = self._unsupported
@@ -224,8 +259,8 @@ class RealtimeProtocol(Translator):
 
     def start(self) -> list[Message]:
         messages = [self._event("session.created", session=self._session_object())]
-        if self.duplex:
-            messages.append(self._open_response(None))
+        if self.duplex and self._gate is None:
+            messages += self._open_response(None)
         return messages
 
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
@@ -233,6 +268,8 @@ class RealtimeProtocol(Translator):
             if self.progress.frames_answered < self._discard_below:
                 return []  # the rest of a cancelled response (the batch was split at its end)
             self._discard_below = 0
+        if self._gate is not None:
+            return self._gated_out(payload, frames)
         response = self._response
         if response is None:
             if not self.duplex:
@@ -244,6 +281,34 @@ class RealtimeProtocol(Translator):
         if target is None or self.progress.frames_answered + frames < target:
             return messages
         return [*messages, *self._close_response("completed", None)]
+
+    def _gated_out(self, payload: bytes, frames: int) -> list[Message]:
+        """Duplex mode with a gate: sound opens a response, a pause as long as the hang-over
+        closes it; silence between responses is not sent.  An encoder tail (no frames) goes with
+        whatever is open."""
+        assert self._gate is not None
+        quiet = self._gate.quiet_tail(payload, frames) if frames else 0
+        loud = quiet < frames
+        self._quiet = quiet if loud else self._quiet + frames
+        paused = self._quiet >= self._hangover
+        if self._muted:  # the rest of a burst the client cancelled
+            self._muted = not paused
+            return []
+        response = self._response
+        messages: list[Message] = []
+        if response is None:
+            if not loud:
+                return []
+            messages += self._open_response(None)
+            self._quiet = quiet  # the batch's own quiet tail counts toward the pause
+            response = self._response
+            assert response is not None
+        if payload:
+            messages.append(self._delta_message(response, payload))
+        response.frames += frames
+        if paused:
+            messages += self._close_response("completed", None)
+        return messages
 
     def _delta_message(self, response: _Response, payload: bytes) -> str:
         """One audio delta, formatted by hand (see ``_Response``)."""
@@ -322,9 +387,12 @@ class RealtimeProtocol(Translator):
                     "type": "server_error", "code": "server_error", "param": None, "event_id": None,
                     "message": end.error or "internal server error"})]
             return []
-        status, reason = _END_STATUS.get(end.reason, ("incomplete", end.reason))
+        status, reason = _END_STATUS.get(end.reason, ("incomplete", None))
         messages: list[Message] = []
         error = None
+        if end.reason not in _END_STATUS:
+            code = _END_CODES.get(end.reason, end.reason)
+            error = {"type": "server_error", "code": code, "message": f"the session ended: {code}"}
         if end.reason == "error":
             if self._fatal_sent:  # the client's own error was already sent as such
                 error = {"type": "invalid_request_error", "code": None, "message": end.error}
@@ -368,6 +436,8 @@ class RealtimeProtocol(Translator):
         if isinstance(raw, ProtocolError):
             return raw
         self._pending_input = True
+        if self._vad is not None:
+            return AudioIn(raw, self._detect(raw))
         return AudioIn(raw)
 
     def _audio_rules(self) -> Base64Audio:
@@ -377,17 +447,52 @@ class RealtimeProtocol(Translator):
         return Base64Audio("input_audio_buffer.append", spec.format.bytes_per_sample or 1, spec.sample_rate,
                            self._format_name(spec), self.max_message_seconds)
 
+    def _detect(self, raw: bytes) -> tuple[Message, ...]:
+        """Server VAD over one append: speech start (barge-in) and stop (commit, and in turn mode
+        the automatic response)."""
+        vad = self._vad
+        assert vad is not None
+        messages: list[Message] = []
+        for what, ms in vad.feed(raw):
+            if what == "started":
+                self._speech_item = self._new_item_id()
+                messages.append(self._event("input_audio_buffer.speech_started", audio_start_ms=ms,
+                                            item_id=self._speech_item))
+                response = self._response
+                if response is not None and vad.settings.interrupt_response and not self.duplex:
+                    messages += self._cancel(response, "turn_detected")
+                continue
+            item_id = self._speech_item or self._new_item_id()
+            self._speech_item = None
+            messages.append(self._event("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id))
+            messages += self._commit_item(item_id)
+            if vad.settings.create_response and not self.duplex and self._response is None:
+                messages += self._turn_response(None)
+        return messages
+
+    def _commit_item(self, item_id: str) -> list[Message]:
+        """The input so far becomes a user item: committed, then added to the conversation."""
+        self._pending_input = False
+        item = message_item(item_id, "user", [{"type": "input_audio", "transcript": None}], beta=self.beta)
+        previous = self._items.add(item)
+        self._last_item_id = item_id
+        messages: list[Message] = [self._event("input_audio_buffer.committed", previous_item_id=previous,
+                                               item_id=item_id)]
+        if self.beta:
+            messages.append(self._event("conversation.item.created", previous_item_id=previous, item=item))
+        else:
+            messages.append(self._event("conversation.item.added", previous_item_id=previous, item=item))
+            messages.append(self._event("conversation.item.done", previous_item_id=previous, item=item))
+        return messages
+
     def _commit(self, data: dict[str, Any]) -> Event:
         if not self._pending_input:
             return ProtocolError("input_audio_buffer_commit_empty",
                                  "nothing to commit: no audio was appended since the last commit or clear",
                                  event_id=_client_event_id(data))
-        self._pending_input = False
-        item_id = self._new_item_id()
-        previous = self._last_item_id
-        self._last_item_id = item_id
-        return Reply((self._event("input_audio_buffer.committed",
-                                  previous_item_id=previous, item_id=item_id),))
+        item_id = self._speech_item or self._new_item_id()
+        self._speech_item = None
+        return Reply(tuple(self._commit_item(item_id)))
 
     def _clear_input(self, data: dict[str, Any]) -> Event:
         self._pending_input = False
@@ -401,7 +506,7 @@ class RealtimeProtocol(Translator):
             # The frames dropped now will never be sent, so a turn-mode response could not reach
             # its target: clearing what it was saying cancels it.
             messages += self._cancel(response)
-        response_id = response.id if response is not None else self._last_response_id
+        response_id = response.id if response is not None else self._last_response_id or ""
         messages.append(self._event("output_audio_buffer.cleared", response_id=response_id))
         return ClearOutput(messages=tuple(messages))
 
@@ -411,15 +516,41 @@ class RealtimeProtocol(Translator):
                                  f"response {self._response.id} is still in progress; "
                                  "cancel it or wait for its response.done",
                                  event_id=_client_event_id(data))
+        fields = self._response_fields(data)
+        if isinstance(fields, ProtocolError):
+            return fields
         if self.duplex:
-            return Reply((self._open_response(None),))
+            self._muted = False
+            return Reply(tuple(self._open_response(None, fields)))
+        return Reply(tuple(self._turn_response(fields)))
+
+    def _turn_response(self, fields: dict[str, Any] | None) -> list[Message]:
+        """Turn mode: a response that answers all the input submitted so far."""
         progress = self.progress
         target = progress.frames_in
-        created = self._open_response(target)
+        created = self._open_response(target, fields)
         deltas = self._release_held()
         if progress.frames_answered < target:
-            return Reply((created, *deltas))
-        return Reply((created, *deltas, *self._close_response("completed", None)))
+            return [*created, *deltas]
+        return [*created, *deltas, *self._close_response("completed", None)]
+
+    def _response_fields(self, data: dict[str, Any]) -> dict[str, Any] | ProtocolError:
+        """The ``response`` a client set that the server echoes: ``metadata`` (clients match a
+        reply to their request by it).  Instructions, voice and the like change nothing in a
+        speech-to-speech model, so they are not echoed as if in force."""
+        body = data.get("response")
+        if body is None:
+            return {}
+        if type(body) is not dict:
+            return ProtocolError("invalid_type", "'response' must be an object", event_id=_client_event_id(data))
+        metadata = body.get("metadata")
+        if metadata is None:
+            return {}
+        if type(metadata) is not dict or len(metadata) > 16 or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            return ProtocolError("invalid_value", "response.metadata must be an object of at most 16 "
+                                 f"string values, got {quote(metadata)}", event_id=_client_event_id(data))
+        return {"metadata": {clip(k, 64): clip(v, 512) for k, v in metadata.items()}}
 
     def _response_cancel(self, data: dict[str, Any]) -> Event:
         response = self._response
@@ -430,13 +561,92 @@ class RealtimeProtocol(Translator):
                                  event_id=_client_event_id(data))
         return Reply(tuple(self._cancel(response)))
 
-    def _cancel(self, response: _Response) -> list[Message]:
+    def _cancel(self, response: _Response, reason: str = "client_cancelled") -> list[Message]:
         """End ``response`` as cancelled.  In turn mode the model is still producing the rest of
         its answer (up to the target): that output is dropped as it comes, so that it is neither
         sent now nor held and replayed as the start of the next response."""
         if response.target is not None:
             self._discard_below = max(self._discard_below, response.target)
-        return self._close_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
+        elif self._gate is not None:
+            self._muted = True  # the rest of this burst, until the model pauses
+        return self._close_response("cancelled", {"type": "cancelled", "reason": reason})
+
+    # -- conversation items ---------------------------------------------------------------------
+
+    def _item_create(self, data: dict[str, Any]) -> Event:
+        """An item from the client.  Audio in it is fed to the model like appended audio; text
+        is acknowledged but cannot reach a speech-only model (the README says so)."""
+        event_id = _client_event_id(data)
+        item = data.get("item")
+        if type(item) is not dict:
+            return ProtocolError("invalid_type" if item is not None else "missing_required_parameter",
+                                 "conversation.item.create needs an 'item' object", event_id=event_id)
+        given = item.get("id")
+        if given is not None and not (isinstance(given, str) and 0 < len(given) <= 64):
+            return ProtocolError("invalid_value", f"item.id must be a string of 1 to 64 characters, got {quote(given)}",
+                                 event_id=event_id)
+        item_id = given or self._new_item_id()
+        if self._items.get(item_id) is not None:
+            return ProtocolError("item_already_exists", f"item {quote(item_id)} already exists", event_id=event_id)
+        content = item.get("content")
+        pieces: list[bytes] = []
+        heard: list[Message] = []  # what a server VAD makes of the item's audio
+        for part in content if type(content) is list else ():
+            if type(part) is dict and part.get("audio") is not None:
+                fed = self._append({"audio": part["audio"], "event_id": event_id})
+                if not isinstance(fed, AudioIn):
+                    return fed
+                pieces.append(bytes(fed.payload))
+                heard += fed.messages
+        raw = b"".join(pieces)
+        if raw:
+            self._pending_input = False  # the item holds its own audio: nothing to commit
+        rendered = client_item(item_id, item, beta=self.beta)
+        previous = self._items.add(rendered)
+        self._last_item_id = item_id
+        if self.beta:
+            messages: tuple[Message, ...] = (
+                self._event("conversation.item.created", previous_item_id=previous, item=rendered),)
+        else:
+            messages = (self._event("conversation.item.added", previous_item_id=previous, item=rendered),
+                        self._event("conversation.item.done", previous_item_id=previous, item=rendered))
+        return AudioIn(raw, (*heard, *messages)) if raw else Reply(messages)
+
+    def _item_truncate(self, data: dict[str, Any]) -> Event:
+        """The client stopped playing an item: if it is the response still speaking, that
+        response ends now and the rest of its audio is dropped (unsent audio included)."""
+        event_id = _client_event_id(data)
+        item_id, audio_end_ms = data.get("item_id"), data.get("audio_end_ms")
+        if not isinstance(item_id, str) or not item_id:
+            return ProtocolError("missing_required_parameter", "conversation.item.truncate needs 'item_id'",
+                                 event_id=event_id)
+        if isinstance(audio_end_ms, bool) or not isinstance(audio_end_ms, int) or audio_end_ms < 0:
+            return ProtocolError("invalid_value", "'audio_end_ms' must be a whole number of milliseconds "
+                                 f">= 0, got {quote(audio_end_ms)}", event_id=event_id)
+        if self._items.get(item_id) is None:
+            return ProtocolError("item_not_found", f"no item {quote(item_id)} in this conversation",
+                                 event_id=event_id)
+        truncated = self._event("conversation.item.truncated", item_id=item_id, content_index=0,
+                                audio_end_ms=audio_end_ms)
+        response = self._response
+        if response is None or response.item_id != item_id:
+            return Reply((truncated,))
+        return ClearOutput(messages=(truncated, *self._cancel(response)))
+
+    def _item_delete(self, data: dict[str, Any]) -> Event:
+        item_id = data.get("item_id")
+        if not isinstance(item_id, str) or not self._items.delete(item_id):
+            return ProtocolError("item_not_found", f"no item {quote(item_id)} in this conversation",
+                                 event_id=_client_event_id(data))
+        return Reply((self._event("conversation.item.deleted", item_id=item_id),))
+
+    def _item_retrieve(self, data: dict[str, Any]) -> Event:
+        item_id = data.get("item_id")
+        item = self._items.get(item_id) if isinstance(item_id, str) else None
+        if item is None:
+            return ProtocolError("item_not_found", f"no item {quote(item_id)} in this conversation",
+                                 event_id=_client_event_id(data))
+        return Reply((self._event("conversation.item.retrieved", item=item),))
 
     def _unsupported(self, data: dict[str, Any]) -> Event:
         return ProtocolError("unsupported_event",
@@ -488,19 +698,49 @@ class RealtimeProtocol(Translator):
                                f"session.audio.{direction}.format ({self._format_name(specs[direction])}) "
                                f"and session.{field} ({self._format_name(spec)}) disagree")
             specs[direction] = spec
-        # Everything checked: apply.  Other fields (instructions, voice, tools, ...) change nothing
-        # here, so they are neither kept nor echoed: session.updated shows what is in effect.
+        audio_input = audio.get("input") if type(audio) is dict else None
+        audio_input = audio_input if type(audio_input) is dict else {}
+        detection: object = _UNSET
+        for field, value in (("session.audio.input.turn_detection", audio_input.get("turn_detection", _UNSET)),
+                             ("session.turn_detection", session.get("turn_detection", _UNSET))):
+            if value is not _UNSET:
+                detection = parse_turn_detection(value, field)
+                if isinstance(detection, str):
+                    return invalid("invalid_value", detection)
+        warnings = [self._warning(field, why, event_id) for field, why in unsupported_settings(session, audio_input)]
+        # Everything checked: apply.  Other fields (instructions, voice, ...) change nothing here,
+        # so they are neither kept nor echoed: session.updated shows what is in effect.
+        if detection is not _UNSET:
+            self._set_turn_detection(detection)  # type: ignore[arg-type]
         new_input = specs.get("input", self.input_spec)
         new_output = specs.get("output", self.output_spec)
         changed = new_input != self.input_spec or new_output != self.output_spec
         self.input_spec = new_input
         self.output_spec = new_output
         self._audio = self._audio_rules()
+        if self._vad is not None and "input" in specs:
+            self._vad.set_spec(new_input)
+        if self._gate is not None:
+            self._gate.set_spec(new_output)
         updated = self._event("session.updated", session=self._session_object())
         if changed:
-            return Reconfigure(messages=(updated,))
+            return Reconfigure(messages=(updated, *warnings))
         # Same formats: the session's decoder and encoder keep their state (no resampler restart).
-        return Reply((updated,))
+        return Reply((updated, *warnings))
+
+    def _set_turn_detection(self, settings: VadSettings | None) -> None:
+        if settings is None:
+            self._vad = None
+        elif self._vad is None:
+            self._vad = InputVad(settings, self.input_spec)
+        else:  # new settings, same stream: speech under way stays under way
+            self._vad.settings = settings
+            self._vad.set_mode(settings.mode)
+
+    def _warning(self, field: str, why: str, event_id: str | None) -> Message:
+        """A setting that cannot be honoured: said once, as a non-fatal error naming the field."""
+        return self.error(ProtocolError("unsupported_setting", f"{field}: {why}; the rest of the "
+                                        "session.update is applied and the session goes on", event_id=event_id))[0]
 
     def _parse_format(self, value: object, field: str, event_id: str | None) -> AudioSpec | ProtocolError:
         """A GA format object ({"type": "audio/pcm", "rate": 24000}) or a format name (GA or beta)."""
@@ -552,6 +792,9 @@ class RealtimeProtocol(Translator):
             body["rate"] = spec.sample_rate
         return body
 
+    def _turn_detection_object(self) -> dict[str, Any] | None:
+        return None if self._vad is None else render_turn_detection(self._vad.settings, duplex=self.duplex)
+
     def _session_object(self) -> dict[str, Any]:
         if self.beta:
             session: dict[str, Any] = {
@@ -561,6 +804,7 @@ class RealtimeProtocol(Translator):
                 "modalities": ["audio", "text"],
                 "input_audio_format": _BETA_NAMES.get(self.input_spec.format, self.input_spec.format.value),
                 "output_audio_format": _BETA_NAMES.get(self.output_spec.format, self.output_spec.format.value),
+                "turn_detection": self._turn_detection_object(),
             }
             # pcm16 means 24 kHz in the beta protocol; say so when the client chose another rate.
             for direction, spec in (("input", self.input_spec), ("output", self.output_spec)):
@@ -574,7 +818,8 @@ class RealtimeProtocol(Translator):
                 "model": self.model,
                 "output_modalities": ["audio"],
                 "audio": {
-                    "input": {"format": self._format_object(self.input_spec)},
+                    "input": {"format": self._format_object(self.input_spec),
+                              "turn_detection": self._turn_detection_object()},
                     "output": {"format": self._format_object(self.output_spec)},
                 },
             }
@@ -589,6 +834,7 @@ class RealtimeProtocol(Translator):
             "status_details": details,
             "output": output,
             "usage": usage,
+            "metadata": response.fields.get("metadata"),
         }
         if self.beta:
             body["modalities"] = ["audio", "text"]
@@ -596,41 +842,64 @@ class RealtimeProtocol(Translator):
             body["output_modalities"] = ["audio"]
         return body
 
-    def _open_response(self, target: int | None) -> str:
+    def _open_response(self, target: int | None, fields: dict[str, Any] | None = None) -> list[Message]:
+        """A new response and its one output item (an assistant message with one audio part),
+        announced in the order the protocol gives: clients create the per-item state they play
+        audio from on these events, so they all come before the first delta."""
         response = _Response(f"resp_{next(self._response_ids)}", self._new_item_id(), target,
-                             self._audio_delta, self._text_delta)
+                             self._audio_delta, self._text_delta, fields)
         self._response = response
         self._last_response_id = response.id
-        return self._event("response.created",
-                           response=self._response_object(response, "in_progress", None, None, []))
+        self._quiet = 0
+        item = self._assistant_item(response, "in_progress", None)
+        previous = self._items.add(item)
+        self._last_item_id = response.item_id
+        return [
+            self._event("response.created",
+                        response=self._response_object(response, "in_progress", None, None, [])),
+            self._event("response.output_item.added", response_id=response.id, output_index=0, item=item),
+            self._event("conversation.item.created" if self.beta else "conversation.item.added",
+                        previous_item_id=previous, item=item),
+            self._event("response.content_part.added", **self._where(response),
+                        part={"type": "audio", "transcript": ""}),
+        ]
+
+    def _assistant_item(self, response: _Response, status: str, transcript: str | None) -> dict[str, Any]:
+        content = [] if transcript is None else [
+            {"type": "audio" if self.beta else "output_audio", "transcript": transcript}]
+        return message_item(response.item_id, "assistant", content, beta=self.beta, status=status)
+
+    @staticmethod
+    def _where(response: _Response) -> dict[str, Any]:
+        return {"response_id": response.id, "item_id": response.item_id, "output_index": 0, "content_index": 0}
 
     def _close_response(self, status: str, details: dict[str, Any] | None,
                         usage: dict[str, Any] | None = None) -> list[Message]:
-        """The events that end the active response, which is then closed."""
+        """The events that end the active response, which is then closed: its part, its item,
+        then the response itself."""
         response = self._response
         assert response is not None
         self._response = None
-        messages: list[Message] = []
-        where = {"response_id": response.id, "item_id": response.item_id, "output_index": 0, "content_index": 0}
+        where = self._where(response)
         transcript = "".join(response.transcript)
-        output = []
-        if response.audio_sent or transcript:
-            if response.audio_sent:
-                messages.append(self._event(self._audio_done, **where))
-            if transcript:
-                messages.append(self._event(self._text_done, **where, transcript=transcript))
-            self._last_item_id = response.item_id
-            output.append({
-                "id": response.item_id,
-                "object": "realtime.item",
-                "type": "message",
-                "role": "assistant",
-                "status": "completed" if status == "completed" else "incomplete",
-                "content": [{"type": "audio" if self.beta else "output_audio", "transcript": transcript}],
-            })
+        item = self._assistant_item(response, "completed" if status == "completed" else "incomplete",
+                                    transcript)
+        if self._items.get(response.item_id) is not None:
+            self._items.add(item)  # replaces the in-progress rendering, in place
+        messages: list[Message] = []
+        if response.audio_sent:
+            messages.append(self._event(self._audio_done, **where))
+        if transcript:
+            messages.append(self._event(self._text_done, **where, transcript=transcript))
+        messages += [
+            self._event("response.content_part.done", **where, part={"type": "audio", "transcript": transcript}),
+            self._event("response.output_item.done", response_id=response.id, output_index=0, item=item),
+        ]
+        if not self.beta:
+            messages.append(self._event("conversation.item.done", item=item))
         if usage is None:
             frames_in = response.target if response.target is not None else self.progress.frames_in
             usage = _usage(frames_in, response.frames, len(response.transcript))
         messages.append(self._event("response.done",
-                                    response=self._response_object(response, status, details, usage, output)))
+                                    response=self._response_object(response, status, details, usage, [item])))
         return messages

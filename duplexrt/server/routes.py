@@ -9,7 +9,7 @@ import attrs
 from duplexrt.audio import AudioFormatError
 from duplexrt.config import Config
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.options import duplex_specs, wants_duplex
+from duplexrt.protocols.options import duplex_specs, wants_continuous, wants_duplex
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.server.http import BadRequest, RequestHead
 
@@ -32,14 +32,20 @@ def _duplex(head: RequestHead, config: Config) -> Translator:
     return RawProtocol(input_spec, output_spec, announce=True)
 
 
-def _realtime(head: RequestHead, config: Config) -> Translator:
+def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Translator:
     from duplexrt.protocols.realtime import RealtimeProtocol
 
     beta = "realtime=v1" in head.header("openai-beta").replace(" ", "").lower()
-    duplex = wants_duplex(head.query)
+    duplex = duplex or wants_duplex(head.query)
+    realtime = config.realtime
     return RealtimeProtocol(model_rate=config.audio.sample_rate, beta=beta, duplex=duplex,
                             model=head.query.get("model") or config.backend.name,
-                            max_message_seconds=config.audio.max_message_seconds)
+                            max_message_seconds=config.audio.max_message_seconds,
+                            duplex_gate_dbfs=realtime.duplex_gate_dbfs
+                            if realtime.duplex_split_responses and not wants_continuous(head.query) else None,
+                            duplex_hangover_ms=realtime.duplex_hangover_ms,
+                            frame_seconds=config.audio.frame_seconds,
+                            server_vad=realtime.turn_detection == "server_vad")
 
 
 def _moshi(head: RequestHead, config: Config) -> Translator:
@@ -58,6 +64,9 @@ def _live(head: RequestHead, config: Config) -> Translator:
 ROUTES: dict[str, Route] = {
     "/v1/duplex": Route("duplex", _duplex, lambda c: c.server.max_message_bytes),
     "/v1/realtime": Route("realtime", _realtime, lambda c: c.server.realtime_max_message_bytes),
+    # Duplex without the query string: frameworks append their own ``?model=`` to a base URL.
+    "/v1/realtime/duplex": Route("realtime", lambda h, c: _realtime(h, c, duplex=True),
+                                 lambda c: c.server.realtime_max_message_bytes),
     "/api/chat": Route("moshi", _moshi, lambda c: c.server.max_message_bytes),
     "/v1/live/sessions": Route("live", _live, lambda c: c.server.realtime_max_message_bytes),
 }

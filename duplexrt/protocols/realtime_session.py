@@ -1,0 +1,89 @@
+"""The parts of a Realtime ``session.update`` beyond audio formats: turn detection, and the
+settings a speech-to-speech model cannot honour.
+
+Kept apart from the translator so that what is in force, and what is refused, reads in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from duplexrt.protocols.events import quote
+from duplexrt.protocols.vad import VadSettings
+
+__all__ = ["parse_turn_detection", "render_turn_detection", "unsupported_settings"]
+
+#: Longest prefix padding or silence duration accepted (ms).
+_MAX_MS = 10_000
+
+
+def parse_turn_detection(value: object, field: str) -> VadSettings | None | str:
+    """``turn_detection`` as settings, None (off: the client commits), or an error message.
+
+    ``semantic_vad`` is served by the same VAD: there is no semantic end-of-turn model here, and
+    ``session.updated`` says ``server_vad`` so the client knows."""
+    if value is None or value is False:
+        return None
+    if type(value) is not dict:
+        return f"{field} must be an object or null, got {quote(value)}"
+    kind = value.get("type", "server_vad")
+    if kind not in ("server_vad", "semantic_vad"):
+        return f"{field}.type must be 'server_vad' or 'semantic_vad' (or turn_detection null), got {quote(kind)}"
+    settings = VadSettings()
+    threshold = value.get("threshold")
+    if threshold is not None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
+            return f"{field}.threshold must be a number from 0 to 1, got {quote(threshold)}"
+        settings.threshold = float(threshold)
+    for name in ("prefix_padding_ms", "silence_duration_ms"):
+        ms = value.get(name)
+        if ms is None:
+            continue
+        if isinstance(ms, bool) or not isinstance(ms, int) or not 0 <= ms <= _MAX_MS:
+            return f"{field}.{name} must be a whole number of ms from 0 to {_MAX_MS}, got {quote(ms)}"
+        setattr(settings, name, ms)
+    for name in ("create_response", "interrupt_response"):
+        flag = value.get(name)
+        if flag is None:
+            continue
+        if not isinstance(flag, bool):
+            return f"{field}.{name} must be true or false, got {quote(flag)}"
+        setattr(settings, name, flag)
+    return settings
+
+
+def render_turn_detection(settings: VadSettings, *, duplex: bool) -> dict[str, Any]:
+    """What is in force.  In duplex mode the model decides when it speaks and how it takes an
+    interruption, so the VAD only reports speech: no automatic response, no cancelling."""
+    return {
+        "type": "server_vad",
+        "threshold": settings.threshold,
+        "prefix_padding_ms": settings.prefix_padding_ms,
+        "silence_duration_ms": settings.silence_duration_ms,
+        "create_response": settings.create_response and not duplex,
+        "interrupt_response": settings.interrupt_response and not duplex,
+        "idle_timeout_ms": None,
+    }
+
+
+def unsupported_settings(session: dict[str, Any], audio_input: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, why) for each setting the client asked for that cannot be honoured.  Settings
+    every framework sends by default and that change nothing audible (voice, instructions) are
+    left out: they are simply not in force, and ``session.updated`` does not list them."""
+    found: list[tuple[str, str]] = []
+    tools = session.get("tools")
+    if isinstance(tools, list) and tools:
+        found.append(("session.tools", "this speech-to-speech model cannot call tools"))
+    for field, value in (("session.audio.input.transcription", audio_input.get("transcription")),
+                         ("session.input_audio_transcription", session.get("input_audio_transcription"))):
+        if value:
+            found.append((field, "input transcription is not available: the model has no speech recognition"))
+    for field, value in (("session.audio.input.turn_detection.idle_timeout_ms",
+                          (audio_input.get("turn_detection") or {}).get("idle_timeout_ms")
+                          if type(audio_input.get("turn_detection")) is dict else None),
+                         ("session.turn_detection.idle_timeout_ms",
+                          (session.get("turn_detection") or {}).get("idle_timeout_ms")
+                          if type(session.get("turn_detection")) is dict else None)):
+        if value is not None:
+            found.append((field, "idle timeouts are not supported"))
+    return found

@@ -1,0 +1,183 @@
+"""Speech detection for the Realtime protocol: a VAD on the client's input, a level gate on the output.
+
+Both work on the audio as it is on the wire (pcm16 or G.711 at the client's rate), inside the
+translator: they need no thread and no decoded copy from the session.
+
+* ``InputVad`` is the server VAD that ``turn_detection: {"type": "server_vad"}`` asks for.  The
+  speech/non-speech decision per 20 ms window is WebRTC's VAD (``webrtcvad-wheels``: a small C
+  extension, no model file), which accepts 8, 16, 32 or 48 kHz; other rates are brought to one of
+  those first.  A spectral-flatness check keeps steady broadband noise, which WebRTC's VAD
+  calls speech, from starting a turn.  Around it sit the protocol's rules: speech starts after a short run of speech
+  windows (reported ``prefix_padding_ms`` earlier), and stops after ``silence_duration_ms`` of
+  non-speech.
+* ``OutputGate`` tells whether a batch of the model's output is sound or silence, by its mean
+  power against a dBFS threshold: a full-duplex model's continuous output is cut into responses
+  at its pauses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import webrtcvad
+
+from duplexrt.audio import AudioFormat, AudioSpec
+from duplexrt.audio.g711 import alaw_decode, ulaw_decode
+
+__all__ = ["InputVad", "OutputGate", "VadSettings"]
+
+#: The rates WebRTC's VAD takes, and the window it is asked about.
+_VAD_RATES = (8000, 16000, 32000, 48000)
+_WINDOW_MS = 20
+#: Speech must last this long before it counts as started: one speech-like click is not a turn.
+_MIN_SPEECH_MS = 60
+#: WebRTC's VAD takes loud steady broadband noise (a fan, hiss) for speech; a window that flat
+#: (white noise sits near 0.5, voiced speech near 0.1) is not speech whatever it says.
+_MAX_FLATNESS = 0.4
+
+
+def _as_int16(raw: bytes, fmt: AudioFormat) -> np.ndarray:
+    """The wire audio as int16 samples (the translator only lets pcm16 and G.711 in)."""
+    if fmt is AudioFormat.PCM_S16LE:
+        return np.frombuffer(raw, dtype="<i2")
+    codes = np.frombuffer(raw, dtype=np.uint8)
+    decoded = ulaw_decode(codes) if fmt is AudioFormat.G711_ULAW else alaw_decode(codes)
+    return (decoded * 32767.0).astype(np.int16)
+
+
+class VadSettings:
+    """``turn_detection`` as the server applies it (server_vad; semantic_vad is served by it)."""
+
+    __slots__ = ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                 "interrupt_response")
+
+    def __init__(self, threshold: float = 0.5, prefix_padding_ms: int = 300,
+                 silence_duration_ms: int = 500, create_response: bool = True,
+                 interrupt_response: bool = True) -> None:
+        self.threshold = threshold
+        self.prefix_padding_ms = prefix_padding_ms
+        self.silence_duration_ms = silence_duration_ms
+        self.create_response = create_response
+        self.interrupt_response = interrupt_response
+
+    @property
+    def mode(self) -> int:
+        """WebRTC's aggressiveness (0..3) for the protocol's threshold (0..1): a higher threshold
+        asks for more certainty before calling a window speech."""
+        return min(3, max(0, round(self.threshold * 3)))
+
+
+class InputVad:
+    """Speech start and stop over a stream of client audio, in milliseconds of that audio."""
+
+    def __init__(self, settings: VadSettings, spec: AudioSpec) -> None:
+        self.settings = settings
+        self._vad = webrtcvad.Vad(settings.mode)
+        self.elapsed_ms = 0.0  # audio fed so far
+        self.speaking = False
+        self._speech_ms = 0.0  # current run of speech windows
+        self._silence_ms = 0.0  # current run of non-speech windows while speaking
+        self.set_spec(spec)
+
+    def set_mode(self, mode: int) -> None:
+        self._vad.set_mode(mode)
+
+    def set_spec(self, spec: AudioSpec) -> None:
+        """The client's input format changed: what is still carried is dropped (a part window)."""
+        self._format = spec.format
+        rate = spec.sample_rate
+        self._in_window = max(1, round(rate * _WINDOW_MS / 1000))
+        if rate in _VAD_RATES:
+            self._vad_rate = rate
+        elif rate % 8000 == 0 and rate < 8000 * 16:
+            self._vad_rate = 8000  # whole-number decimation, averaged: cheap and alias-damped
+        else:
+            self._vad_rate = 16000
+        self._vad_window = self._vad_rate * _WINDOW_MS // 1000
+        self._window_ms = self._in_window * 1000 / rate
+        self._carry = np.empty(0, dtype=np.int16)
+
+    def feed(self, raw: bytes) -> list[tuple[str, int]]:
+        """Decide on the whole windows ``raw`` completes; return the transitions it brings, as
+        ``("started", audio_start_ms)`` or ``("stopped", audio_end_ms)``."""
+        samples = _as_int16(raw, self._format)
+        if self._carry.size:
+            samples = np.concatenate((self._carry, samples))
+        whole = samples.size // self._in_window
+        self._carry = samples[whole * self._in_window:].copy()
+        if not whole:
+            return []
+        windows = self._for_vad(samples[:whole * self._in_window], whole)
+        is_speech, rate = self._vad.is_speech, self._vad_rate
+        speech = [is_speech(window.tobytes(), rate) for window in windows]
+        candidates = [index for index, said in enumerate(speech) if said]
+        if candidates:  # the noise check costs an FFT: only where WebRTC's VAD heard speech
+            for index, flatness in zip(candidates, _flatness(windows[candidates]), strict=True):
+                speech[index] = flatness < _MAX_FLATNESS
+        events: list[tuple[str, int]] = []
+        settings = self.settings
+        window_ms = self._window_ms
+        for index in range(whole):
+            self.elapsed_ms += window_ms
+            if speech[index]:
+                self._speech_ms += window_ms
+                self._silence_ms = 0.0
+                if not self.speaking and self._speech_ms >= _MIN_SPEECH_MS:
+                    self.speaking = True
+                    start = self.elapsed_ms - self._speech_ms - settings.prefix_padding_ms
+                    events.append(("started", max(0, round(start))))
+            else:
+                self._speech_ms = 0.0
+                if self.speaking:
+                    self._silence_ms += window_ms
+                    if self._silence_ms >= settings.silence_duration_ms:
+                        self.speaking = False
+                        self._silence_ms = 0.0
+                        events.append(("stopped", round(self.elapsed_ms)))
+        return events
+
+    def _for_vad(self, block: np.ndarray, whole: int) -> np.ndarray:
+        """``whole`` windows (one a row) at a rate WebRTC's VAD takes."""
+        size = self._vad_window
+        if self._in_window == size:
+            return block.reshape(whole, size)
+        if self._in_window % size == 0:  # average each run of ``factor`` samples (strided adds)
+            factor = self._in_window // size
+            total = block[0::factor].astype(np.int32)
+            for offset in range(1, factor):
+                total += block[offset::factor]
+            return (total // factor).astype(np.int16).reshape(whole, size)
+        windows = block.reshape(whole, self._in_window)
+        positions = np.linspace(0, windows.shape[1] - 1, size)
+        grid = np.arange(windows.shape[1])
+        return np.stack([np.interp(positions, grid, row) for row in windows]).astype(np.int16)
+
+
+def _flatness(windows: np.ndarray) -> np.ndarray:
+    """Spectral flatness per window (1: white noise, near 0: a voice's harmonics)."""
+    power = np.abs(np.fft.rfft(windows.astype(np.float32), axis=1)) ** 2 + 1e-3
+    return np.exp(np.log(power).mean(axis=1)) / power.mean(axis=1)
+
+
+class OutputGate:
+    """Sound or silence, for one batch of model output in the client's output format."""
+
+    def __init__(self, threshold_dbfs: float, spec: AudioSpec) -> None:
+        self.threshold_dbfs = threshold_dbfs
+        self.set_spec(spec)
+
+    def set_spec(self, spec: AudioSpec) -> None:
+        self._format = spec.format
+        # Mean power of a full-scale int16 signal at the threshold: compared without a log.
+        self._floor = (10 ** (self.threshold_dbfs / 20) * 32768.0) ** 2
+
+    def quiet_tail(self, payload: bytes, frames: int) -> int:
+        """How many of the batch's last frames are quiet (``frames``: all of them).  A batch is
+        judged frame by frame: a client that sends faster than real time gets batches of many
+        frames, and a pause must be measured from where the sound ended, not from the batch."""
+        samples = _as_int16(payload, self._format).astype(np.float32)
+        per_frame = samples.size // frames if frames else 0
+        if not per_frame:
+            return frames
+        rows = samples[samples.size - per_frame * frames:].reshape(frames, per_frame)
+        loud = np.flatnonzero(np.einsum("ij,ij->i", rows, rows) > self._floor * per_frame)
+        return frames if not loud.size else frames - 1 - int(loud[-1])
