@@ -28,7 +28,7 @@ import trio_websocket
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
 #: Slots per replica: replica 1 is smaller, so it fills first while the others still have room.
-SLOTS = {"r1": 8, "r2": 16, "r3": 16}
+SLOTS = {"r1": 16, "r2": 32, "r3": 32}
 START_TIMEOUT_S = 60.0
 PATIENCE_S = 10.0
 #: The config's check interval (`inter 500ms`) and one check's own time, on a loaded CI machine.
@@ -158,10 +158,10 @@ def _count(sessions) -> dict[str, int]:
 
 async def test_replicas_behind_haproxy_spread_fill_and_drain(cluster):
     async with trio.open_nursery() as nursery:
-        # Least connections, one session at a time: an even spread (8 each), which fills r1.
-        sessions = [await _open(nursery, cluster.lb_port) for _ in range(24)]
+        # Least connections, one session at a time: an even spread (3 x 16), which fills r1.
+        sessions = [await _open(nursery, cluster.lb_port) for _ in range(48)]
         counts = _count(sessions)
-        assert all(abs(n - 8) <= 1 for n in counts.values()), counts
+        assert all(abs(n - 16) <= 1 for n in counts.values()), counts
         for name in SLOTS:
             assert cluster.ready(name)[1]["sessions"] == counts[name]
         status, body = cluster.ready("r1")
@@ -175,7 +175,7 @@ async def test_replicas_behind_haproxy_spread_fill_and_drain(cluster):
         refused_before = cluster.refused("r1", "no_free_slot")
         sessions += [await _open(nursery, cluster.lb_port) for _ in range(8)]
         counts = _count(sessions)
-        assert counts["r1"] == 8 and abs(counts["r2"] - counts["r3"]) <= 1, counts
+        assert counts["r1"] == 16 and abs(counts["r2"] - counts["r3"]) <= 1, counts
         assert cluster.refused("r1", "no_free_slot") == refused_before
 
         # SIGTERM drains r2: /readyz is 503 "draining" at once, its sessions end with reason
