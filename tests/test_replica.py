@@ -94,3 +94,42 @@ async def test_serve_tags_every_log_line_with_the_replica_id(caplog):
     serving = next(r for r in records if "serving" in r.getMessage())
     assert serving.getMessage().startswith("[replica gpu-7] ") and serving.replica_id == "gpu-7"
     assert not handler.filters  # removed again when serve returns
+
+
+def test_the_serve_command_takes_the_replica_id_from_its_variable(tmp_path):
+    """The real command: DUPLEXRT_REPLICA_ID names the replica in /readyz and in its log lines."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "duplexrt_cli.app", "serve", "--port", str(port)],
+                                env={**os.environ, "DUPLEXRT_REPLICA_ID": "node-a"}, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as answer:
+                    ready = json.loads(answer.read())
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.1)  # a real process starting: no event to wait on
+        assert ready["replica_id"] == "node-a"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    serving = [line for line in log_path.read_text().splitlines() if "duplexrt serving" in line]
+    assert len(serving) == 1 and "[replica node-a] duplexrt serving" in serving[0]
