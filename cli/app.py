@@ -322,6 +322,9 @@ def serve(
                                                    envvar="DUPLEXRT_API_KEY")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.",
                                            envvar="DUPLEXRT_LOG_LEVEL")] = "warning",
+    replica_id: Annotated[Optional[str], typer.Option(help="This replica's name behind a load balancer, in "
+                                                           "/readyz, /metrics and the log (default: host "
+                                                           "name:port).", envvar="DUPLEXRT_REPLICA_ID")] = None,
     collect_stage_metrics: CollectOption = None,
     log_stats_flag: LogStatsOption = None,
     config: ConfigOption = None,
@@ -354,6 +357,8 @@ def serve(
             overrides.append(f"server.port={port}")
         if api_key is not None:
             overrides.append(f"server.api_key={_quoted(api_key)}")
+        if replica_id is not None:
+            overrides.append(f"server.replica_id={_quoted(replica_id)}")
         cfg = load_config(presets.resolve(config), overrides)
         trio.run(run_server, cfg)
     except (ConfigError, BackendLoadError) as exc:

@@ -7,6 +7,7 @@ an invalid one stops start-up with a message naming the key, the allowed range a
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -128,6 +129,18 @@ def _stripped(value: object) -> object:
     return value.strip() if isinstance(value, str) else value
 
 
+def _is_replica_id(key: str):
+    # It lands in log lines, a Prometheus label and balancer configs: a plain name only.
+    def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, str) or not _REPLICA_ID.fullmatch(value):
+            raise ConfigError(f"{key} must be empty or up to 128 of A-Z a-z 0-9 . _ : -, got {value!r}")
+
+    return check
+
+
+_REPLICA_ID = re.compile(r"[A-Za-z0-9._:-]{0,128}")
+
+
 def _is_api_key(key: str):
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, str):
@@ -199,6 +212,9 @@ class ServerConfig:
     #: (a plain GET whose head is already there is still answered, so /metrics works).
     max_pending_handshakes: int = attrs.field(
         default=256, validator=_int_range("server.max_pending_handshakes", 1, 65536))
+    #: This replica's name behind a load balancer, shown in /readyz, /metrics and the log.
+    #: Empty: the host name and the bound port (``gpu-node-3:8000``).
+    replica_id: str = attrs.field(default="", converter=_stripped, validator=_is_replica_id("server.replica_id"))
 
 
 @attrs.frozen(kw_only=True)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from binascii import b2a_base64
 from collections.abc import Callable, Sequence
 from typing import Any

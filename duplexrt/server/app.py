@@ -14,6 +14,7 @@ import json
 import logging
 import socket
 from collections import Counter
+from functools import partial
 
 import trio
 import trio_websocket
@@ -68,7 +69,10 @@ class Server:
         self._transports: set[WebSocketTransport] = set()
         self._all_closed = trio.lowlevel.ParkingLot()
         self._draining = False
+        self._drain_requested = trio.Event()
         self._accept_scope: trio.CancelScope | None = None
+        #: This replica's name behind a balancer (``server.replica_id``, else host:port once bound).
+        self.replica_id = config.server.replica_id
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(self))
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
@@ -83,15 +87,21 @@ class Server:
             self.runtime = runtime
             listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
             self.ports = sorted({listener.socket.getsockname()[1] for listener in listeners})
+            self.replica_id = self.replica_id or f"{socket.gethostname()}:{self.ports[0]}"
             async with trio.open_nursery() as connections:
                 if self.config.metrics.log_stats:
                     connections.start_soon(log_stats, runtime, self.config.metrics.log_stats_interval_s)
-                with trio.CancelScope() as self._accept_scope:
-                    if self._draining:  # a signal came while the model was loading
-                        self._accept_scope.cancel()
+                async with trio.open_nursery() as accepting:
+                    self._accept_scope = accepting.cancel_scope
+                    accepting.start_soon(partial(trio.serve_listeners, self._handle, listeners,
+                                                 handler_nursery=connections))
                     task_status.started(self)
-                    await trio.serve_listeners(self._handle, listeners, handler_nursery=connections)
-                await self._drain()
+                    await self._drain_requested.wait()
+                    # Still listening while the sessions finish: a balancer's health check gets
+                    # /readyz 503 "draining" (not a refused connection it might retry), and a new
+                    # session gets a 503 it can take elsewhere.
+                    await self._drain()
+                    accepting.cancel_scope.cancel()
                 connections.cancel_scope.cancel()
 
     def shutdown(self) -> None:
@@ -100,8 +110,7 @@ class Server:
             return
         self._draining = True
         log.info("shutting down: %d session(s) to drain", len(self.runtime.sessions) if self.runtime else 0)
-        if self._accept_scope is not None:
-            self._accept_scope.cancel()
+        self._drain_requested.set()
 
     def abort(self) -> None:
         """Drop every connection now, closing handshakes under way included: nothing is left for
@@ -116,7 +125,11 @@ class Server:
         for session in list(self.runtime.sessions):
             session.shutdown()
         with trio.move_on_after(self.config.server.shutdown_grace_s):
-            while self._open_connections:
+            while self._admitted:
+                await self._all_closed.park()
+            assert self._accept_scope is not None
+            self._accept_scope.cancel()  # the sessions are done: now stop listening
+            while self._open_connections:  # plain HTTP answers under way, handshakes being refused
                 await self._all_closed.park()
 
     # -- connections -----------------------------------------------------------------------------
@@ -219,6 +232,8 @@ class Server:
                                         deadline)
         finally:
             self._admitted -= 1
+            if not self._admitted:
+                self._all_closed.unpark_all()
 
     async def _refuse_pending(self, stream: trio.SocketStream) -> None:
         self.refused["too_many_pending"] += 1
@@ -237,7 +252,11 @@ class Server:
                     request = await trio_websocket.wrap_server_stream(
                         nursery, PrefixedStream(stream, received), message_queue_size=4,
                         max_message_size=max_message, receive_buffer_size=None)
-                    ws = await request.accept(subprotocol=_companion_subprotocol(request.proposed_subprotocols))
+                    # The subprotocol the client really asked for (never a key's), and which
+                    # replica took the session, for a client behind a balancer.
+                    ws = await request.accept(
+                        subprotocol=_companion_subprotocol(request.proposed_subprotocols),
+                        extra_headers=[(b"x-duplexrt-replica", self.replica_id.encode())])
                     transport = WebSocketTransport(ws, settings.first_message_timeout_s,
                                                    close_timeout=settings.close_timeout_s, stream=stream)
                 if transport is None:
@@ -300,7 +319,7 @@ class Server:
             body = {"ready": reason is None, "reason": reason, "model_loaded": scheduler.ready,
                     "draining": self._draining, "backend": runtime.backend.info.name,
                     "slots": scheduler.slots, "free_slots": free, "sessions": runtime.metrics.sessions_active,
-                    "consecutive_step_failures": failures}
+                    "consecutive_step_failures": failures, "replica_id": self.replica_id}
             return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
@@ -370,6 +389,7 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
     import signal
 
     server = Server(config, backend)
+    tag = _ReplicaTag(server)
 
     async def watch_signals(nursery: trio.Nursery, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -381,6 +401,9 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
                     nursery.cancel_scope.cancel()
                 server.shutdown()
 
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(tag)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(watch_signals, nursery)
@@ -394,6 +417,25 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
         if len(leaves) == 1 and isinstance(leaves[0], Exception):
             raise leaves[0] from None
         raise
+    finally:
+        for handler in handlers:
+            handler.removeFilter(tag)
+
+
+class _ReplicaTag(logging.Filter):
+    """Starts every log line with ``[replica ID]``: behind a balancer, many replicas' logs are
+    read together.  The id is known once the port is bound (its default names the port)."""
+
+    def __init__(self, server: Server) -> None:
+        super().__init__()
+        self._server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        replica_id = self._server.replica_id
+        if replica_id and not hasattr(record, "replica_id"):  # one record may pass several handlers
+            record.replica_id = replica_id
+            record.msg = f"[replica {replica_id}] {record.msg}"
+        return True
 
 
 def _say_hello(config: Config, ports: list[int]) -> None:

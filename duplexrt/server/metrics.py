@@ -35,6 +35,10 @@ class RuntimeCollector:
         scheduler = runtime.scheduler
         metrics = runtime.metrics
         handoffs = runtime.handoffs.statistics()
+        replica = GaugeMetricFamily("duplexrt_replica_info", "This replica's name behind a load balancer (always 1).",
+                                    labels=["replica_id"])
+        replica.add_metric([self._server.replica_id], 1)
+        yield replica
         yield GaugeMetricFamily("duplexrt_sessions_active", "Sessions being served now.", metrics.sessions_active)
         yield CounterMetricFamily("duplexrt_sessions_opened", "Sessions opened since start.", metrics.sessions_opened)
         refused = CounterMetricFamily("duplexrt_connections_refused", "WebSocket connections refused, by reason.",

@@ -1,0 +1,209 @@
+"""Three real `duplexrt serve` replicas behind a real HAProxy running deploy/haproxy/haproxy.cfg
+unchanged, all on loopback: what each replica tells the balancer (/readyz) decides where
+sessions go, and a SIGTERM drains one replica without cutting anything new.
+
+CI installs HAProxy (.ci/run); elsewhere this one module is skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import trio
+import trio_websocket
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
+#: Slots per replica: replica 1 is smaller, so it fills first while the others still have room.
+SLOTS = {"r1": 16, "r2": 32, "r3": 32}
+START_TIMEOUT_S = 60.0
+PATIENCE_S = 10.0
+#: The config's check interval (`inter 500ms`) and one check's own time, on a loaded CI machine.
+CHECK_INTERVAL_S = 0.5
+CHECK_SLACK_S = 1.0
+
+pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None,
+                                reason="HAProxy is not installed (CI installs it: .ci/run)")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    """One plain HTTP GET (blocking, short): the status and body, 503 included."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.ports = {name: _free_port() for name in SLOTS}
+        self.lb_port = _free_port()
+        self.stats_port = _free_port()
+        self.replicas: dict[str, subprocess.Popen] = {}
+        self.haproxy: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_TORCH_COMPILE": "1"}
+        for name, slots in SLOTS.items():
+            with (self.tmp / f"{name}.log").open("w") as log:
+                self.replicas[name] = subprocess.Popen(
+                    [sys.executable, "-m", "duplexrt_cli.app", "serve", "--port", str(self.ports[name]),
+                     "--replica-id", name, "--slots", str(slots), "--log-level", "info",
+                     "--set", "server.first_message_timeout_s=120", "--set", "server.shutdown_grace_s=10"],
+                    env=env, stdout=log, stderr=subprocess.STDOUT)
+        lb_env = {**os.environ, "DUPLEXRT_LB_BIND": f"127.0.0.1:{self.lb_port}",
+                  "DUPLEXRT_LB_STATS": f"127.0.0.1:{self.stats_port}",
+                  **{f"DUPLEXRT_REPLICA_{i}": f"127.0.0.1:{self.ports[name]}" for i, name in enumerate(SLOTS, 1)}}
+        with (self.tmp / "haproxy.log").open("w") as log:
+            self.haproxy = subprocess.Popen(["haproxy", "-db", "-f", str(CONFIG)], env=lb_env, stdout=log,
+                                            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for name, proc in self.replicas.items():
+                assert proc.poll() is None, f"{name} exited:\n{self.log(name)}"
+            assert self.haproxy.poll() is None, f"haproxy exited:\n{self.log('haproxy')}"
+            try:
+                if all(status == "UP" for status in self.balancer_status().values()):
+                    return
+            except (OSError, urllib.error.URLError):  # HAProxy not listening yet
+                pass
+            time.sleep(0.2)  # real processes starting: no event to wait on
+        raise AssertionError(f"not all replicas UP: {self.balancer_status()}\n{self.log('haproxy')}")
+
+    def stop(self) -> None:
+        for proc in [*self.replicas.values(), self.haproxy]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()[-3000:]
+
+    def balancer_status(self) -> dict[str, str]:
+        """HAProxy's own view: UP, DOWN... per replica, from its stats CSV."""
+        status, body = _get(self.stats_port, "/stats;csv")
+        assert status == 200
+        rows = csv.DictReader(io.StringIO(body.decode().lstrip("# ")))
+        return {row["svname"]: row["status"] for row in rows if row["pxname"] == "replicas"
+                and row["svname"].startswith("replica")}
+
+    def ready(self, name: str) -> tuple[int, dict]:
+        status, body = _get(self.ports[name], "/readyz")
+        return status, json.loads(body)
+
+    def refused(self, name: str, reason: str) -> float:
+        _, body = _get(self.ports[name], "/metrics")
+        for line in body.decode().splitlines():
+            if line.startswith(f'duplexrt_connections_refused_total{{reason="{reason}"}}'):
+                return float(line.split()[-1])
+        return 0.0
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    running = Cluster(tmp_path)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+async def _open(nursery: trio.Nursery, port: int) -> tuple[trio_websocket.WebSocketConnection, str]:
+    """A session through the balancer: its connection and the replica that took it."""
+    with trio.fail_after(PATIENCE_S):
+        ws = await trio_websocket.connect_websocket_url(nursery, f"ws://127.0.0.1:{port}/v1/duplex")
+        created = json.loads(await ws.get_message())
+    assert created["type"] == "session.created", created
+    headers = dict(ws.handshake_headers)
+    return ws, headers[b"x-duplexrt-replica"].decode()
+
+
+async def _end_of(ws: trio_websocket.WebSocketConnection) -> dict:
+    """Read to the session's end: its session.end event."""
+    with trio.fail_after(PATIENCE_S):
+        while True:
+            message = await ws.get_message()
+            if isinstance(message, str) and (event := json.loads(message))["type"] == "session.end":
+                return event
+
+
+def _count(sessions) -> dict[str, int]:
+    counts = {name: 0 for name in SLOTS}
+    for _, replica in sessions:
+        counts[replica] += 1
+    return counts
+
+
+async def test_replicas_behind_haproxy_spread_fill_and_drain(cluster):
+    async with trio.open_nursery() as nursery:
+        # Least connections, one session at a time: an even spread (3 x 16), which fills r1.
+        sessions = [await _open(nursery, cluster.lb_port) for _ in range(48)]
+        counts = _count(sessions)
+        assert all(abs(n - 16) <= 1 for n in counts.values()), counts
+        for name in SLOTS:
+            assert cluster.ready(name)[1]["sessions"] == counts[name]
+        status, body = cluster.ready("r1")
+        assert (status, body["reason"], body["replica_id"]) == (503, "no_free_slot", "r1")
+
+        # A full replica gets nothing new: once its check has failed, HAProxy sends it no
+        # upgrade at all (its refusal count stays put), and every client still gets a session.
+        with trio.fail_after(CHECK_INTERVAL_S + CHECK_SLACK_S):
+            while cluster.balancer_status()["replica1"] != "DOWN":
+                await trio.sleep(0.05)
+        refused_before = cluster.refused("r1", "no_free_slot")
+        sessions += [await _open(nursery, cluster.lb_port) for _ in range(8)]
+        counts = _count(sessions)
+        assert counts["r1"] == 16 and abs(counts["r2"] - counts["r3"]) <= 1, counts
+        assert cluster.refused("r1", "no_free_slot") == refused_before
+
+        # SIGTERM drains r2: /readyz is 503 "draining" at once, its sessions end with reason
+        # shutdown, HAProxy takes it out within a check interval, new sessions go elsewhere.
+        on_r2 = [ws for ws, replica in sessions if replica == "r2"]
+        sent = time.monotonic()
+        cluster.replicas["r2"].send_signal(signal.SIGTERM)
+        while True:
+            status, body = cluster.ready("r2")
+            if status == 503:
+                break
+        answered = time.monotonic() - sent
+        assert body["reason"] == "draining" and answered < 0.1, (body, answered)
+        with trio.fail_after(CHECK_INTERVAL_S + CHECK_SLACK_S):
+            while cluster.balancer_status()["replica2"] == "UP":
+                await trio.sleep(0.02)
+        for ws in on_r2:
+            assert (await _end_of(ws))["reason"] == "shutdown"
+        assert await trio.to_thread.run_sync(cluster.replicas["r2"].wait, PATIENCE_S) == 0
+        later = [await _open(nursery, cluster.lb_port) for _ in range(4)]
+        assert {replica for _, replica in later} == {"r3"}
+
+        for ws, _ in sessions + later:
+            await ws.aclose()
+
+    # A whole load run through the balancer passes its guards (every frame, in order, echoed).
+    simulate = await trio.run_process(
+        [sys.executable, "-m", "duplexrt_cli.app", "simulate", "--url", f"ws://127.0.0.1:{cluster.lb_port}/v1/duplex",
+         "--concurrency", "12", "--frames", "10", "--no-progress"],
+        capture_stdout=True, capture_stderr=True, check=False)
+    assert simulate.returncode == 0, simulate.stderr.decode()[-3000:]
