@@ -22,6 +22,7 @@ import trio
 import trio_websocket
 from typer.testing import CliRunner
 
+from conftest import ServeProcess
 from duplexrt.audio import AudioSpec, StreamResampler, make_decoder, make_encoder
 from duplexrt.client.protocols import (
     Ended,
@@ -291,17 +292,8 @@ def test_the_command_line_exit_statuses(tmp_path):
 
 def test_client_and_simulate_url_as_real_processes_against_duplexrt_serve(tmp_path):
     """The commands as a user runs them: `duplexrt serve` in one process, the clients in others."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "duplexrt_cli.app", "serve", "--port", "0", "--log-level", "info",
-         "--slots", "4", "-o", "delay_frames=0"],
-        stderr=subprocess.PIPE, text=True)
-    try:
-        port = None
-        for line in server.stderr:
-            if "port(s)" in line:
-                port = int(line.split("port(s) ")[1].split()[0])
-                break
-        assert port, "the server never said where it listens"
+    with ServeProcess("--slots", "4", "-o", "delay_frames=0") as server:
+        port = server.port
         sent = _wav(tmp_path / "in.wav", _noise(3 * FRAME, seed=11), RATE)
         client = subprocess.run(
             [sys.executable, "-m", "duplexrt_cli.app", "client", str(tmp_path / "in.wav"), "--url",
@@ -322,10 +314,6 @@ def test_client_and_simulate_url_as_real_processes_against_duplexrt_serve(tmp_pa
         assert data["ok"] is True
         (round_,) = data["rounds"]
         assert round_["frames_in"] == round_["frames_out"] == round_["server_frames_in"] == 15
-    finally:
-        server.terminate()
-        server.wait(timeout=15)
-        server.stderr.close()
 
 
 # -- the protocol classes on their own ---------------------------------------------------------------------
