@@ -14,9 +14,12 @@ runner = CliRunner()
 
 
 def test_help_lists_the_commands():
-    result = runner.invoke(app, ["--help"])
+    result = runner.invoke(app, ["--help"], terminal_width=200)
     assert result.exit_code == 0
-    assert "simulate" in result.output
+    for command in ("serve", "simulate", "client"):
+        assert f" {command} " in result.output, command
+    # Each with the first line of its own help, so a user can tell them apart.
+    assert "Serve the model over WebSocket" in result.output
 
 
 def test_simulate_help_explains_the_options():

@@ -87,12 +87,14 @@ def wait_for_state(inbox: Inbox, state: _State) -> None:
     deadline = time.monotonic() + JOIN_TIMEOUT
     while inbox._state is not state:
         assert time.monotonic() < deadline, f"inbox never reached {state}, is {inbox._state}"
+        time.sleep(0.0002)  # lets go of the GIL: a pure spin starves the thread it waits for
 
 
 def wait_until(predicate: Callable[[], bool]) -> None:
     deadline = time.monotonic() + JOIN_TIMEOUT
     while not predicate():
         assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.0002)
 
 
 def open_slots(inbox: Inbox, slots) -> dict[int, Owner]:

@@ -149,3 +149,53 @@ async def test_realtime_turn_carries_every_text_piece_including_the_last():
     [response_done] = [e for e in events if e["type"] == "response.done"]
     usage = response_done["response"]["usage"]
     assert usage["output_token_details"] == {"audio_tokens": frames, "text_tokens": frames}
+
+
+async def test_realtime_turn_reply_said_before_response_create_is_not_lost():
+    """README (realtime, turn mode): a response answers all the input submitted so far.  A fast
+    model may have said its whole answer before the client's response.create arrives; that
+    audio is held and becomes the response's first deltas.  The order is forced, not raced:
+    response.create is sent only once every frame has been stepped and handed to the translator.
+    (tests/test_client.py's turn test once repeated itself five times to hit this order.)"""
+    frames = 3
+    config = make_config("backend.options.delay_frames=0", "runtime.slots=2")
+    pcm = (np.sin(np.arange(frames * FRAME) / 5.0) * 9000).astype("<i2").tobytes()
+    client_end, server_end = memory_transport_pair()
+    events: list[dict] = []
+    done = trio.Event()
+    async with open_runtime(config) as runtime:
+        async def receive() -> None:
+            try:
+                while True:
+                    event = json.loads(await client_end.receive())
+                    events.append(event)
+                    if event["type"] == "response.done":
+                        done.set()
+            except TransportClosed:
+                pass
+
+        async def send(kind: str, **fields) -> None:
+            await client_end.send(json.dumps({"type": kind, **fields}))
+
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runtime.serve, server_end, RealtimeProtocol())
+                nursery.start_soon(receive)
+                await send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
+                await send("input_audio_buffer.commit")
+                while not runtime.sessions:
+                    await trio.sleep(0.001)
+                (session,) = runtime.sessions
+                while session.frames_in < frames:
+                    await trio.sleep(0.001)
+                await settle(session)
+                assert session.frames_answered == frames  # all said, none of it sent yet
+                assert not [e for e in events if e["type"] == "response.output_audio.delta"]
+                await send("response.create")
+                await done.wait()
+                await client_end.close()
+    heard = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+    assert heard == pcm
+    [response_done] = [e for e in events if e["type"] == "response.done"]
+    assert response_done["response"]["status"] == "completed"
+    assert response_done["response"]["usage"]["output_token_details"]["audio_tokens"] == frames
