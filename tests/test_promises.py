@@ -199,3 +199,113 @@ async def test_realtime_turn_reply_said_before_response_create_is_not_lost():
     [response_done] = [e for e in events if e["type"] == "response.done"]
     assert response_done["response"]["status"] == "completed"
     assert response_done["response"]["usage"]["output_token_details"]["audio_tokens"] == frames
+
+
+class _RealtimeClient:
+    """A minimal Realtime client over the in-memory transport: sends events, files what comes."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+        self.events: list[dict] = []
+        self.reading = trio.Event()  # until set, the client does not read (a stalled reader)
+        self._lot = trio.lowlevel.ParkingLot()
+
+    async def send(self, kind: str, **fields) -> None:
+        await self.transport.send(json.dumps({"type": kind, **fields}))
+
+    async def receive_all(self) -> None:
+        await self.reading.wait()
+        try:
+            while True:
+                self.events.append(json.loads(await self.transport.receive()))
+                self._lot.unpark_all()
+        except TransportClosed:
+            self._lot.unpark_all()
+
+    async def wait_for(self, kind: str) -> dict:
+        with trio.fail_after(PATIENCE):
+            while not any(e["type"] == kind for e in self.events):
+                await self._lot.park()
+        return next(e for e in self.events if e["type"] == kind)
+
+    def audio(self) -> bytes:
+        return b"".join(base64.b64decode(e["delta"]) for e in self.events
+                        if e["type"] == "response.output_audio.delta")
+
+
+async def test_realtime_input_clear_drops_the_partial_frame_and_the_session_goes_on():
+    """README (realtime): ``input_audio_buffer.clear`` drops what the server holds of the input
+    not yet made into frames; the session goes on with the next audio, and the client is told
+    (``input_audio_buffer.cleared``)."""
+    config = make_config("backend.options.delay_frames=0", "runtime.slots=2")
+    rng = np.random.default_rng(7)
+    half = (rng.standard_normal(FRAME // 2) * 3000).astype("<i2").tobytes()
+    whole = (rng.standard_normal(2 * FRAME) * 3000).astype("<i2").tobytes()
+    client_end, server_end = memory_transport_pair()
+    client = _RealtimeClient(client_end)
+    client.reading.set()
+    async with open_runtime(config) as runtime:
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runtime.serve, server_end, RealtimeProtocol(duplex=True))
+                nursery.start_soon(client.receive_all)
+                await client.wait_for("response.created")
+                await client.send("input_audio_buffer.append", audio=base64.b64encode(half).decode())
+                await client.send("input_audio_buffer.clear")
+                await client.wait_for("input_audio_buffer.cleared")
+                await client.send("input_audio_buffer.append", audio=base64.b64encode(whole).decode())
+                (session,) = runtime.sessions
+                while session.frames_in < 2:
+                    await trio.sleep(0.001)
+                await settle(session)
+                await client.send("response.cancel")
+                done = await client.wait_for("response.done")
+                await client_end.close()
+    assert client.audio() == whole  # the half frame before the clear is gone, nothing else
+    assert done["response"]["usage"]["input_tokens"] == 2
+    assert [e for e in client.events if e["type"] == "error"] == []
+
+
+async def test_realtime_output_clear_drops_what_is_waiting_and_keeps_the_accounts():
+    """README (realtime): ``output_audio_buffer.clear`` drops the model's output not yet sent;
+    what was dropped counts as answered (so turn accounting stays right), frees the session's
+    credits, and the session goes on.  Forced, not raced: the client does not read until the
+    clear, so the writer is blocked with stepped output waiting behind it."""
+    frames = 6
+    config = make_config("backend.options.delay_frames=0", "runtime.slots=2")
+    pcm = (np.random.default_rng(8).standard_normal(frames * FRAME) * 3000).astype("<i2").tobytes()
+    client_end, server_end = memory_transport_pair()
+    client = _RealtimeClient(client_end)
+    async with open_runtime(config) as runtime:
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runtime.serve, server_end, RealtimeProtocol(duplex=True))
+                nursery.start_soon(client.receive_all)
+                first = 2 * FRAME  # one frame of pcm16: the writer takes it and blocks sending it
+                await client.send("input_audio_buffer.append", audio=base64.b64encode(pcm[:first]).decode())
+                while not runtime.sessions:
+                    await trio.sleep(0.001)
+                (session,) = runtime.sessions
+                while session.frames_in < 1:
+                    await trio.sleep(0.001)
+                await settle(session)
+                await client.send("input_audio_buffer.append", audio=base64.b64encode(pcm[first:]).decode())
+                while session.frames_in < frames:
+                    await trio.sleep(0.001)
+                await settle(session)
+                waiting = len(session._outbox)
+                assert waiting > 0  # stepped, not sent: the writer is blocked on the client
+                await client.send("output_audio_buffer.clear")
+                await settle(session)
+                assert len(session._outbox) == 0
+                client.reading.set()
+                await client.wait_for("output_audio_buffer.cleared")
+                await settle(session)
+                assert session.frames_answered == session.frames_in == frames
+                assert session._in_flight == 0  # every frame sent or dropped: all credits back
+                await client.send("response.cancel")
+                await client.wait_for("response.done")
+                await client_end.close()
+    heard = client.audio()
+    assert len(heard) == (frames - waiting) * FRAME * 2  # what was not dropped was heard
+    assert heard == pcm[:len(heard)]

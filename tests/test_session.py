@@ -395,6 +395,7 @@ async def test_input_end_with_nothing_sent_ends_cleanly():
             nursery.start_soon(serve)
             await run_client(client, [], log)
         assert ends[0].reason == "stop" and ends[0].frames_out == 0
+        assert ends[0].generation_seconds == 0.0  # nothing was generated
         assert log.messages_sent == 0  # nothing but input.end
         assert log.end["usage"]["frames_in"] == 0 and log.audio_messages == 0
         assert runtime.scheduler.free_slots == 2
