@@ -309,3 +309,56 @@ async def test_realtime_output_clear_drops_what_is_waiting_and_keeps_the_account
     heard = client.audio()
     assert len(heard) == (frames - waiting) * FRAME * 2  # what was not dropped was heard
     assert heard == pcm[:len(heard)]
+
+
+async def test_a_session_whose_own_code_fails_ends_with_1011_and_harms_no_other():
+    """Standards: bad input or a bug in one session gives a clear end, never a crash, a held
+    slot or harm to other sessions.  FAKE: a translator that raises on one message, as a bug
+    would; the session ends with reason ``error`` ("internal error", close 1011), its slot is
+    freed, and a concurrent session is served to the end."""
+    from duplexrt.protocols.raw import RawProtocol
+
+    class Exploding(RawProtocol):
+        def parse(self, message):
+            if message == "boom":
+                raise ValueError("a bug in the translator")
+            return super().parse(message)
+
+    config = make_config("runtime.slots=2", "backend.options.delay_frames=0")
+    frame = np.full(FRAME, 0.5, dtype=np.float32).tobytes()
+    async with open_runtime(config) as runtime:
+        wire = runtime.audio_spec()
+        bad_client, bad_server = memory_transport_pair()
+        good_client, good_server = memory_transport_pair()
+        ends = {}
+        got: dict[str, list] = {"bad": [], "good": []}
+
+        async def serve(name, transport, protocol) -> None:
+            try:
+                ends[name] = await runtime.serve(transport, protocol)
+            except* ValueError:  # handed to the caller to log (the server's handler does)
+                ends[name] = "raised"
+
+        async def client(name, transport, messages) -> None:
+            for message in messages:
+                await transport.send(message)
+            try:
+                while True:
+                    got[name].append(await transport.receive())
+            except TransportClosed as closed:
+                got[name].append(closed)
+
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve, "bad", bad_server, Exploding(wire))
+                nursery.start_soon(serve, "good", good_server, RawProtocol(wire))
+                nursery.start_soon(client, "bad", bad_client, [frame, "boom", frame])
+                nursery.start_soon(client, "good", good_client, [frame, frame, json.dumps({"type": "input.end"})])
+        assert runtime.scheduler.free_slots == 2 and runtime.sessions == set()
+    closed = got["bad"][-1]
+    assert closed.code == 1011
+    [end] = [json.loads(m) for m in got["bad"] if isinstance(m, str) and '"session.end"' in m]
+    assert end["reason"] == "error" and end["error"] == "internal error"
+    assert ends == {"bad": "raised", "good": ends["good"]} and ends["good"].reason == "stop"
+    assert got["good"][-1].code == 1000
+    assert b"".join(m for m in got["good"] if isinstance(m, bytes)) == frame * 2
