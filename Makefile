@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install clean
+.PHONY: run test install clean mutation
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,5 +27,20 @@ run: install
 test: install
 	NO_TORCH_COMPILE=1 $(BIN)/python -m pytest -q
 
+# Mutation testing of the core modules (docs/mutation.md): a dev tool, outside CI and outside the
+# test extras, installed here only.  Time-boxed: whatever is not done when MUTATION_SECONDS run
+# out stays "not checked", and a later `make mutation` goes on from there (results are kept in
+# mutants/).  MUTANTS picks the modules, as mutmut's name globs.
+MUTATION_SECONDS ?= 3600
+MUTATION_JOBS ?= 2
+MUTANTS ?= "duplexrt.inbox*" "duplexrt.audio.framer*" "duplexrt.session*" "duplexrt.scheduler*" \
+	"duplexrt.protocols.*"
+
+mutation: install
+	$(BIN)/python -m pip install --quiet 'mutmut==3.8.1'
+	-NO_TORCH_COMPILE=1 timeout $(MUTATION_SECONDS) $(BIN)/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
+	@$(BIN)/mutmut results --all true | sed -E 's/^ *(duplexrt[a-z_.]*)\.x[^:]*: (.*)$$/\1: \2/' \
+		| sort | uniq -c
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info mutants

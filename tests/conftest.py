@@ -320,3 +320,65 @@ async def run_sessions(runtime: Runtime, workloads: Sequence[tuple[Sequence[byte
 
 def frames_for(samples: int) -> int:
     return math.ceil(samples / FRAME)
+
+
+# -- `duplexrt serve` as a real process ---------------------------------------------------------------
+
+
+class ServeProcess:
+    """``duplexrt serve`` in a process of its own, its log read by a thread as it comes: a log
+    pipe nobody drains fills at ``--log-level info`` and stalls the server mid-write."""
+
+    def __init__(self, *args: str) -> None:
+        import os
+        import subprocess
+        import sys
+
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "duplexrt_cli.app", "serve", "--port", "0", "--log-level", "info", *args],
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            line = self.wait_for_line("port(s)")
+        except BaseException:
+            self.close()
+            raise
+        self.port = int(line.split("port(s) ")[1].split()[0])
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self.lines.append("")  # end of the log
+            self._changed.notify_all()
+
+    def wait_for_line(self, text: str, timeout: float = 60.0) -> str:
+        """The first log line holding ``text`` (the log is read to its end, then this fails)."""
+        with self._changed:
+            found: list[str] = []
+
+            def seen() -> bool:
+                found[:] = [line for line in self.lines if text in line]
+                return bool(found) or (bool(self.lines) and self.lines[-1] == "")
+
+            self._changed.wait_for(seen, timeout)
+            assert found, f"the server never logged {text!r}: {''.join(self.lines)[-2000:]}"
+            return found[0]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=PATIENCE)
+        self._reader.join(PATIENCE)
+        self.proc.stderr.close()
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

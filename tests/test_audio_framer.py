@@ -155,3 +155,19 @@ def test_rejects_multidimensional_input() -> None:
 def test_rejects_bad_frame_size(bad: object) -> None:
     with pytest.raises(ValueError, match="frame_size"):
         Framer(bad)  # type: ignore[arg-type]
+
+
+def test_every_frame_is_float32_carried_or_not() -> None:
+    """The model's buffers are float32: a frame completed from a carried remainder must be too,
+    not numpy's float64 default."""
+    framer = Framer(4)
+    frames = framer.push(np.arange(6, dtype=np.float32)) + framer.push(np.arange(6, dtype=np.float32))
+    assert len(frames) == 3
+    assert [f.dtype for f in frames] == [np.float32] * 3
+    last = framer.flush()
+    assert last is None or last.dtype == np.float32
+
+
+def test_a_frame_of_one_sample_is_allowed() -> None:
+    framer = Framer(1)
+    assert [f.tolist() for f in framer.push(np.array([0.5, -0.5], dtype=np.float32))] == [[0.5], [-0.5]]

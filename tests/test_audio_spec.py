@@ -133,3 +133,18 @@ def test_spec_is_frozen_and_hashable() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         spec.sample_rate = 8000  # type: ignore[misc]
     assert {spec: 1}[AudioSpec(AudioFormat.PCM_S16LE, 24000)] == 1
+
+
+def test_the_documented_rates_per_format():
+    """README (Audio formats): PCM and G.711 at 8, 16, 24, 44.1 or 48 kHz; Opus at 8, 12, 16, 24
+    or 48 kHz, and not 44.1."""
+    from duplexrt.audio import AudioFormatError, AudioSpec
+
+    for fmt in ("pcm_f32le", "pcm_s16le", "g711_ulaw", "g711_alaw"):
+        for rate in (8000, 16000, 24000, 44100, 48000):
+            assert AudioSpec.create(fmt, rate, model_rate=24000).sample_rate == rate
+    for rate in (8000, 12000, 16000, 24000, 48000):
+        assert AudioSpec.create("opus", rate, model_rate=24000).sample_rate == rate
+    for fmt, rate in (("opus", 44100), ("pcm_s16le", 12000), ("g711_ulaw", 12000)):
+        with pytest.raises(AudioFormatError):
+            AudioSpec.create(fmt, rate, model_rate=24000)

@@ -119,7 +119,7 @@ async def test_talk_page_with_an_api_key_a_full_server_and_a_denied_microphone(n
         error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the wrong key to be refused")
         assert "refused the API key" in error and server.refused["unauthorized"] == 1
 
-        await talk.evaluate(f"document.getElementById('key').value = 's3cret'")
+        await talk.evaluate("document.getElementById('key').value = 's3cret'")
         await browser.set_microphone(base, "denied")
         await talk.evaluate(f"duplexrt.error = null; {start}")
         error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the microphone to be denied")

@@ -14,9 +14,12 @@ runner = CliRunner()
 
 
 def test_help_lists_the_commands():
-    result = runner.invoke(app, ["--help"])
+    result = runner.invoke(app, ["--help"], terminal_width=200)
     assert result.exit_code == 0
-    assert "simulate" in result.output
+    for command in ("serve", "simulate", "client"):
+        assert f" {command} " in result.output, command
+    # Each with the first line of its own help, so a user can tell them apart.
+    assert "Serve the model over WebSocket" in result.output
 
 
 def test_simulate_help_explains_the_options():
@@ -91,3 +94,20 @@ def test_simulate_without_stage_metrics_still_reports_exact_frames(tmp_path):
     assert data["ok"] and data["rounds"][0]["frames_out"] == 10
     assert data["settings"]["config"]["metrics"]["collect_stage_metrics"] is False
     assert data["rounds"][0]["latency_ms"]["count"] == 0
+
+
+def test_serve_options_with_environment_variables_are_exactly_the_documented_ones():
+    """README (Serving): which `serve` options can come from a DUPLEXRT_* variable, and which
+    cannot.  Read from the command's own definition, so the list in the README stays true."""
+    import typer.main
+
+    command = typer.main.get_command(app).commands["serve"]
+    variables = {param.opts[0]: param.envvar for param in command.params if param.envvar}
+    assert variables == {
+        "--host": "DUPLEXRT_HOST", "--port": "DUPLEXRT_PORT", "--api-key": "DUPLEXRT_API_KEY",
+        "--replica-id": "DUPLEXRT_REPLICA_ID",
+        "--log-level": "DUPLEXRT_LOG_LEVEL", "--config": "DUPLEXRT_CONFIG", "--backend": "DUPLEXRT_BACKEND",
+        "--slots": "DUPLEXRT_SLOTS",
+    }
+    without = {param.opts[0] for param in command.params if not param.envvar}
+    assert without == {"--set", "--backend-option", "--offload", "--collect-stage-metrics", "--log-stats"}

@@ -22,6 +22,7 @@ import trio
 import trio_websocket
 from typer.testing import CliRunner
 
+from conftest import ServeProcess
 from duplexrt.audio import AudioSpec, StreamResampler, make_decoder, make_encoder
 from duplexrt.client.protocols import (
     Ended,
@@ -178,13 +179,13 @@ async def test_realtime_from_a_16k_file_is_resampled_to_24k_by_the_client(nurser
 async def test_realtime_turn_mode_hears_the_whole_reply_to_its_turn(nursery, tmp_path):
     port = await _serve(nursery)
     sent = _wav(tmp_path / "in.wav", _noise(40 * FRAME, seed=3), RATE)
-    for _ in range(5):  # the race shows in about half the runs
-        code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/realtime",
-                                                  tmp_path / "in.wav")
-        assert code == 0, stderr
-        assert "server ended the session: stop" in stdout  # response.done, status completed
-        # What the model said before response.create was held, and comes first in the response.
-        assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", _pcm16(sent), RATE)
+    # Whichever comes first, the model's answer or response.create, the whole reply is heard;
+    # each order is forced in tests/test_promises.py and tests/test_protocol_realtime.py.
+    code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/realtime",
+                                              tmp_path / "in.wav")
+    assert code == 0, stderr
+    assert "server ended the session: stop" in stdout  # response.done, status completed
+    assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", _pcm16(sent), RATE)
 
 
 async def test_live_route_pcm16_comes_back_exactly_and_closes_cleanly(nursery, tmp_path):
@@ -306,17 +307,8 @@ def test_the_command_line_exit_statuses(tmp_path):
 
 def test_client_and_simulate_url_as_real_processes_against_duplexrt_serve(tmp_path):
     """The commands as a user runs them: `duplexrt serve` in one process, the clients in others."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "duplexrt_cli.app", "serve", "--port", "0", "--log-level", "info",
-         "--slots", "4", "-o", "delay_frames=0"],
-        stderr=subprocess.PIPE, text=True)
-    try:
-        port = None
-        for line in server.stderr:
-            if "port(s)" in line:
-                port = int(line.split("port(s) ")[1].split()[0])
-                break
-        assert port, "the server never said where it listens"
+    with ServeProcess("--slots", "4", "-o", "delay_frames=0") as server:
+        port = server.port
         sent = _wav(tmp_path / "in.wav", _noise(3 * FRAME, seed=11), RATE)
         client = subprocess.run(
             [sys.executable, "-m", "duplexrt_cli.app", "client", str(tmp_path / "in.wav"), "--url",
@@ -337,10 +329,6 @@ def test_client_and_simulate_url_as_real_processes_against_duplexrt_serve(tmp_pa
         assert data["ok"] is True
         (round_,) = data["rounds"]
         assert round_["frames_in"] == round_["frames_out"] == round_["server_frames_in"] == 15
-    finally:
-        server.terminate()
-        server.wait(timeout=15)
-        server.stderr.close()
 
 
 # -- the protocol classes on their own ---------------------------------------------------------------------

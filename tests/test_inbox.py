@@ -87,12 +87,14 @@ def wait_for_state(inbox: Inbox, state: _State) -> None:
     deadline = time.monotonic() + JOIN_TIMEOUT
     while inbox._state is not state:
         assert time.monotonic() < deadline, f"inbox never reached {state}, is {inbox._state}"
+        time.sleep(0.0002)  # lets go of the GIL: a pure spin starves the thread it waits for
 
 
 def wait_until(predicate: Callable[[], bool]) -> None:
     deadline = time.monotonic() + JOIN_TIMEOUT
     while not predicate():
         assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.0002)
 
 
 def open_slots(inbox: Inbox, slots) -> dict[int, Owner]:
@@ -138,7 +140,7 @@ def test_put_nowait_accepts_again_once_a_frame_is_taken(make_inbox):
 def test_put_nowait_into_a_slot_not_open_for_the_caller_raises(make_inbox):
     inbox = make_inbox()
     owners = open_slots(inbox, [0])
-    with pytest.raises(LookupError):
+    with pytest.raises(LookupError, match="slot 1 is not open for this session"):
         inbox.put_nowait(1, owners[0], "x", 0)  # never opened
     with pytest.raises(LookupError):
         inbox.put_nowait(0, Owner("stranger"), "x", 0)  # someone else's slot
@@ -150,9 +152,17 @@ def test_put_nowait_into_a_slot_not_open_for_the_caller_raises(make_inbox):
 def test_opening_an_open_slot_raises(make_inbox):
     inbox = make_inbox()
     inbox.open(2, Owner("a"), None)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="slot 2 is already open"):
         inbox.open(2, Owner("b"), None)
     assert inbox.open_count() == 1
+
+
+def test_end_input_from_anyone_but_the_slots_owner_changes_nothing(make_inbox):
+    inbox = make_inbox()
+    owners = open_slots(inbox, [0])
+    inbox.end_input(0, Owner("stranger"))
+    assert inbox.put_nowait(0, owners[0], "x", 0)  # still taking the owner's input
+    assert inbox.queued(0) == 1
 
 
 # -- batches and controls ------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import trio
 import trio_websocket
 
 from duplexrt.config import ConfigError, load_config
-from duplexrt.server import Server
 from duplexrt.server.app import serve
 from test_server import _config, _start, http_get
 

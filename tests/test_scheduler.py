@@ -489,6 +489,38 @@ async def test_every_step_is_delivered_once_in_order_with_at_most_one_crossing_e
 
 
 
+async def test_puts_that_find_the_scheduler_busy_wake_nothing():
+    """docs/architecture.md: the scheduler is woken only by a put (or open, close) that finds it
+    waiting; frames queued while it steps cost no wake.  Counted exactly, with the model held
+    in a step while the frames arrive (the bound in the test above allows one wake per frame)."""
+    depth = 6
+    config = make_config("runtime.slots=2", f"runtime.inbox_depth={depth}", "runtime.gather_window_ms=0")
+    backend = ControlledBackend(config, stalled=True)
+    async with open_runtime(config, backend=backend) as runtime:
+        def wakes() -> int:
+            return runtime.handoffs.statistics()[HandoffKind.SCHEDULER_WAKE]
+
+        owner = RecordingOwner()
+        try:
+            await wait_until(lambda: runtime.scheduler.inbox._state is _State.IDLE, "scheduler idle")
+            before_open = wakes()
+            lease = runtime.scheduler.open_slot(owner)
+            await wait_until(lambda: runtime.scheduler.inbox._state is _State.IDLE, "open applied")
+            assert wakes() == before_open + 1  # the open found it waiting
+            await lease.submit(frame_of(0.1))
+            await backend.wait_stalled()
+            assert wakes() == before_open + 2  # so did the first frame
+            for k in range(depth):
+                await lease.submit(frame_of(0.2 + 0.01 * k))  # the scheduler is busy stepping
+            assert wakes() == before_open + 2  # none of them woke it
+            backend.release()
+            await owner.wait_for(outputs=depth + 1)
+            assert wakes() == before_open + 2  # nor did stepping what they queued
+        finally:
+            backend.release()
+        lease.release()
+
+
 async def test_pinning_puts_the_trio_and_scheduler_threads_on_one_cpu_and_restores_it():
     import os
 

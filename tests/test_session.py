@@ -154,6 +154,13 @@ async def test_opus_decodes_once_per_message_on_a_worker_thread():
         decoder = make_decoder(wire, MODEL_RATE)
         decoded = np.concatenate([decoder.decode(bytes(run.client.audio)), decoder.flush()])
         assert len(frames) * FRAME <= decoded.size < (len(frames) + 1) * FRAME
+        # ... and it is that output: the synthetic model's known answer through a lossy codec
+        # (compared by correlation at the codec's delay, not bit for bit).
+        want = np.concatenate([synthetic_out(frame, session_id, k) for k, frame in enumerate(frames)])
+        best = max((float(np.dot(want[:want.size - lag], decoded[lag:want.size])
+                          / (np.linalg.norm(want[:want.size - lag]) * np.linalg.norm(decoded[lag:want.size]))),
+                    lag) for lag in range(0, 400, 4))
+        assert best[0] > 0.75, best  # 0.84 at 156 samples, measured; another signal gives ~0
 
 
 async def test_offload_always_sends_every_conversion_and_submit_through_a_worker_thread():
@@ -419,6 +426,7 @@ async def test_input_end_with_nothing_sent_ends_cleanly():
             nursery.start_soon(serve)
             await run_client(client, [], log)
         assert ends[0].reason == "stop" and ends[0].frames_out == 0
+        assert ends[0].generation_seconds == 0.0  # nothing was generated
         assert log.messages_sent == 0  # nothing but input.end
         assert log.end["usage"]["frames_in"] == 0 and log.audio_messages == 0
         assert runtime.scheduler.free_slots == 2

@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import trio
 import trio_websocket
 
 from duplexrt.config import load_config
