@@ -101,6 +101,14 @@ class RuntimeConfig:
     #: until a step works again.
     max_consecutive_step_failures: int = attrs.field(
         default=3, validator=_int_range("runtime.max_consecutive_step_failures", 1, 1_000_000))
+    #: Admission by cost: the share of a frame period kept free when working out how many
+    #: sessions the model can step in one (steps also pay gathering, copies and delivery, and
+    #: their time varies).  New sessions past that number are refused with ``at_capacity``.
+    capacity_margin: float = attrs.field(
+        default=0.05, validator=_float_range("runtime.capacity_margin", 0.0, 0.9))
+    #: Pin the number of sessions admitted instead of estimating it from step costs (0: estimate).
+    #: ``runtime.slots`` stays the hard cap.
+    max_sessions: int = attrs.field(default=0, validator=_int_range("runtime.max_sessions", 0, 4096))
 
 
 @attrs.frozen(kw_only=True)

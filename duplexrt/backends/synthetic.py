@@ -52,6 +52,13 @@ class SyntheticBackend(Backend):
         self._frame_index = np.zeros(info.slots, dtype=np.int64)
         self._marker_rows = np.empty((info.slots, info.frame_size), dtype=np.float32)
 
+    def load(self) -> None:
+        # Its cost is what its options say: the capacity estimate starts from that, at one row
+        # and at a full batch, as it would from a real model's warm-up.
+        slots = self.info.slots
+        self.warmup_costs = ((1, self.step_seconds + self.slot_seconds),
+                             (slots, self.step_seconds + self.slot_seconds * slots))
+
     def open_slot(self, slot: int, session: SlotSession) -> None:
         self._session_ids[slot] = session.session_id
         self._frame_index[slot] = 0

@@ -194,6 +194,13 @@ class Server:
             self.refused["not_ready"] += 1
             await self._respond(stream, 503, "the model is not ready", [("retry-after", "1")])
             return
+        capacity = runtime.scheduler.capacity.estimate
+        if capacity.limit <= self._admitted < runtime.scheduler.slots:
+            self.refused["at_capacity"] += 1
+            await self._respond(stream, 503, f"at_capacity: the model can serve {capacity.limit} sessions in "
+                                             "real time and all are in use; try again later",
+                                [("retry-after", "1")])
+            return
         if self._admitted >= runtime.scheduler.slots:
             self.refused["no_free_slot"] += 1
             await self._respond(stream, 503, f"all {runtime.scheduler.slots} session slots are in use; "
@@ -284,12 +291,15 @@ class Server:
             # A model failing every step is not ready: the balancer should send clients
             # elsewhere.  New sessions are still admitted (see README: a step that works is what
             # clears it, and only a session can bring one).
+            capacity = scheduler.capacity.estimate
             reason = ("model_not_loaded" if not scheduler.ready else "draining" if self._draining
-                      else "model_failing" if scheduler.failing else "no_free_slot" if free <= 0 else None)
+                      else "model_failing" if scheduler.failing else "no_free_slot" if free <= 0
+                      else "at_capacity" if self._admitted >= capacity.limit else None)
             body = {"ready": reason is None, "reason": reason, "model_loaded": scheduler.ready,
                     "draining": self._draining, "backend": runtime.backend.info.name,
                     "slots": scheduler.slots, "free_slots": free, "sessions": runtime.metrics.sessions_active,
-                    "consecutive_step_failures": failures}
+                    "consecutive_step_failures": failures, "admitted": self._admitted,
+                    "capacity": capacity.as_dict()}
             return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST

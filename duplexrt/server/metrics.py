@@ -46,6 +46,19 @@ class RuntimeCollector:
                                 self._server.pending_handshakes)
         yield GaugeMetricFamily("duplexrt_slots", "Slots (batch rows) of the model.", scheduler.slots)
         yield GaugeMetricFamily("duplexrt_slots_free", "Slots free for new sessions.", scheduler.free_slots)
+        capacity = scheduler.capacity.estimate
+        yield GaugeMetricFamily("duplexrt_capacity_sessions",
+                                "Sessions the model can step within a frame period, from its fitted step cost.",
+                                capacity.sessions)
+        yield GaugeMetricFamily("duplexrt_capacity_limit",
+                                "Sessions admitted at most: the estimate, or runtime.max_sessions.", capacity.limit)
+        yield GaugeMetricFamily("duplexrt_sessions_admitted", "Connections admitted and not yet ended.",
+                                self._server._admitted)
+        yield GaugeMetricFamily("duplexrt_step_cost_base_seconds",
+                                "Fitted step cost: the part paid whatever the batch size.", capacity.base_ms / 1e3)
+        yield GaugeMetricFamily("duplexrt_step_cost_per_session_seconds",
+                                "Fitted step cost: the part each row of the batch adds.",
+                                capacity.per_session_ms / 1e3)
         yield CounterMetricFamily("duplexrt_frames_in", "Model frames submitted by sessions.", metrics.frames_in)
         yield CounterMetricFamily("duplexrt_frames_out", "Model frames sent back to clients.", metrics.frames_out)
         stats = scheduler.statistics()

@@ -349,8 +349,17 @@ class MoshiBackend(Backend):
         rows = np.arange(slots, dtype=np.int64)
         silence = np.zeros((slots, self.info.frame_size), dtype=np.float32)
         out = np.empty_like(silence)
+        costs = []
         for _ in range(steps):
+            started = time.perf_counter()
             self.step(rows, silence, out)
+            costs.append(time.perf_counter() - started)
+        # The first step pays for allocation and compilation; the rest are what a step costs.
+        # A fixed batch costs the same whatever the rows: that is a flat line at full batch.
+        settled = costs[1:] or costs
+        if settled:
+            cost = sorted(settled)[len(settled) // 2]
+            self.warmup_costs = ((1, cost), (slots, cost))
         self._reset[:] = True
         self._apply_resets()
         self._frames[:] = 0
