@@ -167,3 +167,36 @@ async def test_max_sessions_pins_admission_below_the_slots(nursery):
             async with trio_websocket.open_websocket_url(url):
                 pass
         assert refused.value.status_code == 503
+
+
+def test_synthetic_warm_up_seeds_its_configured_cost_and_fixed_rows_make_a_flat_line():
+    from duplexrt.backends.synthetic import SyntheticBackend
+    from duplexrt.config import ConfigError
+
+    config = load_config(None, ["runtime.slots=16"])
+    active = SyntheticBackend(backend_info(config), {"step_ms": 28, "slot_us": 1300, "host_ms": 2})
+    active.load()
+    assert active.warmup_costs == (pytest.approx((1, 0.0313)), pytest.approx((16, 0.0508)))
+    fixed = SyntheticBackend(backend_info(config), {"step_ms": 28, "slot_us": 1300, "rows": "fixed"})
+    fixed.load()
+    assert fixed.warmup_costs[0][1] == fixed.warmup_costs[1][1] == pytest.approx(0.0488)
+    estimator = CapacityEstimator(16, FRAME_S, margin=0.05)
+    estimator.seed(fixed.warmup_costs)
+    assert (estimator.estimate.sessions, estimator.estimate.per_session_ms) == (16, 0.0)
+    with pytest.raises(ConfigError, match="backend.options.rows"):
+        SyntheticBackend(backend_info(config), {"rows": "some"})
+
+
+def test_synthetic_with_host_work_and_fixed_rows_gives_the_same_checkable_output():
+    from duplexrt.backends.base import SlotSession
+    from duplexrt.backends.synthetic import SyntheticBackend, expected_output, marker_tones
+
+    config = load_config(None, ["runtime.slots=2"])
+    backend = SyntheticBackend(backend_info(config), {"host_ms": 1, "rows": "fixed"})
+    backend.load()
+    backend.open_slot(0, SlotSession(session_id=5))
+    frame = np.full((1, 1920), 0.25, dtype=np.float32)
+    out = np.empty_like(frame)
+    backend.step(np.array([0]), frame, out)
+    tones = marker_tones(24000, 1920)
+    np.testing.assert_array_equal(out[0], expected_output(frame[0], 5, 0, tones))
