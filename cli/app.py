@@ -153,6 +153,9 @@ def simulate(
         help="Bisect paced concurrency (up to the slots: --slots, or the server's) for the most sessions "
              "that hold the real-time criterion (docs/capacity.md) over at least 30 s of audio; print it "
              "with its lag percentiles and the runtime's own admission estimate.")] = False,
+    probe_seconds: Annotated[float, typer.Option(
+        help="--find-capacity: paced audio per probe, in seconds.  The criterion asks for 30; shorter "
+             "probes are for smoke tests, and the result says so.")] = 30.0,
     collect_stage_metrics: CollectOption = None,
     log_stats_flag: LogStatsOption = None,
     config: ConfigOption = None,
@@ -195,7 +198,7 @@ def simulate(
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress
     if find_capacity:
-        _find_capacity(cfg, options, url, api_key, show, backend is None, json_path, plot)
+        _find_capacity(cfg, options, url, api_key, show, backend is None, json_path, plot, probe_seconds)
         return
     if url is None:
         def run():
@@ -233,7 +236,7 @@ def simulate(
 
 
 def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: bool, adopt: bool,
-                   json_path: Path | None, plot: Path | None) -> None:
+                   json_path: Path | None, plot: Path | None, probe_seconds: float = 30.0) -> None:
     """``simulate --find-capacity``: the bisection, its probes as they finish, then the result."""
     import json
 
@@ -247,11 +250,11 @@ def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: boo
 
     if url is None:
         def run():
-            return run_find_capacity(cfg, options, progress=show, on_probe=told)
+            return run_find_capacity(cfg, options, progress=show, on_probe=told, min_seconds=probe_seconds)
     else:
         def run():
             return run_url_find_capacity(cfg, options, url, api_key=api_key, progress=show,
-                                         adopt_server_backend=adopt, on_probe=told)
+                                         adopt_server_backend=adopt, on_probe=told, min_seconds=probe_seconds)
     try:
         search = trio.run(run)
     except (ConfigError, AudioFormatError, BackendLoadError) as exc:
@@ -260,6 +263,9 @@ def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: boo
         typer.echo(f"duplexrt: error: {exc.message}", err=True)
         raise typer.Exit(1) from None
     typer.echo(format_search(search))
+    if probe_seconds < 30:
+        typer.echo(f"note: probes of {probe_seconds:g} s, shorter than the criterion's 30 s: a smoke test, "
+                   "not a capacity figure")
     if json_path is not None:
         json_path.write_text(json.dumps(search.as_dict(), indent=2))
     if plot is not None:

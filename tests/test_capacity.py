@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,3 +201,21 @@ def test_synthetic_with_host_work_and_fixed_rows_gives_the_same_checkable_output
     backend.step(np.array([0]), frame, out)
     tones = marker_tones(24000, 1920)
     np.testing.assert_array_equal(out[0], expected_output(frame[0], 5, 0, tones))
+
+
+SEVEN_B = Path(__file__).resolve().parent.parent / "configs" / "moshi-7b-random.toml"
+
+
+def test_the_7b_random_config_chooses_the_full_architecture_and_nothing_to_download():
+    from duplexrt.backends import create_backend
+    from duplexrt.config import ConfigError
+
+    config = load_config(SEVEN_B, ['backend.options.device="cpu"'])
+    backend = create_backend(config)  # built, not loaded: 7B on this CPU would take minutes a step
+    assert backend.settings.random == "moshi-7b" and not backend.settings.tiny and not backend.settings.checkpoint
+    with pytest.raises(ConfigError, match="set only one"):
+        create_backend(load_config(SEVEN_B,
+                                   ['backend.options.device="cpu"', "backend.options.tiny=true"]))
+    with pytest.raises(ConfigError, match="backend.options.random"):
+        create_backend(load_config(SEVEN_B,
+                                   ['backend.options.device="cpu"', 'backend.options.random="gpt"']))

@@ -740,8 +740,9 @@ def _server_figures(before: MetricsSnapshot | None, after: MetricsSnapshot | Non
 
 
 def _search_options(options: SimulateOptions, frame_seconds: float, min_seconds: float) -> SimulateOptions:
-    """Paced, per-frame lags kept, and at least ``min_seconds`` of audio per session."""
-    frames = max(options.frames, math.ceil(min_seconds / frame_seconds))
+    """Paced, per-frame lags kept, and ``min_seconds`` of audio per session (``--frames`` does
+    not apply: the criterion sets the length)."""
+    frames = math.ceil(min_seconds / frame_seconds)
     return attrs.evolve(options, mode="paced", keep_samples=True, frames=frames, repeat=1)
 
 
