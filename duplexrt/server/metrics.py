@@ -71,6 +71,12 @@ class RuntimeCollector:
                          _BATCH, 1)
         yield _histogram("duplexrt_step_seconds", "Time the model took per step.",
                          scheduler.step_time_snapshot(), _SECONDS, 1e9)
+        yield CounterMetricFamily("duplexrt_frames_filled",
+                                  "Frames stepped with silence because a session's input was overdue.",
+                                  metrics.frames_filled)
+        yield CounterMetricFamily("duplexrt_frames_dropped_late",
+                                  "Frames of input dropped because they came for time already filled.",
+                                  metrics.frames_dropped_late)
         yield CounterMetricFamily("duplexrt_text_pieces", "Pieces of model text sent.", metrics.text_pieces)
         yield CounterMetricFamily("duplexrt_late_frames",
                                   "Frames whose submit to sent took longer than one frame period.",
