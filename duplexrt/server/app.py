@@ -67,6 +67,11 @@ class Server:
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
         ProcessCollector(registry=self.registry)
 
+    @property
+    def admitted(self) -> int:
+        """WebSocket connections admitted and not yet ended: what admission compares with the limit."""
+        return self._admitted
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:

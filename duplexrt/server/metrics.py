@@ -53,7 +53,7 @@ class RuntimeCollector:
         yield GaugeMetricFamily("duplexrt_capacity_limit",
                                 "Sessions admitted at most: the estimate, or runtime.max_sessions.", capacity.limit)
         yield GaugeMetricFamily("duplexrt_sessions_admitted", "Connections admitted and not yet ended.",
-                                self._server._admitted)
+                                self._server.admitted)
         yield GaugeMetricFamily("duplexrt_step_cost_base_seconds",
                                 "Fitted step cost: the part paid whatever the batch size.", capacity.base_ms / 1e3)
         yield GaugeMetricFamily("duplexrt_step_cost_per_session_seconds",
