@@ -76,7 +76,7 @@ def plot_search(search, path: str | Path) -> Path:
         axis.annotate("ok" if p.holds else "late", (p.sessions, p.lag_p999_ms), textcoords="offset points",
                       xytext=(0, 6), ha="center", fontsize=8)
     if search.sessions:
-        axis.axvline(search.sessions, color="tab:green", linewidth=1, label=f"capacity {search.sessions}")
+        axis.axvline(search.sessions, color="black", linewidth=1, label=f"capacity {search.sessions}")
     axis.set_xlabel("paced sessions")
     axis.set_ylabel("ms")
     axis.set_title("--find-capacity: frame lag by session count")
