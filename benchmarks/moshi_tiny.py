@@ -13,11 +13,16 @@ scatter + Mimi encoder; lm: LMGen step; decode: Mimi decoder + gather + text), f
 
 Usage: NO_TORCH_COMPILE=1 python benchmarks/moshi_tiny.py [--steps 20] [--sizes 1,2,4,8,16,32,64]
        [--fixed-slots 64] [--greedy] [--device cpu] [--threads N] [--json out.json]
+       [--random moshi-7b --dtype bfloat16]   (the full-size architecture, random weights: a GPU)
+
+A batch size that does not fit the device's memory (the 7B model's KV caches grow with the
+slots) is reported as such and the table goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -37,7 +42,8 @@ FRAME_MS = 80.0
 
 
 def measure(slots: int, active: int, steps: int, options: dict) -> dict:
-    backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots), {"tiny": True, **options})
+    model = {} if options.get("random") else {"tiny": True}
+    backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots), {**model, **options})
     started = time.perf_counter()
     backend.load()
     load_s = time.perf_counter() - started
@@ -89,9 +95,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--random", default="", help="a full-size architecture with random weights "
+                                                     "(moshi-7b) instead of the tiny model")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    options = {"device": args.device, "greedy": args.greedy, "warmup_steps": 2}
+    options = {"device": args.device, "greedy": args.greedy, "warmup_steps": 2, "dtype": args.dtype}
+    if args.random:
+        options["random"] = args.random
 
     import torch
 
@@ -103,18 +114,25 @@ def main() -> None:
         "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "device": args.device,
         "greedy": args.greedy, "steps": args.steps,
     }
-    print(f"tiny random Moshi, {machine}", file=sys.stderr)
-    scaled = []
-    for size in sizes:
-        scaled.append(measure(size, size, args.steps, options))
-        print(f"  slots={size} active={size}: {scaled[-1]['step_ms']:.1f} ms/step", file=sys.stderr)
+    print(f"{args.random or 'tiny'} random Moshi, {machine}", file=sys.stderr)
+
+    def fitting(slots: int, active: int) -> dict | None:
+        try:
+            result = measure(slots, active, args.steps, options)
+        except torch.OutOfMemoryError:
+            print(f"  slots={slots} active={active}: does not fit the device's memory", file=sys.stderr)
+            return None
+        finally:
+            if args.device.startswith("cuda"):
+                gc.collect()
+                torch.cuda.empty_cache()
+        print(f"  slots={slots} active={active}: {result['step_ms']:.1f} ms/step", file=sys.stderr)
+        return result
+
+    scaled = [r for size in sizes if (r := fitting(size, size)) is not None]
     fixed = []
     if args.fixed_slots:
-        for size in sizes:
-            if size > args.fixed_slots:
-                continue
-            fixed.append(measure(args.fixed_slots, size, args.steps, options))
-            print(f"  slots={args.fixed_slots} active={size}: {fixed[-1]['step_ms']:.1f} ms/step", file=sys.stderr)
+        fixed = [r for size in sizes if size <= args.fixed_slots and (r := fitting(args.fixed_slots, size)) is not None]
     print(table("1. a batch of B sessions (slots = B, all active)", scaled))
     if fixed:
         print()

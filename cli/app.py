@@ -190,6 +190,14 @@ def simulate(
     api_key: Annotated[Optional[str], typer.Option(help="With --url: the server's API key (sent as "
                                                         "'Authorization: Bearer KEY').",
                                                    envvar="DUPLEXRT_API_KEY")] = None,
+    find_capacity: Annotated[bool, typer.Option(
+        "--find-capacity",
+        help="Bisect paced concurrency (up to the slots: --slots, or the server's) for the most sessions "
+             "that hold the real-time criterion (docs/capacity.md) over at least 30 s of audio; print it "
+             "with its lag percentiles and the runtime's own admission estimate.")] = False,
+    probe_seconds: Annotated[float, typer.Option(
+        help="--find-capacity: paced audio per probe, in seconds.  The criterion asks for 30; shorter "
+             "probes are for smoke tests, and the result says so.")] = 30.0,
     collect_stage_metrics: CollectOption = None,
     log_stats_flag: LogStatsOption = None,
     config: ConfigOption = None,
@@ -221,6 +229,8 @@ def simulate(
         cfg = load_config(config_file, overrides)
         if url is None and slots is None and concurrency > cfg.runtime.slots:
             cfg = load_config(config_file, [*overrides, f"runtime.slots={concurrency}"])
+        if find_capacity and url is None:  # the search's ceiling is the slots; --concurrency plays no part
+            concurrency = min(concurrency, cfg.runtime.slots)
         wire_format = format or (default_format(url) if url is not None else AudioFormat.PCM_F32LE.value)
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
                                   mode=mode.value, format=AudioFormat.parse(wire_format).value,
@@ -230,6 +240,9 @@ def simulate(
     except (ConfigError, AudioFormatError) as exc:
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress
+    if find_capacity:
+        _find_capacity(cfg, options, url, api_key, show, backend is None, json_path, plot, probe_seconds)
+        return
     if url is None:
         def run():
             return run_simulation(cfg, options, progress=show)
@@ -262,6 +275,50 @@ def simulate(
     if len(failures) > 20:
         typer.echo(f"... and {len(failures) - 20} more guard failures", err=True)
     if failures:
+        raise typer.Exit(1)
+
+
+def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: bool, adopt: bool,
+                   json_path: Path | None, plot: Path | None, probe_seconds: float = 30.0) -> None:
+    """``simulate --find-capacity``: the bisection, its probes as they finish, then the result."""
+    import json
+
+    from duplexrt.client.connection import ConnectError
+    from duplexrt.simulate.find_capacity import format_search
+    from duplexrt.simulate.runner import run_find_capacity, run_url_find_capacity
+
+    def told(verdict) -> None:
+        typer.echo(f"{verdict.sessions} sessions: {'holds' if verdict.holds else 'fails'}"
+                   + (f" ({verdict.reason})" if verdict.reason else ""), err=True)
+
+    if url is None:
+        def run():
+            return run_find_capacity(cfg, options, progress=show, on_probe=told, min_seconds=probe_seconds)
+    else:
+        def run():
+            return run_url_find_capacity(cfg, options, url, api_key=api_key, progress=show,
+                                         adopt_server_backend=adopt, on_probe=told, min_seconds=probe_seconds)
+    try:
+        search = trio.run(run)
+    except (ConfigError, AudioFormatError, BackendLoadError) as exc:
+        raise _fail(str(exc)) from None
+    except ConnectError as exc:
+        typer.echo(f"duplexrt: error: {exc.message}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(format_search(search))
+    if probe_seconds < 30:
+        typer.echo(f"note: probes of {probe_seconds:g} s, shorter than the criterion's 30 s: a smoke test, "
+                   "not a capacity figure")
+    if json_path is not None:
+        json_path.write_text(json.dumps(search.as_dict(), indent=2))
+    if plot is not None:
+        from duplexrt.simulate.plot import PlotUnavailable, plot_search
+
+        try:
+            typer.echo(f"plot written to {plot_search(search, plot)}", err=True)
+        except PlotUnavailable as exc:
+            raise _fail(str(exc)) from None
+    if search.sessions == 0:
         raise typer.Exit(1)
 
 

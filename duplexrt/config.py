@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 OFFLOAD_POLICIES = ("counted", "always")
+LATE_INPUT_POLICIES = ("wait", "fill")
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,23 @@ class RuntimeConfig:
     #: until a step works again.
     max_consecutive_step_failures: int = attrs.field(
         default=3, validator=_int_range("runtime.max_consecutive_step_failures", 1, 1_000_000))
+    #: Admission by cost: the share of a frame period kept free when working out how many
+    #: sessions the model can step in one (steps also pay gathering, copies and delivery, and
+    #: their time varies).  New sessions past that number are refused with ``at_capacity``.
+    capacity_margin: float = attrs.field(
+        default=0.05, validator=_float_range("runtime.capacity_margin", 0.0, 0.9))
+    #: Pin the number of sessions admitted instead of estimating it from step costs (0: estimate).
+    #: ``runtime.slots`` stays the hard cap.
+    max_sessions: int = attrs.field(default=0, validator=_int_range("runtime.max_sessions", 0, 4096))
+    #: A session whose input falls behind the wall clock: ``wait`` for it (the model's clock for
+    #: that conversation stops: exact for echo and synthetic checks), or ``fill`` each frame more
+    #: than ``fill_after_ms`` overdue with silence, so the model keeps listening and talking; input
+    #: that then arrives for time already filled is dropped.
+    late_input: str = attrs.field(default="wait", validator=_one_of("runtime.late_input", LATE_INPUT_POLICIES))
+    #: With ``late_input = "fill"``: how overdue a frame is (past the end of its audio) before it
+    #: is filled.  Longer than the audio one client message carries, or on-time messages get filled.
+    fill_after_ms: float = attrs.field(
+        default=240.0, validator=_float_range("runtime.fill_after_ms", 0.0, 60_000.0))
 
 
 @attrs.frozen(kw_only=True)

@@ -50,6 +50,9 @@ class FrameMetrics:
         self.late_frames = 0
         #: Pieces of model text sent.
         self.text_pieces = 0
+        #: ``runtime.late_input = "fill"``: silence stepped for overdue input, and late input dropped.
+        self.frames_filled = 0
+        self.frames_dropped_late = 0
 
     def statistics(self) -> FrameStatistics:
         return FrameStatistics(

@@ -22,6 +22,7 @@ import trio
 
 from duplexrt.affinity import pin_this_thread, restore
 from duplexrt.backends.base import Backend, SlotSession
+from duplexrt.capacity import CapacityEstimator
 from duplexrt.config import RuntimeConfig
 from duplexrt.handoffs import HandoffKind, Handoffs
 from duplexrt.histogram import Histogram, Summary
@@ -200,6 +201,10 @@ class Scheduler:
         self.frame_size = backend.info.frame_size
         self.gather_window = config.gather_window_ms / 1e3
         self.max_consecutive_failures = config.max_consecutive_step_failures
+        #: Step cost by batch size, learnt on this thread; its ``estimate`` is what admission reads.
+        info = backend.info
+        self.capacity = CapacityEstimator(self.slots, info.frame_size / info.sample_rate,
+                                          config.capacity_margin, config.max_sessions)
         self.inbox = Inbox(self.slots, config.inbox_depth,
                            lambda: handoffs.count_from_any_thread(HandoffKind.SCHEDULER_WAKE))
         self._free_slots = list(range(self.slots - 1, -1, -1))  # pop() gives the lowest
@@ -367,6 +372,7 @@ class Scheduler:
             self._outputs = _host_buffer(shape, self.backend.info.device)
             self._input_bytes = memoryview(self._inputs).cast("B")
             self._frame_bytes = self.frame_size * self._inputs.itemsize
+            self.capacity.seed(self.backend.warmup_costs)
             # After load: whatever threads the model started keep every core.
             pin_this_thread(self.pin_cpu)
             self._rows = np.zeros(self.slots, dtype=np.int64)
@@ -448,6 +454,7 @@ class Scheduler:
         else:
             stepped = time.perf_counter_ns()
             self._consecutive_failures = 0
+            self.capacity.record(n, stepped - started)
             # The only per-step allocation: trio keeps these rows after the buffer is reused.
             outcome = StepOutcome(batch.owners, batch.stamps, outputs.copy(), texts, stepped,
                                   stages=self.backend.last_stages)

@@ -178,6 +178,15 @@ class Session:
         if config.runtime.max_session_seconds > 0:
             limits.append(int(config.runtime.max_session_seconds / self._frame_seconds + 1e-9))
         self._max_frames = min((limit for limit in limits if limit), default=None)
+        # runtime.late_input = "fill": the session's input clock against the wall clock.
+        self._fill = config.runtime.late_input == "fill"
+        self._fill_after = config.runtime.fill_after_ms / 1e3
+        self._clock_start = 0.0  # trio time of the first frame submitted ...
+        self._clock_started = trio.Event()  # ... once there is one
+        self._fill_debt = 0  # frames filled whose real audio has not come yet: dropped when it does
+        self._frames_filled = 0
+        self._frames_dropped_late = 0
+        self._silence = np.zeros(config.audio.frame_size, dtype=np.float32)
         protocol.attach(self)
 
     @property
@@ -215,10 +224,14 @@ class Session:
                 self._cancel_scope = nursery.cancel_scope
                 self._queue(self._protocol.start())
                 nursery.start_soon(self._write_loop)
+                fill_scope = trio.CancelScope()
+                if self._fill:
+                    nursery.start_soon(self._fill_loop, fill_scope)
                 with trio.CancelScope() as self._reader_scope:
                     await self._read_loop()
                 if self._reader_scope.cancelled_caught:  # stopped while waiting for a message
                     await self._end_input()
+                fill_scope.cancel()  # no input is coming any more: nothing is overdue
         except BaseException as exc:
             if self._finish_reason is None:
                 if _only_cancellation(exc):
@@ -259,6 +272,8 @@ class Session:
             text_tokens_out=self._text_pieces,
             generation_seconds=round(max(0, self._last_sent_ns - self._first_submit_ns) / 1e9, 6)
             if self._first_submit_ns else 0.0,
+            frames_filled=self._frames_filled,
+            frames_dropped_late=self._frames_dropped_late,
         )
 
     def shutdown(self) -> None:
@@ -531,7 +546,40 @@ class Session:
         if timed:
             self._metrics.preprocess.record(time.perf_counter_ns() - started)
         for frame in frames:
+            if self._fill_debt:  # this time was already filled with silence
+                self._fill_debt -= 1
+                self._frames_dropped_late += 1
+                self._metrics.frames_dropped_late += 1
+                continue
             await self._submit(frame)
+
+    async def _fill_loop(self, scope: trio.CancelScope) -> None:
+        with scope:
+            await self._fill_overdue()
+
+    async def _fill_overdue(self) -> None:
+        """``late_input = "fill"``: step silence for each frame more than ``fill_after`` overdue.
+
+        A frame is due when its audio ends on the session's clock (the first frame's submit plus
+        one period per frame); the loop sleeps until the next frame is overdue, and wakes about
+        once per ``fill_after`` + one period while input keeps time.  It fills only while the
+        reader waits for a message: a reader that is decoding or waiting for the model's credit
+        has the audio, and the model is what is late, not the client.
+        """
+        period = self._frame_seconds
+        await self._clock_started.wait()
+        while not (self._input_ended or self._stop_taking or self._stopped):
+            overdue_at = self._clock_start + (self._submitted + 1) * period + self._fill_after
+            if trio.current_time() < overdue_at:
+                await trio.sleep_until(overdue_at)
+                continue
+            if not self._between_messages:
+                await trio.sleep(period)  # the reader has audio in hand: look again a frame later
+                continue
+            self._fill_debt += 1
+            self._frames_filled += 1
+            self._metrics.frames_filled += 1
+            await self._submit(self._silence)
 
     async def _submit(self, frame: np.ndarray) -> None:
         if self._max_frames is not None and self._submitted >= self._max_frames:
@@ -554,6 +602,9 @@ class Session:
             raise  # ... so this only runs if the reader was shielded: the slot is gone either way
         if not self._submitted:
             self._first_submit_ns = started
+            if self._fill:
+                self._clock_start = trio.current_time()
+                self._clock_started.set()
         self._submitted += 1
         metrics = self._metrics
         metrics.frames_in += 1

@@ -46,6 +46,9 @@ class Backend(abc.ABC):
     #: After each step, a backend with stages (encode, LM, decode...) leaves here how long each
     #: took, as ``(name, nanoseconds)`` pairs; the scheduler reports them per stage.
     last_stages: tuple[tuple[str, int], ...] = ()
+    #: Step costs measured in ``load`` (the warm-up), as ``(rows, seconds)``: what the runtime's
+    #: capacity estimate starts from before any session has been stepped.
+    warmup_costs: tuple[tuple[int, float], ...] = ()
 
     def __init__(self, info: BackendInfo) -> None:
         self.info = info

@@ -3,7 +3,10 @@
 Each output frame is a function of the session, the frame's index in the session and its input, so
 a load generator can verify every frame it gets back: content, order and completeness.  The cost of
 a step (``step_ms`` plus ``slot_us`` for each row) is spent sleeping with the GIL released, which
-is how a host thread waiting on a GPU kernel spends it.
+is how a host thread waiting on a GPU kernel spends it.  ``host_ms`` adds host work per step spent
+running Python, holding the GIL as a real model's dispatch and sampling code does, so that the
+contention between the scheduler thread and the trio thread can be measured.  ``rows = "fixed"``
+charges every step for all the slots whatever the rows, as a fixed-batch model (Moshi) does.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from duplexrt.backends.base import Backend, BackendInfo, SlotSession, number_option, take_options
+from duplexrt.config import ConfigError
 
-DEFAULTS = {"step_ms": 0.0, "slot_us": 0.0}
+DEFAULTS = {"step_ms": 0.0, "slot_us": 0.0, "host_ms": 0.0, "rows": "active"}
+ROWS = ("active", "fixed")
 
 #: How many distinct marker tones tag the output frames.
 MARKER_COUNT = 61
@@ -47,10 +52,26 @@ class SyntheticBackend(Backend):
         opts = take_options("synthetic", options, DEFAULTS)
         self.step_seconds = number_option("synthetic", opts, "step_ms", 0, 60_000) / 1e3
         self.slot_seconds = number_option("synthetic", opts, "slot_us", 0, 1e6) / 1e6
+        self.host_seconds = number_option("synthetic", opts, "host_ms", 0, 60_000) / 1e3
+        if opts["rows"] not in ROWS:
+            raise ConfigError(f"backend.options.rows for synthetic must be one of {', '.join(ROWS)}, "
+                              f"got {opts['rows']!r}")
+        self.fixed_rows = opts["rows"] == "fixed"
         self.tones = marker_tones(info.sample_rate, info.frame_size)
         self._session_ids = np.zeros(info.slots, dtype=np.int64)
         self._frame_index = np.zeros(info.slots, dtype=np.int64)
         self._marker_rows = np.empty((info.slots, info.frame_size), dtype=np.float32)
+
+    def load(self) -> None:
+        # Its cost is what its options say: the capacity estimate starts from that, at one row
+        # and at a full batch, as it would from a real model's warm-up.
+        slots = self.info.slots
+        self.warmup_costs = ((1, self.cost(1)), (slots, self.cost(slots)))
+
+    def cost(self, rows: int) -> float:
+        """Seconds a step of ``rows`` rows takes, host work included."""
+        charged = self.info.slots if self.fixed_rows else rows
+        return self.host_seconds + self.step_seconds + self.slot_seconds * charged
 
     def open_slot(self, slot: int, session: SlotSession) -> None:
         self._session_ids[slot] = session.session_id
@@ -61,7 +82,13 @@ class SyntheticBackend(Backend):
 
     def step(self, rows: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> None:
         n = len(rows)
-        cost = self.step_seconds + self.slot_seconds * n
+        if self.host_seconds:
+            # Python running on this thread: it holds the GIL, but for the interpreter's switch
+            # interval, as host-side model code does.
+            until = time.perf_counter() + self.host_seconds
+            while time.perf_counter() < until:
+                pass
+        cost = self.step_seconds + self.slot_seconds * (self.info.slots if self.fixed_rows else n)
         if cost > 0:
             time.sleep(cost)
         markers = marker_index(self._session_ids[rows], self._frame_index[rows])

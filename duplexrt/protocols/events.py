@@ -91,6 +91,11 @@ class SessionEnd:
     text_tokens_out: int = 0
     #: From the first frame submitted to the last output sent.
     generation_seconds: float = 0.0
+    #: ``runtime.late_input = "fill"``: frames stepped with silence because the client's audio
+    #: was overdue (counted in ``frames_in``), and frames of the client's audio then dropped
+    #: because they came for time already filled.
+    frames_filled: int = 0
+    frames_dropped_late: int = 0
 
 
 #: Client values quoted in error messages are cut to about this many characters.

@@ -78,6 +78,11 @@ class Server:
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
         ProcessCollector(registry=self.registry)
 
+    @property
+    def admitted(self) -> int:
+        """WebSocket connections admitted and not yet ended: what admission compares with the limit."""
+        return self._admitted
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -215,6 +220,13 @@ class Server:
             self.refused["not_ready"] += 1
             await self._respond(stream, 503, "the model is not ready", [("retry-after", "1")])
             return
+        capacity = runtime.scheduler.capacity.estimate
+        if capacity.limit <= self._admitted < runtime.scheduler.slots:
+            self.refused["at_capacity"] += 1
+            await self._respond(stream, 503, f"at_capacity: the model can serve {capacity.limit} sessions in "
+                                             "real time and all are in use; try again later",
+                                [("retry-after", "1")])
+            return
         if self._admitted >= runtime.scheduler.slots:
             self.refused["no_free_slot"] += 1
             await self._respond(stream, 503, f"all {runtime.scheduler.slots} session slots are in use; "
@@ -314,12 +326,15 @@ class Server:
             # A model failing every step is not ready: the balancer should send clients
             # elsewhere.  New sessions are still admitted (see README: a step that works is what
             # clears it, and only a session can bring one).
+            capacity = scheduler.capacity.estimate
             reason = ("model_not_loaded" if not scheduler.ready else "draining" if self._draining
-                      else "model_failing" if scheduler.failing else "no_free_slot" if free <= 0 else None)
+                      else "model_failing" if scheduler.failing else "no_free_slot" if free <= 0
+                      else "at_capacity" if self._admitted >= capacity.limit else None)
             body = {"ready": reason is None, "reason": reason, "model_loaded": scheduler.ready,
                     "draining": self._draining, "backend": runtime.backend.info.name,
                     "slots": scheduler.slots, "free_slots": free, "sessions": runtime.metrics.sessions_active,
-                    "consecutive_step_failures": failures, "replica_id": self.replica_id}
+                    "consecutive_step_failures": failures, "replica_id": self.replica_id,
+                    "admitted": self._admitted, "capacity": capacity.as_dict()}
             return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST

@@ -50,6 +50,19 @@ class RuntimeCollector:
                                 self._server.pending_handshakes)
         yield GaugeMetricFamily("duplexrt_slots", "Slots (batch rows) of the model.", scheduler.slots)
         yield GaugeMetricFamily("duplexrt_slots_free", "Slots free for new sessions.", scheduler.free_slots)
+        capacity = scheduler.capacity.estimate
+        yield GaugeMetricFamily("duplexrt_capacity_sessions",
+                                "Sessions the model can step within a frame period, from its fitted step cost.",
+                                capacity.sessions)
+        yield GaugeMetricFamily("duplexrt_capacity_limit",
+                                "Sessions admitted at most: the estimate, or runtime.max_sessions.", capacity.limit)
+        yield GaugeMetricFamily("duplexrt_sessions_admitted", "Connections admitted and not yet ended.",
+                                self._server.admitted)
+        yield GaugeMetricFamily("duplexrt_step_cost_base_seconds",
+                                "Fitted step cost: the part paid whatever the batch size.", capacity.base_ms / 1e3)
+        yield GaugeMetricFamily("duplexrt_step_cost_per_session_seconds",
+                                "Fitted step cost: the part each row of the batch adds.",
+                                capacity.per_session_ms / 1e3)
         yield CounterMetricFamily("duplexrt_frames_in", "Model frames submitted by sessions.", metrics.frames_in)
         yield CounterMetricFamily("duplexrt_frames_out", "Model frames sent back to clients.", metrics.frames_out)
         stats = scheduler.statistics()
@@ -62,6 +75,12 @@ class RuntimeCollector:
                          _BATCH, 1)
         yield _histogram("duplexrt_step_seconds", "Time the model took per step.",
                          scheduler.step_time_snapshot(), _SECONDS, 1e9)
+        yield CounterMetricFamily("duplexrt_frames_filled",
+                                  "Frames stepped with silence because a session's input was overdue.",
+                                  metrics.frames_filled)
+        yield CounterMetricFamily("duplexrt_frames_dropped_late",
+                                  "Frames of input dropped because they came for time already filled.",
+                                  metrics.frames_dropped_late)
         yield CounterMetricFamily("duplexrt_text_pieces", "Pieces of model text sent.", metrics.text_pieces)
         yield CounterMetricFamily("duplexrt_late_frames",
                                   "Frames whose submit to sent took longer than one frame period.",

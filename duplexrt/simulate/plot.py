@@ -52,3 +52,37 @@ def plot_report(report: SimulationReport, path: str | Path, *, late_ms: float) -
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def plot_search(search, path: str | Path) -> Path:
+    """``--find-capacity --plot``: frame lag percentiles by session count, each probe's deadline,
+    and which held."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'duplexrt[plot]'") from None
+    probes = sorted((p for p in search.probes if p.lag_p50_ms is not None), key=lambda p: p.sessions)
+    if not probes:
+        raise PlotUnavailable("no probe measured any frame lag")
+    figure, axis = plt.subplots(figsize=(9, 4.5))
+    x = [p.sessions for p in probes]
+    for attr, name in (("lag_p50_ms", "p50"), ("lag_p99_ms", "p99"), ("lag_p999_ms", "p99.9")):
+        axis.plot(x, [getattr(p, attr) for p in probes], marker="o", label=f"frame lag {name}")
+    axis.plot(x, [p.deadline_ms for p in probes], linestyle="--", color="tab:red", label="deadline")
+    for p in probes:
+        axis.annotate("ok" if p.holds else "late", (p.sessions, p.lag_p999_ms), textcoords="offset points",
+                      xytext=(0, 6), ha="center", fontsize=8)
+    if search.sessions:
+        axis.axvline(search.sessions, color="black", linewidth=1, label=f"capacity {search.sessions}")
+    axis.set_xlabel("paced sessions")
+    axis.set_ylabel("ms")
+    axis.set_title("--find-capacity: frame lag by session count")
+    axis.legend(loc="upper left")
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -65,6 +65,12 @@ class RoundReport:
     server_latency_ms_mean: float | None = None
     #: --url: what could not be measured, and why (a failed scrape of /metrics).
     notes: list[str] = attrs.Factory(list)
+    #: Paced: the output stream's duration over the input's (``stream_real_time_factor``): what
+    #: the real-time criterion of ``--find-capacity`` reads, unlike ``real_time_factor``, which
+    #: includes the last frame's lag.
+    stream_rtf: float | None = None
+    #: The runtime's own admission estimate at the end of the round (``/readyz``'s ``capacity``).
+    capacity: dict[str, Any] | None = None
     #: With ``keep_samples``: every output frame's (seconds into the round, lag in ms), for
     #: ``--plot``.  Never written to JSON.
     lag_samples: tuple[Any, Any] | None = attrs.field(default=None, eq=False, repr=False)
@@ -131,7 +137,16 @@ def _add_pacing_and_guards(report: SimulationReport, add) -> None:
         add("frame lag p50/p99/max (ms)", lambda r: _summary(r.frame_lag_ms) if r.frame_lag_ms else "-")
         add("late frames", lambda r: str(r.late_frames))
         add("real-time factor", lambda r: f"{r.real_time_factor:.3f}" if r.real_time_factor else "-")
+    if any(r.capacity for r in report.rounds):
+        add("admission estimate (sessions)", lambda r: _capacity_text(r.capacity))
     add("guards", lambda r: "ok" if r.ok else f"FAILED ({len(r.failures)})")
+
+
+def _capacity_text(capacity: dict[str, Any] | None) -> str:
+    if not capacity:
+        return "-"
+    return (f"{capacity['limit']} ({capacity['base_ms']:.1f} + {capacity['per_session_ms']:.2f}·n ms, "
+            f"{capacity['source']})")
 
 
 def _render(report: SimulationReport, rows: list[tuple[str, list[str]]]) -> str:

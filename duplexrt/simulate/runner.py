@@ -54,6 +54,7 @@ from duplexrt.histogram import Histogram
 from duplexrt.metrics import FrameMetrics
 from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.simulate.checker import Checker, OutputRecord
+from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict, find_capacity, judge
 from duplexrt.simulate.progress import show_progress
 from duplexrt.simulate.report import RoundReport, SimulationReport
 from duplexrt.simulate.workload import Workload
@@ -169,7 +170,7 @@ class _VirtualClient:
     """One virtual session's client side: its conversation, what it received (reduced for the
     guards), and, paced, the lag of each frame."""
 
-    __slots__ = ("index", "record", "meter", "counter", "conversation", "error")
+    __slots__ = ("index", "record", "meter", "counter", "conversation", "error", "first_audio")
 
     def __init__(self, index: int, record: OutputRecord, meter: _LagMeter | None,
                  counter: _OpusFrames | None = None) -> None:
@@ -181,12 +182,16 @@ class _VirtualClient:
         self.conversation: Conversation | None = None
         #: --url: why the connection failed, if it did.
         self.error: ConnectError | None = None
+        #: When the first audio came back (perf_counter seconds): the output stream's start.
+        self.first_audio: float | None = None
 
     @property
     def frames_heard(self) -> int:
         return self.counter.frames if self.counter is not None else self.record.count
 
     def on_audio(self, data: Buffer, now: float) -> None:
+        if self.first_audio is None:
+            self.first_audio = now
         record = self.record
         counter = self.counter
         if counter is None:
@@ -221,6 +226,20 @@ def _end_failures(index: int, conversation: Conversation) -> list[str]:
     if end is not None and end.reason != "stop":
         failures.append(f"session {index + 1}: ended with {end.reason!r}: {end.error}")
     return failures
+
+
+def stream_real_time_factor(clients: list[_VirtualClient], workload: Workload) -> float | None:
+    """The output stream's duration over the input's, worst session: its first output to its last,
+    over its first message's send to its last's.  1.0 when the model keeps up, whatever the lag;
+    above 1 when output falls further behind as the run goes on (paced mode)."""
+    span = (workload.message_count - 1) * workload.message_seconds
+    ratios = [
+        (c.conversation.last_output - c.first_audio) / span
+        for c in clients
+        if span > 0 and c.conversation is not None and c.first_audio is not None
+        and c.conversation.last_output is not None
+    ]
+    return max(ratios) if ratios else None
 
 
 def _pacing(clients: list[_VirtualClient], meter: _LagMeter | None, frames: int,
@@ -353,6 +372,8 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
         real_time_factor=rtf,
         failures=failures,
         lag_samples=meter.samples(started) if meter is not None else None,
+        stream_rtf=stream_real_time_factor(clients, workload) if paced else None,
+        capacity=runtime.scheduler.capacity.estimate.as_dict(),
     )
 
 
@@ -604,6 +625,8 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         real_time_factor=rtf,
         failures=failures,
         lag_samples=meter.samples(started) if meter is not None and started is not None else None,
+        stream_rtf=stream_real_time_factor(clients, workload) if paced else None,
+        capacity=await _server_capacity(target.url),
         target=target.url,
         sessions_connected=len(connected),
         connection_errors=dict(sorted(errors.items())),
@@ -615,6 +638,16 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         server_latency_ms_mean=server["latency_ms_mean"],
         notes=notes,
     )
+
+
+async def _server_capacity(url: str) -> dict | None:
+    """The server's own admission estimate, from its /readyz (None if it gives none)."""
+    try:
+        ready = await read_ready(url)
+    except ConnectError:
+        return None
+    capacity = (ready or {}).get("capacity")
+    return capacity if isinstance(capacity, dict) else None
 
 
 def _check_url_session(checker: Checker, index: int, record: OutputRecord, frames_out: int | None) -> list[str]:
@@ -701,3 +734,65 @@ def _server_figures(before: MetricsSnapshot | None, after: MetricsSnapshot | Non
         if total is not None and count:
             figures[key] = total / count * scale
     return figures
+
+
+# -- --find-capacity -------------------------------------------------------------------------------
+
+
+def _search_options(options: SimulateOptions, frame_seconds: float, min_seconds: float) -> SimulateOptions:
+    """Paced, per-frame lags kept, and ``min_seconds`` of audio per session (``--frames`` does
+    not apply: the criterion sets the length)."""
+    frames = math.ceil(min_seconds / frame_seconds)
+    return attrs.evolve(options, mode="paced", keep_samples=True, frames=frames, repeat=1)
+
+
+async def run_find_capacity(config: Config, options: SimulateOptions, *, backend: Backend | None = None,
+                            progress: bool = False, min_seconds: float = MIN_SECONDS,
+                            on_probe=None) -> CapacitySearch:
+    """``--find-capacity`` in process: bisect paced concurrency on one runtime, up to its slots."""
+    frame_seconds = config.audio.frame_seconds
+    options = _search_options(options, frame_seconds, min_seconds)
+    spec = AudioSpec.create(AudioFormat.parse(options.format), options.sample_rate,
+                            model_rate=config.audio.sample_rate)
+    async with open_runtime(config, backend) as runtime:
+        if options.warmup_frames:
+            await _run_round(runtime, attrs.evolve(options, frames=options.warmup_frames), spec, "warm-up",
+                             progress)
+
+        async def probe(sessions: int) -> Verdict:
+            report = await _run_round(runtime, attrs.evolve(options, concurrency=sessions), spec,
+                                      f"{sessions} sessions", progress)
+            return judge(report, frame_seconds * 1e3)
+
+        estimate = runtime.scheduler.capacity.estimate
+        start = estimate.limit if estimate.source != "none" else None
+        return await find_capacity(probe, config.runtime.slots, start=start, on_probe=on_probe)
+
+
+async def run_url_find_capacity(config: Config, options: SimulateOptions, url: str, *,
+                                api_key: str | None = None, progress: bool = False,
+                                adopt_server_backend: bool = False, min_seconds: float = MIN_SECONDS,
+                                on_probe=None) -> CapacitySearch:
+    """``--find-capacity --url``: the same bisection over real WebSockets, up to the server's slots.
+    Sessions the server refuses (``at_capacity``) fail a probe like late frames do."""
+    frame_seconds = config.audio.frame_seconds
+    options = _search_options(options, frame_seconds, min_seconds)
+    target = UrlTarget.create(url, options, config)
+    ready = await read_ready(target.url)
+    if ready is None:
+        raise ConfigError(f"{url}: the server has no /readyz answer to size the search by")
+    server_backend = ready.get("backend")
+    if adopt_server_backend and isinstance(server_backend, str) and server_backend != config.backend.name:
+        config = attrs.evolve(config, backend=attrs.evolve(config.backend, name=server_backend))
+    slots = ready.get("slots")
+    ceiling = slots if isinstance(slots, int) and slots > 0 else options.concurrency
+    capacity = ready.get("capacity") if isinstance(ready.get("capacity"), dict) else {}
+    start = capacity.get("limit") if capacity.get("source") not in (None, "none") else None
+
+    async def probe(sessions: int) -> Verdict:
+        report = await _run_url_round(config, attrs.evolve(options, concurrency=sessions), target,
+                                      f"{sessions} sessions", progress, api_key, 10.0, 10.0)
+        return judge(report, frame_seconds * 1e3)
+
+    return await find_capacity(probe, ceiling, start=start if isinstance(start, int) else None,
+                               on_probe=on_probe)

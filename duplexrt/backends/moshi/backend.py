@@ -53,11 +53,14 @@ MODEL_SAMPLE_RATE = 24000
 MODEL_FRAME_SIZE = 1920
 STAGES = ("encode", "lm", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: Full-size architectures the backend can build with seeded random weights (``random = NAME``).
+RANDOM_ARCHITECTURES = ("moshi-7b",)
 
 #: Unset sampling options (None) take the checkpoint's ``lm_gen_config``, else LMGen's defaults.
 DEFAULTS: dict[str, Any] = {
     "checkpoint": "",
     "tiny": False,
+    "random": "",
     "seed": 0,
     "device": "cpu",
     "dtype": "auto",
@@ -108,16 +111,23 @@ class MoshiSettings:
     greedy: bool | None
     cfg_coef: float | None
     warmup_steps: int
+    #: A full-size architecture with seeded random weights built on the device (``moshi-7b``):
+    #: real step costs with nothing downloaded.  Empty: a checkpoint or the tiny model.
+    random: str = ""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MoshiSettings:
         opts = take_options(NAME, options, DEFAULTS)
         checkpoint = _string_option(opts, "checkpoint").strip()
         tiny = bool(_bool_option(opts, "tiny"))
-        if tiny and checkpoint:
-            raise ConfigError(f"backend.options.checkpoint ({checkpoint!r}) and backend.options.tiny = true "
-                              f"both choose a model for {NAME}: set only one")
-        if not tiny and not checkpoint:
+        random = _string_option(opts, "random").strip()
+        if random and random not in RANDOM_ARCHITECTURES:
+            raise ConfigError(f"backend.options.random for {NAME} must be one of "
+                              f"{', '.join(RANDOM_ARCHITECTURES)} (or empty), got {random!r}")
+        if sum((bool(checkpoint), tiny, bool(random))) > 1:
+            raise ConfigError(f"backend.options.checkpoint ({checkpoint!r}), tiny = {str(tiny).lower()} and "
+                              f"random = {random!r} each choose a model for {NAME}: set only one")
+        if not tiny and not checkpoint and not random:
             raise ConfigError(f"backend.options.checkpoint is required for {NAME}: a local checkpoint "
                               "directory or a Hugging Face repo id (or set backend.options.tiny = true)")
         device = _string_option(opts, "device").strip()
@@ -151,6 +161,7 @@ class MoshiSettings:
             greedy=_bool_option(opts, "greedy"),
             cfg_coef=_optional_number(opts, "cfg_coef", 0, 100),
             warmup_steps=int(number_option(NAME, opts, "warmup_steps", 0, 1000, integer=True)),
+            random=random,
         )
 
 
@@ -200,6 +211,11 @@ class MoshiBackend(Backend):
     def _load_model(self, models: Any, torch: Any) -> tuple[Any, Any, Any, str, dict[str, Any]]:
         settings = self.settings
         dtype = self._torch_dtype(torch)
+        if settings.random:
+            from duplexrt.backends.moshi.tiny import build_random
+
+            mimi, lm, tokenizer = build_random(settings.random, settings.seed, device=settings.device, dtype=dtype)
+            return mimi, lm, tokenizer, "moshi", {}
         if settings.tiny:
             from duplexrt.backends.moshi.tiny import build_tiny
 
@@ -269,7 +285,8 @@ class MoshiBackend(Backend):
             lm_gen.streaming_forever(slots)
             self._setup(torch, mimi, lm, lm_gen, tokenizer)
             self.description = {
-                "model_type": model_type, "checkpoint": settings.checkpoint or f"tiny(seed={settings.seed})",
+                "model_type": model_type,
+                "checkpoint": settings.checkpoint or f"{settings.random or 'tiny'}(seed={settings.seed})",
                 "dtype": str(lm.dtype).removeprefix("torch."), "device": settings.device,
                 "use_sampling": lm_gen.use_sampling, "temp": lm_gen.temp, "temp_text": lm_gen.temp_text,
                 "top_k": lm_gen.top_k, "top_k_text": lm_gen.top_k_text, "cfg_coef": cfg_coef,
@@ -349,8 +366,17 @@ class MoshiBackend(Backend):
         rows = np.arange(slots, dtype=np.int64)
         silence = np.zeros((slots, self.info.frame_size), dtype=np.float32)
         out = np.empty_like(silence)
+        costs = []
         for _ in range(steps):
+            started = time.perf_counter()
             self.step(rows, silence, out)
+            costs.append(time.perf_counter() - started)
+        # The first step pays for allocation and compilation; the rest are what a step costs.
+        # A fixed batch costs the same whatever the rows: that is a flat line at full batch.
+        settled = costs[1:] or costs
+        if settled:
+            cost = sorted(settled)[len(settled) // 2]
+            self.warmup_costs = ((1, cost), (slots, cost))
         self._reset[:] = True
         self._apply_resets()
         self._frames[:] = 0

@@ -181,3 +181,34 @@ def save_tiny_checkpoint(directory: str | Path, seed: int = 0, *, conditioned: b
     })
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory
+
+
+def build_random(architecture: str, seed: int = 0, *, device: str = "cpu", dtype: Any = None) -> tuple[Any, Any, Any]:
+    """``(mimi, lm, tokenizer)``: a full-size architecture (``moshi-7b``: the package's own Mimi and
+    7B LM configuration, as Kyutai's checkpoints use) with seeded random weights, built directly on
+    ``device``: the real step cost with nothing downloaded and no weights copied from the host.
+
+    Its speech is noise; its text comes from the tiny tokenizer (the ids past its pieces decode as
+    nothing).  For benchmarks on a GPU; on a CPU the 7B model takes minutes a step.
+    """
+    import sentencepiece
+    import torch
+
+    if architecture != "moshi-7b":
+        raise ValueError(f"no random architecture {architecture!r}")
+    models = import_moshi(device)
+    loaders = models.loaders
+    dtype = dtype or torch.bfloat16
+    devices = [torch.device(device)] if device.startswith("cuda") else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
+        mimi = loaders.get_mimi(None, device=device)
+        _randomise_codebooks(mimi, torch.Generator().manual_seed(seed + 1))
+        mimi = mimi.to(device)  # the codebooks' fresh tensors were made on the host
+        # No file: the LM's parameters are initialised where they live (``LMModel(device=...)``).
+        lm = loaders.get_moshi_lm(None, device=device, dtype=dtype)
+    lm.eval()
+    tokenizer = sentencepiece.SentencePieceProcessor(model_proto=train_tokenizer(seed))
+    return mimi, lm, tokenizer

@@ -1,0 +1,162 @@
+"""How many sessions the model can step within one frame period: admission by cost, not by slots.
+
+Slots are the model's batch rows; they say nothing about time.  One session past what the model
+can step in a frame period and every call on the process falls behind at once, so the runtime
+learns the step time as a function of the batch size and admits only as many sessions as fit.
+
+The scheduler thread records each step's (rows, duration) into fixed per-batch-size arrays (a few
+scalar writes per step, no allocation) and, every ``refit_every`` steps, fits a line
+``cost(n) = base + per_session * n`` by weighted least squares over the batch sizes seen, seeded by
+what the backend measured at load (``Backend.warmup_costs``).  The result is one immutable
+``CapacityEstimate`` swapped in whole: the trio thread's admission check reads an attribute, with
+no lock on either side.
+
+A model whose step costs the whole batch whatever the rows (Moshi's fixed batch) fits a flat line:
+every slot fits, or one does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import attrs
+import numpy as np
+
+#: A batch size's mean step time follows its recent steps: an exponential average past this many.
+_WINDOW = 16
+#: One batch size weighs at most this much in the fit, so the steady-state size (seen every step)
+#: does not drown the few others that pin the slope.
+_MAX_WEIGHT = 32.0
+
+
+@attrs.frozen
+class CapacityEstimate:
+    """What admission reads: one immutable snapshot."""
+
+    #: Sessions the fitted cost allows within the budget (1 .. slots); ``slots`` before anything
+    #: is known.
+    sessions: int
+    #: What admission enforces: ``runtime.max_sessions`` when the operator pinned it, else
+    #: ``sessions``.  Never above the slots.
+    limit: int
+    slots: int
+    #: The fitted step cost, milliseconds: ``base_ms + per_session_ms * n``.
+    base_ms: float
+    per_session_ms: float
+    #: One frame period less ``runtime.capacity_margin``.
+    budget_ms: float
+    frame_ms: float
+    #: Steps (and warm-up points) the fit rests on, and how many distinct batch sizes.
+    samples: int
+    batch_sizes: int
+    #: ``none`` (nothing measured yet), ``warm-up``, ``steps`` or ``pinned`` (max_sessions).
+    source: str
+
+    def cost_ms(self, sessions: int) -> float:
+        return self.base_ms + self.per_session_ms * sessions
+
+    def as_dict(self) -> dict[str, object]:
+        return attrs.asdict(self)
+
+
+def sessions_within(base: float, per_session: float, budget: float, slots: int) -> int:
+    """The largest n in 1..slots with ``base + per_session * n <= budget`` (at least 1: a model
+    too slow for one session in real time still serves one, and says so in its estimate)."""
+    if per_session <= 0:
+        return slots if base <= budget else 1
+    n = math.floor((budget - base) / per_session + 1e-9)
+    return max(1, min(slots, n))
+
+
+def fit_line(sizes: np.ndarray, means: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
+    """Weighted least squares ``(base, per_session)``, both kept non-negative.
+
+    One batch size alone cannot separate the two: its whole cost is taken as per-session, which
+    over-estimates larger batches (refusing early rather than admitting past the edge) until a
+    second size is seen."""
+    if len(sizes) == 1:
+        return 0.0, float(means[0]) / float(sizes[0])
+    w = weights
+    sw = w.sum()
+    mx = (w * sizes).sum() / sw
+    my = (w * means).sum() / sw
+    var = (w * (sizes - mx) ** 2).sum()
+    slope = (w * (sizes - mx) * (means - my)).sum() / var
+    if slope < 0:  # noise on a flat curve: flat
+        return float(my), 0.0
+    base = my - slope * mx
+    if base < 0:  # through the origin instead
+        return 0.0, float((w * sizes * means).sum() / (w * sizes * sizes).sum())
+    return float(base), float(slope)
+
+
+class CapacityEstimator:
+    """Learns step cost by batch size on the scheduler thread; publishes ``estimate``."""
+
+    def __init__(self, slots: int, frame_seconds: float, margin: float, max_sessions: int = 0,
+                 refit_every: int = 16) -> None:
+        self.slots = slots
+        self.frame_ms = frame_seconds * 1e3
+        self.budget_ms = self.frame_ms * (1.0 - margin)
+        self.max_sessions = min(max_sessions, slots) if max_sessions else 0
+        self.refit_every = refit_every
+        # Index = rows in the step.  Plain Python lists: a scalar write to a list is cheaper than
+        # one to a numpy array, and the scheduler thread does two per step.
+        self._mean = [0.0] * (slots + 1)
+        self._count = [0] * (slots + 1)
+        self._since_fit = 0
+        self._steps = 0
+        self.estimate = self._publish(None, 0)
+
+    # -- scheduler thread ------------------------------------------------------------------------
+
+    def seed(self, points: Iterable[tuple[int, float]]) -> None:
+        """Costs measured before any session (the backend's warm-up): ``(rows, seconds)``."""
+        seeded = False
+        for rows, seconds in points:
+            if 1 <= rows <= self.slots and seconds >= 0:
+                self._add(rows, seconds * 1e3)
+                seeded = True
+        if seeded:
+            self.refit("warm-up")
+
+    def record(self, rows: int, duration_ns: int) -> None:
+        """One step's rows and duration.  Cheap: two list writes; a refit every few steps."""
+        self._add(rows, duration_ns / 1e6)
+        self._steps += 1
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self.refit("steps")
+
+    def _add(self, rows: int, ms: float) -> None:
+        count = self._count[rows] + 1
+        self._count[rows] = count
+        self._mean[rows] += (ms - self._mean[rows]) / min(count, _WINDOW)
+
+    def refit(self, source: str = "steps") -> CapacityEstimate:
+        self._since_fit = 0
+        counts = np.asarray(self._count, dtype=np.float64)
+        sizes = np.flatnonzero(counts)
+        if len(sizes) == 0:
+            return self.estimate
+        means = np.asarray(self._mean, dtype=np.float64)[sizes]
+        weights = np.minimum(counts[sizes], _MAX_WEIGHT)
+        base, slope = fit_line(sizes.astype(np.float64), means, weights)
+        self.estimate = self._publish((base, slope), int(counts.sum()), len(sizes), source)
+        return self.estimate
+
+    def _publish(self, line: tuple[float, float] | None, samples: int, sizes: int = 0,
+                 source: str = "none") -> CapacityEstimate:
+        if line is None:
+            base = slope = 0.0
+            sessions = self.slots
+        else:
+            base, slope = line
+            sessions = sessions_within(base, slope, self.budget_ms, self.slots)
+        limit = self.max_sessions or sessions
+        return CapacityEstimate(
+            sessions=sessions, limit=limit, slots=self.slots, base_ms=base, per_session_ms=slope,
+            budget_ms=self.budget_ms, frame_ms=self.frame_ms, samples=samples, batch_sizes=sizes,
+            source="pinned" if self.max_sessions else source,
+        )
