@@ -252,3 +252,14 @@ async def test_end_turn_on_api_chat_feeds_the_flush_and_the_session_goes_on():
     end = ended[0]
     assert end.reason == "client_closed"
     assert end.frames_flushed == FLUSH and end.frames_out == end.frames_in + FLUSH
+
+
+async def test_the_flush_stops_at_the_sessions_frame_limit_with_reason_length():
+    """The flush is model input: a session's frame limit bounds it like any frame."""
+    caller = 3
+    async with open_runtime(tiny_config("runtime.max_session_seconds=0.4")) as runtime:  # 5 frames
+        run = await run_session(runtime, [signal(6, caller).tobytes()], runtime.audio_spec("pcm_f32le"))
+    end = run.end
+    assert end.reason == "length"
+    assert (end.frames_in, end.frames_flushed, end.frames_out) == (caller, 2, caller + 2)
+    assert len(run.client.audio) == (caller + 2) * FRAME * 4
