@@ -73,7 +73,8 @@ class Runtime:
             protocol = RawProtocol(input_spec, output_spec or input_spec)
         services = SessionServices(config=self.config, scheduler=self.scheduler, handoffs=self.handoffs,
                                    metrics=self.metrics, registry=self.sessions,
-                                   max_session_frames=self.backend.info.max_session_frames)
+                                   max_session_frames=self.backend.info.max_session_frames,
+                                   flush_frames=self.backend.info.flush_frames)
         return await Session(services, transport, protocol, session_id).run()
 
     def statistics(self) -> RuntimeStatistics:

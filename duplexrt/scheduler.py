@@ -199,6 +199,10 @@ class Scheduler:
         self.always_offload = config.offload == "always"
         self.slots = backend.info.slots
         self.frame_size = backend.info.frame_size
+        #: The frame a session submits as its first after its input ended (``BackendInfo.flush_frames``):
+        #: silence, recognised by identity, so the backend hears of it (``end_input``) on the very
+        #: step that carries it, behind whatever the session queued before.
+        self.end_of_input = np.zeros(self.frame_size, dtype=np.float32)
         self.gather_window = config.gather_window_ms / 1e3
         self.max_consecutive_failures = config.max_consecutive_step_failures
         #: Step cost by batch size, learnt on this thread; its ``estimate`` is what admission reads.
@@ -436,9 +440,12 @@ class Scheduler:
         flat = self._input_bytes
         size = self._frame_bytes
         offset = 0
+        mark = self.end_of_input
         for frame in batch.frames:
             flat[offset:offset + size] = memoryview(frame).cast("B")
             offset += size
+            if frame is mark:
+                self.backend.end_input(batch.rows[offset // size - 1])
         rows[:] = batch.rows
         started = time.perf_counter_ns()
         try:

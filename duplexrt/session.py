@@ -45,6 +45,7 @@ from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
     ClearOutput,
+    EndTurn,
     Event,
     Ignored,
     InputEnd,
@@ -99,6 +100,8 @@ class SessionServices:
     registry: set[Session]
     #: The model's own limit on a session's frames (None: none).
     max_session_frames: int | None = None
+    #: Frames the model wants after the caller's input ends (``BackendInfo.flush_frames``).
+    flush_frames: int = 0
 
 
 class Session:
@@ -147,6 +150,8 @@ class Session:
         self._told = 0  # outputs handed to the translator (sent, or being sent)
         self._stopped = False  # _finish was called: no more output goes out
         self._input_ended = False
+        self._flush_frames = services.flush_frames
+        self._flushed = 0  # flush frames submitted: model input, but not the caller's audio
         self._finish_reason: str | None = None
         self._finish_error: str | None = None
         self._close_code = NORMAL_CLOSURE
@@ -191,8 +196,14 @@ class Session:
 
     @property
     def frames_in(self) -> int:
-        """Model frames submitted so far (what the translator may read)."""
+        """Model frames submitted so far, flush frames included: the position the translator
+        matches output against (what the translator may read)."""
         return self._submitted
+
+    @property
+    def frames_flushed(self) -> int:
+        """Flush frames submitted after the caller's input or turn ended (``flush_frames``)."""
+        return self._flushed
 
     @property
     def frames_out(self) -> int:
@@ -264,9 +275,9 @@ class Session:
     def summary(self) -> SessionEnd:
         return SessionEnd(
             reason=self._finish_reason or STOP,
-            frames_in=self._submitted,
+            frames_in=self._submitted - self._flushed,
             frames_out=self._sent,
-            seconds_in=round(self._submitted * self._frame_seconds, 6),
+            seconds_in=round((self._submitted - self._flushed) * self._frame_seconds, 6),
             seconds_out=round(self._sent * self._frame_seconds, 6),
             error=self._finish_error,
             text_tokens_out=self._text_pieces,
@@ -274,6 +285,7 @@ class Session:
             if self._first_submit_ns else 0.0,
             frames_filled=self._frames_filled,
             frames_dropped_late=self._frames_dropped_late,
+            frames_flushed=self._flushed,
         )
 
     def shutdown(self) -> None:
@@ -422,6 +434,11 @@ class Session:
         if isinstance(event, ProtocolError):
             self._reject(event)
         elif isinstance(event, Reply):
+            if self._flush_frames and isinstance(event, EndTurn):  # else the input is one stream
+                last = self._framer.flush()
+                if last is not None:
+                    await self._submit(last)
+                await self._feed_flush()
             self._queue(event.messages)
         elif isinstance(event, Reconfigure):
             await self._reconfigure(event.messages)
@@ -625,10 +642,28 @@ class Session:
         last = self._framer.flush()
         if last is not None:
             await self._submit(last)
+        await self._feed_flush()
         self.lease.end_input()
         self._input_ended = True
         if self._delivered == self._submitted:
             self._close_outbox()
+
+    async def _feed_flush(self) -> None:
+        """After the caller's last frame, the frames a model needs to finish its output
+        (``flush_frames``): the scheduler's end-of-input mark, then silence.  They are answered
+        and sent like any frame, and counted apart (``frames_flushed``) from the caller's audio.
+        Not on a stop (shutdown, a limit, an error): that session ends as soon as it can."""
+        count = self._flush_frames
+        if not count or self._finish_reason is not None:
+            return
+        mark = self._services.scheduler.end_of_input
+        silence = np.zeros_like(mark)
+        for i in range(count):
+            submitted = self._submitted
+            await self._submit(mark if i == 0 else silence)
+            if self._submitted == submitted:
+                return  # the session's frame limit: it ends with reason "length"
+            self._flushed += 1
 
     def _reject(self, error: ProtocolError) -> None:
         self._queue(self._protocol.error(error))

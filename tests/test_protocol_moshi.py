@@ -15,7 +15,7 @@ import trio
 
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.config import load_config
-from duplexrt.protocols.events import AudioIn, Ignored, ProtocolError, SessionEnd
+from duplexrt.protocols.events import AudioIn, EndTurn, Ignored, ProtocolError, SessionEnd
 from duplexrt.protocols.moshi import CONTROL_CODES, HANDSHAKE_MESSAGE, MoshiProtocol
 from duplexrt.runtime import open_runtime
 from duplexrt.transport import (
@@ -101,12 +101,19 @@ def test_an_audio_message_with_no_audio_is_ignored():
     assert MoshiProtocol().parse(b"\x01") == Ignored()
 
 
+def test_end_turn_ends_the_turn_for_a_translation_models_flush():
+    # A reply with nothing to send: for a model with no flush it changes nothing (test_end_of_input).
+    assert MoshiProtocol().parse(bytes([3, CONTROL_CODES["end_turn"]])) == EndTurn(())
+    assert MoshiProtocol().parse(b"\x03\x01\x00") == Ignored(), "a control message is one code"
+
+
 @pytest.mark.parametrize("message", [
     pytest.param(HANDSHAKE_MESSAGE, id="handshake"),
     pytest.param(b"\x00", id="bare-handshake"),
     pytest.param(b"\x02hello", id="text"),
     pytest.param(b"\x02", id="empty-text"),
-    *(pytest.param(bytes([3, code]), id=f"control-{name}") for name, code in CONTROL_CODES.items()),
+    *(pytest.param(bytes([3, code]), id=f"control-{name}") for name, code in CONTROL_CODES.items()
+      if name != "end_turn"),
     pytest.param(b"\x03\x09", id="unknown-control"),
     pytest.param(b"\x03", id="control-without-code"),
     pytest.param(b'\x04{"key": "value"}', id="metadata"),

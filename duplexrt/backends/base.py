@@ -38,6 +38,10 @@ class BackendInfo:
     #: The model's own context limit in frames per session, if it has one: a session reaching it
     #: ends with finish reason ``length``.
     max_session_frames: int | None = None
+    #: Steps a model wants after a caller's last frame to finish its output (a translation model
+    #: lags its input by seconds): the session feeds them when the caller's input ends, the first
+    #: marked by ``Backend.end_input``, the rest silence.  0: the output ends with the input.
+    flush_frames: int = 0
 
 
 class Backend(abc.ABC):
@@ -71,6 +75,13 @@ class Backend(abc.ABC):
 
         Returns the text each row produced this step (``""`` for none), or None for a model
         that never speaks text.
+        """
+
+    def end_input(self, slot: int) -> None:
+        """``slot``'s frame in the next ``step`` is the first after its caller's input ended.
+
+        Called only for a backend with ``info.flush_frames``; a model that marks the end of its
+        input stream (Hibiki's end-of-stream codes) feeds the mark in place of that frame.
         """
 
     def close(self) -> None:

@@ -74,6 +74,14 @@ class ClearOutput:
     messages: tuple[Message, ...] = ()
 
 
+@attrs.frozen
+class EndTurn(Reply):
+    """A reply that also ends the caller's turn, its input not (turn mode's commit): a model that
+    finishes its output after its input (``BackendInfo.flush_frames``: a translation model) is
+    fed that flush first, so the output answering this turn holds all of it.  For any other
+    model it is the plain reply it derives from."""
+
+
 Event = AudioIn | InputEnd | ProtocolError | Ignored | Reply | Reconfigure | ClearInput | ClearOutput
 
 
@@ -96,6 +104,9 @@ class SessionEnd:
     #: because they came for time already filled.
     frames_filled: int = 0
     frames_dropped_late: int = 0
+    #: Frames fed after the caller's input to let the model finish (``BackendInfo.flush_frames``):
+    #: not in ``frames_in``; their output is in ``frames_out``.
+    frames_flushed: int = 0
 
 
 #: Client values quoted in error messages are cut to about this many characters.

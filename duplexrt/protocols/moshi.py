@@ -27,8 +27,11 @@ kyutai-labs/hibiki-zero's ``state.py`` and web page), and what this translator d
   documented nine-byte form.
 * Control codes are start, endTurn, pause and restart, "not used in full streaming mode": every
   Kyutai server ignores them, and none means "no more input" (endTurn is the end of a speaking
-  turn, not of the stream).  So control messages are ignored, and the protocol has no end of input:
-  a session ends when the client hangs up.
+  turn, not of the stream).  So the protocol has no end of input: a session ends when the client
+  hangs up, and nothing can reach it after.  endTurn is the one place a client can say its speech
+  is over and still hear the rest: it ends the turn (``EndTurn``), which feeds a translation
+  model's end-of-input flush (Hibiki's) and is a no-op for any other model; the other control
+  codes are ignored.
 * Ping (6) is answered by no Kyutai server; we ignore it too.  So are client handshake, text,
   metadata and error messages, and kinds we do not know (``protocol.md``: "messages with an unknown
   message type should be discarded").  An audio message with no payload is ignored as well (Kyutai's
@@ -53,7 +56,7 @@ from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.events import AudioIn, Event, Ignored, ProtocolError, SessionEnd
+from duplexrt.protocols.events import AudioIn, EndTurn, Event, Ignored, ProtocolError, SessionEnd
 from duplexrt.transport import UNSUPPORTED_DATA, Message
 
 __all__ = [
@@ -85,6 +88,8 @@ _METADATA_PREFIX = b"\x04"
 _ERROR_PREFIX = b"\x05"
 
 _IGNORED = Ignored()
+_END_TURN_MESSAGE = bytes([CONTROL, CONTROL_CODES["end_turn"]])
+_END_TURN = EndTurn(())
 _TEXT_NOT_SUPPORTED = ProtocolError(
     "text_not_supported",
     "the Moshi protocol only has binary messages (a kind byte, then the payload)",
@@ -126,9 +131,11 @@ class MoshiProtocol(Translator):
             return _EMPTY_MESSAGE
         if message[0] == AUDIO and len(message) > 1:
             return AudioIn(message[1:])
+        if message == _END_TURN_MESSAGE:
+            return _END_TURN
         # Everything else is ignored: an empty audio message, the kinds a client has no business
-        # sending (handshake, text, metadata, error), control and ping (unused in full streaming
-        # mode, and answered by no Kyutai server), and kinds we do not know.
+        # sending (handshake, text, metadata, error), the other control codes and ping (unused in
+        # full streaming mode, and answered by no Kyutai server), and kinds we do not know.
         return _IGNORED
 
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:

@@ -69,6 +69,8 @@ class RawProtocol(Translator):
         usage = attrs.asdict(end)
         reason = usage.pop("reason")
         error = usage.pop("error")
+        if not usage["frames_flushed"]:
+            del usage["frames_flushed"]  # only models that take a flush report it
         body: dict[str, object] = {"type": "session.end", "reason": reason, "usage": usage}
         if error is not None:
             body["error"] = error

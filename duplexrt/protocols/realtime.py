@@ -11,7 +11,8 @@ A full-duplex model speaks all the time; the protocol only decides what the clie
 * turn mode (the default): output audio goes to the client only while a response is active.
   ``response.create`` opens one that answers all the input submitted so far: it completes once the
   model's output has caught up with that input (one output frame per input frame), and carries
-  exactly those frames: output past its end waits for the next response.  Output that comes before
+  exactly those frames: output past its end waits for the next response.  A commit ends the turn
+  (``EndTurn``): a translation model is fed its end-of-input flush, which the response then carries.  Output that comes before
   any ``response.create`` is held (bounded) and becomes the next response's start.
   ``response.cancel`` (or ``output_audio_buffer.clear``) ends the response, and the rest of its
   answer, which the model is still producing, is dropped as it comes: never sent later.
@@ -61,6 +62,7 @@ from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
     ClearOutput,
+    EndTurn,
     Event,
     ProtocolError,
     Reconfigure,
@@ -493,7 +495,10 @@ class RealtimeProtocol(Translator):
                                  event_id=_client_event_id(data))
         item_id = self._speech_item or self._new_item_id()
         self._speech_item = None
-        return Reply(tuple(self._commit_item(item_id)))
+        messages = tuple(self._commit_item(item_id))
+        # Turn mode: the commit ends the speaker's turn, so a translation model is fed its
+        # end-of-input flush and the next response carries the rest of the translation.
+        return Reply(messages) if self.duplex else EndTurn(messages)
 
     def _clear_input(self, data: dict[str, Any]) -> Event:
         self._pending_input = False

@@ -24,6 +24,11 @@ load and streams for the life of the process; each slot is one row.
   next one should get the encoder's left padding again.
 * **Sampling** draws each row's noise from its own counter stream (see ``sampling``), so a session
   samples the same tokens whoever shares the batch with it; ``greedy`` turns sampling off.
+* **End of input** (``flush_frames``, on by default for Hibiki models): Hibiki learnt to hear
+  its input stream end as one step whose codes are all ``cardinality`` (one past the last code),
+  then silence, and to finish the translation after it.  So the flush frame ``end_input`` marks
+  is replaced by those codes (the row's encoder does not advance on it, as nothing was encoded),
+  and the frames after it are plain silence through Mimi.
 * **Stages** (encode, lm, decode) are timed every step: running totals in ``stage_seconds`` /
   ``stage_steps`` and this step's durations in ``last_stages`` (CUDA events on a GPU, so timing
   costs no extra synchronisation).
@@ -71,7 +76,12 @@ DEFAULTS: dict[str, Any] = {
     "greedy": None,
     "cfg_coef": None,
     "warmup_steps": 4,
+    "flush_frames": None,
 }
+
+#: Steps fed after a caller's input ends, by default, for a Hibiki model: the translation lags
+#: the speech by a few seconds, and the model is given 6 s to finish it.
+HIBIKI_FLUSH_FRAMES = 75
 
 
 def _bool_option(options: Mapping[str, Any], key: str) -> bool | None:
@@ -111,6 +121,8 @@ class MoshiSettings:
     greedy: bool | None
     cfg_coef: float | None
     warmup_steps: int
+    #: None: from the model's type (``HIBIKI_FLUSH_FRAMES`` for Hibiki, else 0).
+    flush_frames: int | None
     #: A full-size architecture with seeded random weights built on the device (``moshi-7b``):
     #: real step costs with nothing downloaded.  Empty: a checkpoint or the tiny model.
     random: str = ""
@@ -161,6 +173,7 @@ class MoshiSettings:
             greedy=_bool_option(opts, "greedy"),
             cfg_coef=_optional_number(opts, "cfg_coef", 0, 100),
             warmup_steps=int(number_option(NAME, opts, "warmup_steps", 0, 1000, integer=True)),
+            flush_frames=_none_or_int(_optional_number(opts, "flush_frames", 0, 10000, integer=True)),
             random=random,
         )
 
@@ -292,6 +305,11 @@ class MoshiBackend(Backend):
                 "top_k": lm_gen.top_k, "top_k_text": lm_gen.top_k_text, "cfg_coef": cfg_coef,
                 "max_delay": lm_gen.max_delay, "text_card": lm.text_card, "slots": slots,
             }
+            flush = settings.flush_frames
+            if flush is None:
+                flush = HIBIKI_FLUSH_FRAMES if model_type == "hibiki" else 0
+            self.info = attrs.evolve(self.info, flush_frames=flush)
+            self.description["flush_frames"] = flush
             self._warm_up(settings.warmup_steps)
         self._loaded = True
         log.info("moshi backend loaded: %s", self.description)
@@ -343,6 +361,9 @@ class MoshiBackend(Backend):
             self._exec = self._mask_t
             self._pcm_dev = self._pcm_t
         self._frames = np.zeros(slots, dtype=np.int64)
+        # Rows whose frame in the next step is their end-of-input mark (``end_input``).
+        self._ending = np.zeros(slots, dtype=bool)
+        self._pending_end = False
         self._keys = np.zeros(slots, dtype=np.int64)
         # Text pieces by token id, decoded once: "" for padding, specials and anything out of range.
         specials = {lm.text_padding_token_id, lm.end_of_text_padding_id}
@@ -396,6 +417,11 @@ class MoshiBackend(Backend):
 
     def close_slot(self, slot: int) -> None:
         self._frames[slot] = 0
+        self._ending[slot] = False
+
+    def end_input(self, slot: int) -> None:
+        self._ending[slot] = True
+        self._pending_end = True
 
     def _apply_resets(self) -> None:
         torch = self._torch
@@ -438,8 +464,11 @@ class MoshiBackend(Backend):
         mimi = self._mimi
 
         # encode: every row's frame through Mimi's encoder; only the given rows' states advance.
-        mimi.set_exec_mask(exec_mask)
+        ending = self._take_ending(torch) if self._pending_end else None
+        mimi.set_exec_mask(exec_mask if ending is None else exec_mask & ~ending)
         codes = mimi.encode(self._pcm_dev)
+        if ending is not None:
+            codes = torch.where(ending[:, None, None], mimi.cardinality, codes)
         first = rows[self._frames[rows] == 0]
         if len(first):
             self._reset_encoder(torch, first)
@@ -492,6 +521,14 @@ class MoshiBackend(Backend):
             seconds[name] += ns / 1e9
         self.stage_steps += 1
         return texts
+
+    def _take_ending(self, torch: Any) -> Any:
+        """The rows marked by ``end_input`` as a mask on the model's device (rare: once per
+        session end, so a plain copy), and the marks cleared."""
+        ending = torch.from_numpy(self._ending.copy()).to(self._exec.device)
+        self._ending[:] = False
+        self._pending_end = False
+        return ending
 
     def _reset_encoder(self, torch: Any, rows: np.ndarray) -> None:
         """Forget the encoder's state for ``rows`` (their first frame has been encoded)."""
