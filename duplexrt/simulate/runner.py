@@ -50,12 +50,11 @@ from duplexrt.client.protocols import (
     route_of,
 )
 from duplexrt.config import Config, ConfigError
-from duplexrt.histogram import Histogram
-from duplexrt.metrics import FrameMetrics
+from duplexrt.histogram import Histogram, Summary
 from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.simulate.checker import Checker, OutputRecord
 from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict, find_capacity, judge
-from duplexrt.simulate.progress import show_progress
+from duplexrt.progress import show_progress
 from duplexrt.simulate.report import RoundReport, SimulationReport
 from duplexrt.simulate.workload import Workload
 from duplexrt.transport import MemoryTransport, memory_transport_pair
@@ -296,11 +295,9 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
     frame_seconds = config.audio.frame_seconds
     failures: list[str] = []
 
-    runtime.metrics = FrameMetrics()
-    handoffs_before = runtime.handoffs.statistics()
-    scheduler_before = runtime.scheduler.statistics()
-    step_time_before = runtime.scheduler.step_time_snapshot()
-    delivery_before = runtime.scheduler.delivery_delay.snapshot()
+    # One record before and one after: the round's figures are the difference, so rounds on
+    # one runtime need no reset of its counters.
+    before = runtime.statistics()
     usage_before = _Usage.now()
     started = time.perf_counter()
 
@@ -320,7 +317,8 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
     total_frames = options.concurrency * options.frames
     async with trio.open_nursery() as outer:
         if progress:
-            outer.start_soon(show_progress, label, lambda: runtime.metrics.frames_out, total_frames)
+            frames_out = lambda: runtime.statistics().frames.frames_out - before.frames.frames_out  # noqa: E731
+            outer.start_soon(show_progress, label, frames_out, total_frames)
         async with trio.open_nursery() as nursery:
             for index in range(options.concurrency):
                 client_end, server_end = memory_transport_pair()
@@ -330,9 +328,7 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
 
     elapsed = time.perf_counter() - started
     usage = _Usage.now()
-    handoffs = runtime.handoffs.statistics()
-    scheduler = runtime.scheduler.statistics()
-    frames = runtime.metrics.statistics()
+    after = runtime.statistics()
 
     for index, state in enumerate(clients):
         conversation = state.conversation
@@ -340,40 +336,44 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
         frames_out = conversation.end.frames_out if conversation.end else None
         failures.extend(checker.check_session(index, index + 1, state.record, frames_out))
 
-    frames_in = frames.frames_in
+    frames_in = after.frames.frames_in - before.frames.frames_in
     per_frame = max(frames_in, 1)
     lag_summary, late, rtf = _pacing(clients, meter if paced else None, options.frames, frame_seconds)
-    steps = scheduler.steps - scheduler_before.steps
-    step_frames = scheduler.frames - scheduler_before.frames
-    step_time = runtime.scheduler.step_time_snapshot().minus(step_time_before)
+    steps = after.scheduler.steps - before.scheduler.steps
+    step_frames = after.scheduler.frames - before.scheduler.frames
+
+    def interval(name: str) -> Summary:
+        """What one histogram recorded during the round, in nanoseconds."""
+        return getattr(after.histograms, name).minus(getattr(before.histograms, name)).summary()
+
     return RoundReport(
         mode=options.mode,
         sessions=options.concurrency,
         elapsed_s=elapsed,
         frames_in=frames_in,
-        frames_out=frames.frames_out,
+        frames_out=after.frames.frames_out - before.frames.frames_out,
         cpu_us_per_frame=(usage.cpu - usage_before.cpu) * 1e6 / per_frame,
         voluntary_switches=usage.voluntary - usage_before.voluntary,
         involuntary_switches=usage.involuntary - usage_before.involuntary,
         voluntary_switches_per_frame=(usage.voluntary - usage_before.voluntary) / per_frame,
         involuntary_switches_per_frame=(usage.involuntary - usage_before.involuntary) / per_frame,
-        handoffs={k: handoffs.by_kind[k] - handoffs_before.by_kind[k] for k in handoffs.by_kind},
-        executor_submissions=handoffs.executor_submissions - handoffs_before.executor_submissions,
-        preprocess_us=frames.preprocess_us,
-        enqueue_us=frames.enqueue_us,
-        latency_ms=frames.latency_us.scaled(1e3),
-        delivery_ms=runtime.scheduler.delivery_delay.snapshot().minus(delivery_before).summary().scaled(1e6),
-        step_to_sent_ms=frames.step_to_sent_us.scaled(1e3),
+        handoffs={k: after.handoffs.by_kind[k] - before.handoffs.by_kind[k] for k in after.handoffs.by_kind},
+        executor_submissions=after.handoffs.offloads - before.handoffs.offloads,
+        preprocess_us=interval("preprocess").scaled(1e3),
+        enqueue_us=interval("enqueue").scaled(1e3),
+        latency_ms=interval("latency").scaled(1e6),
+        delivery_ms=interval("delivery").scaled(1e6),
+        step_to_sent_ms=interval("step_to_sent").scaled(1e6),
         steps=steps,
         mean_batch=step_frames / steps if steps else 0.0,
-        step_ms=step_time.summary().scaled(1e6),
+        step_ms=interval("step_time").scaled(1e6),
         frame_lag_ms=lag_summary,
         late_frames=late,
         real_time_factor=rtf,
         failures=failures,
         lag_samples=meter.samples(started) if meter is not None else None,
         stream_rtf=stream_real_time_factor(clients, workload) if paced else None,
-        capacity=runtime.scheduler.capacity.estimate.as_dict(),
+        capacity=after.capacity.as_dict(),
     )
 
 
