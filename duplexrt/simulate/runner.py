@@ -51,6 +51,7 @@ from duplexrt.client.protocols import (
 )
 from duplexrt.config import Config, ConfigError
 from duplexrt.histogram import Histogram, Summary
+from duplexrt.routes import SIMULATE_FORMATS
 from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.simulate.checker import Checker, OutputRecord
 from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict, find_capacity, judge
@@ -62,7 +63,7 @@ from duplexrt.transport import MemoryTransport, memory_transport_pair
 MODES = ("burst", "paced")
 
 #: The wire format each route takes when ``--format`` is not given.
-ROUTE_FORMATS = {"duplex": "pcm_f32le", "realtime": "pcm_s16le", "moshi": "opus", "live": "pcm_s16le"}
+ROUTE_FORMATS = SIMULATE_FORMATS
 
 
 @attrs.frozen(kw_only=True)
