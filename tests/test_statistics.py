@@ -58,11 +58,11 @@ def test_the_exporter_the_log_line_stats_and_simulate_read_only_statistics():
     import duplexrt.server.metrics as metrics
     import duplexrt.server.stats_log as stats_log
     import duplexrt.server.web as web
-    from duplexrt.simulate import runner
+    from duplexrt.simulate import in_process
 
     for module in (metrics, web, stats_log):
         assert _runtime_parts_read(inspect.getsource(module)) == set(), module.__name__
-    assert _runtime_parts_read(inspect.getsource(runner._run_round)) == set()
+    assert _runtime_parts_read(inspect.getsource(in_process._run_round)) == set()
     assert _runtime_parts_read(inspect.getsource(Server._plain_answer)) == set()
 
 
