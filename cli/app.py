@@ -14,6 +14,7 @@ import typer
 from duplexrt import __version__, presets
 from duplexrt.audio import AudioFormat, AudioFormatError
 from duplexrt.config import ConfigError, load_config
+from duplexrt.routes import client_paths, routes_help
 from duplexrt.scheduler import BackendLoadError
 
 app = typer.Typer(
@@ -182,8 +183,7 @@ def simulate(
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
                                                      help="Progress bar (default: when stderr is a terminal).")] = None,
     url: Annotated[Optional[str], typer.Option(
-        help="Load a running server instead: ws://HOST:PORT/ROUTE (/v1/duplex, /v1/realtime, /api/chat or "
-             "/v1/live/sessions). "
+        help=f"Load a running server instead: ws://HOST:PORT/ROUTE ({client_paths()}). "
              "Each virtual session is a real WebSocket; server-side figures come from its /metrics, and "
              "--backend/-o describe the server's backend for the guards (default: the backend its "
              "/readyz names, with its default options).")] = None,
@@ -368,7 +368,17 @@ def client(
         raise typer.Exit(code)
 
 
-@app.command()
+_SERVE_HELP = f"""Serve the model over WebSocket on one port:
+
+\b
+{routes_help()}
+  GET /healthz, /readyz, /metrics (Prometheus)
+
+SIGINT or SIGTERM stops accepting, tells every session it is closing and drains within
+server.shutdown_grace_s; a second signal stops at once."""
+
+
+@app.command(help=_SERVE_HELP)
 def serve(
     host: Annotated[Optional[str], typer.Option(help="Address to listen on (default 127.0.0.1).",
                                                 envvar="DUPLEXRT_HOST")] = None,
@@ -391,17 +401,6 @@ def serve(
     offload: OffloadOption = None,
     set_: SetOption = None,
 ) -> None:
-    """Serve the model over WebSocket on one port:
-
-    \b
-      /v1/realtime   OpenAI Realtime protocol (?duplex=1 for a continuous response)
-      /api/chat      Kyutai Moshi protocol (Ogg Opus), for Moshi's web client
-      /v1/live/sessions  OpenAI's full-duplex Live protocol (GPT-Live clients, e.g. LiveKit's)
-      /v1/duplex     raw PCM (?format=pcm_f32le|pcm_s16le|g711_ulaw|g711_alaw&rate=HZ)
-      GET /healthz, /readyz, /metrics (Prometheus)
-
-    SIGINT or SIGTERM stops accepting, tells every session it is closing and drains within
-    server.shutdown_grace_s; a second signal stops at once."""
     from duplexrt.server import serve as run_server
 
     logging.getLogger().setLevel(log_level.upper())

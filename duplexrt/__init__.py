@@ -1,5 +1,73 @@
-"""duplexrt: a trio runtime that serves full-duplex speech models to many real-time sessions."""
+"""duplexrt: a trio runtime that serves full-duplex speech models to many real-time sessions.
+
+The public API is ``__all__`` below; everything else is internal and may change.  Names load on
+first use (PEP 562), so ``import duplexrt`` stays cheap for ``duplexrt --version``:
+
+* run a model for many sessions: ``open_runtime(config)`` gives a ``Runtime``; ``runtime.serve``
+  serves one session over a ``Transport`` with a protocol ``Translator`` and returns its
+  ``SessionEnd``; ``runtime.statistics()`` reads every figure;
+* serve it over WebSocket: ``Server`` / ``serve``;
+* configure: ``load_config`` gives a ``Config``;
+* bring a model: subclass ``Backend``.
+"""
+
+import importlib
+import typing
 
 #: The one place the version is written: pyproject.toml reads it from here (setuptools parses
 #: this file without importing the package), and ``duplexrt --version`` prints it.
 __version__ = "0.1.0.dev0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "Runtime": "duplexrt.runtime",
+    "RuntimeStatistics": "duplexrt.runtime",
+    "open_runtime": "duplexrt.runtime",
+    "Config": "duplexrt.config",
+    "ConfigError": "duplexrt.config",
+    "load_config": "duplexrt.config",
+    "Server": "duplexrt.server.app",
+    "ServerStatistics": "duplexrt.server.statistics",
+    "serve": "duplexrt.server.app",
+    "Backend": "duplexrt.backends.base",
+    "BackendInfo": "duplexrt.backends.base",
+    "SlotSession": "duplexrt.backends.base",
+    "BackendLoadError": "duplexrt.scheduler",
+    "NoFreeSlotError": "duplexrt.scheduler",
+    "Transport": "duplexrt.transport",
+    "TransportClosed": "duplexrt.transport",
+    "MemoryTransport": "duplexrt.transport",
+    "memory_transport_pair": "duplexrt.transport",
+    "Translator": "duplexrt.protocols.base",
+    "SessionEnd": "duplexrt.protocols.events",
+    "AudioFormat": "duplexrt.audio",
+    "AudioFormatError": "duplexrt.audio",
+    "AudioSpec": "duplexrt.audio",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
+    from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+    from duplexrt.backends.base import Backend, BackendInfo, SlotSession
+    from duplexrt.config import Config, ConfigError, load_config
+    from duplexrt.protocols.base import Translator
+    from duplexrt.protocols.events import SessionEnd
+    from duplexrt.runtime import Runtime, RuntimeStatistics, open_runtime
+    from duplexrt.scheduler import BackendLoadError, NoFreeSlotError
+    from duplexrt.server.app import Server, serve
+    from duplexrt.server.statistics import ServerStatistics
+    from duplexrt.transport import MemoryTransport, Transport, TransportClosed, memory_transport_pair
+
+
+def __getattr__(name: str) -> typing.Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'duplexrt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -63,7 +63,7 @@ class HandoffStatistics:
     """A snapshot of the counters: ``by_kind`` maps each kind's value to its count."""
 
     by_kind: dict[str, int]
-    executor_submissions: int
+    #: Functions run on a worker thread (the OFFLOAD_KINDS together): "executor submissions".
     offloads: int
 
     def __getitem__(self, kind: HandoffKind) -> int:
@@ -130,4 +130,4 @@ class Handoffs:
         with self._foreign_lock:
             by_kind = {kind.value: n + self._foreign_counts[kind] for kind, n in self._counts.items()}
         offloads = sum(by_kind[k.value] for k in OFFLOAD_KINDS)
-        return HandoffStatistics(by_kind=by_kind, executor_submissions=offloads, offloads=offloads)
+        return HandoffStatistics(by_kind=by_kind, offloads=offloads)

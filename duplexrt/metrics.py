@@ -23,6 +23,9 @@ class FrameStatistics:
     jitter_us: Summary
     late_frames: int
     text_pieces: int
+    #: ``runtime.late_input = "fill"``: silence stepped for overdue input, and late input dropped.
+    frames_filled: int = 0
+    frames_dropped_late: int = 0
 
 
 class FrameMetrics:
@@ -68,4 +71,6 @@ class FrameMetrics:
             jitter_us=self.jitter.summary().scaled(1e3),
             late_frames=self.late_frames,
             text_pieces=self.text_pieces,
+            frames_filled=self.frames_filled,
+            frames_dropped_late=self.frames_dropped_late,
         )

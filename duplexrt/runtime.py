@@ -15,8 +15,10 @@ import trio
 from duplexrt.affinity import chosen_cpu, pin_this_thread, restore
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.backends import Backend, create_backend
+from duplexrt.capacity import CapacityEstimate
 from duplexrt.config import Config
 from duplexrt.handoffs import HandoffStatistics, Handoffs
+from duplexrt.histogram import Histogram
 from duplexrt.metrics import FrameMetrics, FrameStatistics
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
@@ -27,10 +29,64 @@ from duplexrt.transport import Transport
 
 
 @attrs.frozen
+class RuntimeHistograms:
+    """Copies of the runtime's histograms at one moment, in nanoseconds (batch sizes in rows).
+
+    Copies, so a reader can keep one and subtract it from a later reading (``Histogram.minus``)
+    to get what happened in between, or export its buckets, while the runtime records on."""
+
+    #: Submitted to the inbox → handed to the transport, per frame.
+    latency: Histogram
+    #: Decode and framing of one message (one message in four is timed).
+    preprocess: Histogram
+    #: One frame's submit into the inbox (one frame in eight is timed).
+    enqueue: Histogram
+    #: A step finished → its batch of output handed to the transport (once per batch).
+    step_to_sent: Histogram
+    #: Session opened → its first audio sent.
+    first_audio: Histogram
+    #: How far each send strays from one frame period after the previous one.
+    jitter: Histogram
+    #: Time the model took per step.
+    step_time: Histogram
+    #: Rows per step.
+    batch_sizes: Histogram
+    #: A step finished → its outputs handed to the sessions.
+    delivery: Histogram
+    #: Per backend stage (by name), its duration per step.
+    stages: dict[str, Histogram]
+
+
+@attrs.frozen
 class RuntimeStatistics:
+    """Everything the runtime counts, read at one moment: what the Prometheus exporter, the
+    ``log_stats`` line, ``/readyz``, ``/stats`` and ``simulate`` show.  Nothing here costs
+    anything per frame: it is read from counters and histograms the runtime keeps anyway."""
+
+    #: The backend's name (``backend.info.name``).
+    backend: str
+    #: The model is loaded and its thread running.
+    ready: bool
+    #: The model failed the last ``runtime.max_consecutive_step_failures`` steps in a row.
+    failing: bool
+    #: Batch rows of the model.
+    slots: int
+    #: Rows held by no session.  A connection being admitted has no row yet: for slots free for
+    #: new connections, see ``ServerStatistics.free_slots``.
+    free_rows: int
+    #: Sessions being served now, and opened since start (``frames.sessions_active`` and
+    #: ``frames.sessions_opened``).
+    sessions_active: int
+    #: What admission reads: the fitted step cost and the sessions it allows.
+    capacity: CapacityEstimate
+    #: Thread crossings by kind, and offloads to worker threads.
     handoffs: HandoffStatistics
+    #: Steps, frames stepped, batch sizes and failures of the scheduler thread.
     scheduler: SchedulerStatistics
+    #: Per-frame counters and timing summaries (microseconds) of the sessions.
     frames: FrameStatistics
+    #: The histograms behind the summaries, for interval figures and exporters.
+    histograms: RuntimeHistograms
 
 
 class Runtime:
@@ -78,10 +134,33 @@ class Runtime:
         return await Session(services, transport, protocol, session_id).run()
 
     def statistics(self) -> RuntimeStatistics:
+        """One record of every figure the runtime keeps (read on the trio thread)."""
+        scheduler = self.scheduler
+        metrics = self.metrics
+        frames = metrics.statistics()
         return RuntimeStatistics(
+            backend=self.backend.info.name,
+            ready=scheduler.ready,
+            failing=scheduler.failing,
+            slots=scheduler.slots,
+            free_rows=scheduler.free_slots,
+            sessions_active=frames.sessions_active,
+            capacity=scheduler.capacity.estimate,
             handoffs=self.handoffs.statistics(),
-            scheduler=self.scheduler.statistics(),
-            frames=self.metrics.statistics(),
+            scheduler=scheduler.statistics(),
+            frames=frames,
+            histograms=RuntimeHistograms(
+                latency=metrics.latency.snapshot(),
+                preprocess=metrics.preprocess.snapshot(),
+                enqueue=metrics.enqueue.snapshot(),
+                step_to_sent=metrics.step_to_sent.snapshot(),
+                first_audio=metrics.first_audio.snapshot(),
+                jitter=metrics.jitter.snapshot(),
+                step_time=scheduler.step_time_snapshot(),
+                batch_sizes=scheduler.batch_sizes.snapshot(),
+                delivery=scheduler.delivery_delay.snapshot(),
+                stages={name: histogram.snapshot() for name, histogram in sorted(scheduler.stage_time.items())},
+            ),
         )
 
 

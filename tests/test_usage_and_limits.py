@@ -14,7 +14,7 @@ from conftest import FRAME, INPUT_END, PATIENCE, backend_info, make_config, run_
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import ConfigError
 from duplexrt.runtime import open_runtime
-from duplexrt.stats_log import log_stats
+from duplexrt.server.stats_log import log_stats
 from duplexrt.transport import memory_transport_pair
 
 F32 = spec("pcm_f32le")

@@ -43,6 +43,7 @@ import attrs
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
 from duplexrt.protocols import moshi as moshi_wire
 from duplexrt.protocols.options import duplex_specs, wants_duplex
+from duplexrt.routes import CLIENT_ROUTES
 from duplexrt.transport import Message
 
 __all__ = [
@@ -56,8 +57,7 @@ Buffer = bytes | bytearray | memoryview
 AUDIO_TYPES = (bytes, bytearray, memoryview)
 
 #: Route path -> protocol name.  A path that ends with one of these (behind a proxy prefix) counts.
-ROUTES: dict[str, str] = {"/v1/duplex": "duplex", "/v1/realtime": "realtime", "/api/chat": "moshi",
-                          "/v1/live/sessions": "live"}
+ROUTES: dict[str, str] = CLIENT_ROUTES
 
 #: The model clock the client assumes for padding input to whole frames on routes that have no
 #: end of input (80 ms at 24 kHz, duplexrt's default and Moshi's).

@@ -43,7 +43,7 @@ from duplexrt.client.protocols import (
     client_for_url,
     route_of,
 )
-from duplexrt.simulate.progress import show_progress
+from duplexrt.progress import show_progress
 
 __all__ = ["ClientRequest", "ClientResult", "UsageError", "prepare", "run_client", "stream_file"]
 

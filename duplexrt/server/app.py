@@ -26,10 +26,11 @@ from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.routes import ROUTES
+from duplexrt.server.statistics import ServerStatistics
+from duplexrt.server.stats_log import log_stats
 from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.web import static_answer, stats_json
 from duplexrt.websocket import WebSocketTransport
-from duplexrt.stats_log import log_stats
 from duplexrt.transport import GOING_AWAY
 
 log = logging.getLogger("duplexrt.server")
@@ -74,7 +75,7 @@ class Server:
         #: This replica's name behind a balancer (``server.replica_id``, else host:port once bound).
         self.replica_id = config.server.replica_id
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(RuntimeCollector(self))
+        self.registry.register(RuntimeCollector(lambda: self.statistics() if self.runtime is not None else None))
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
         ProcessCollector(registry=self.registry)
 
@@ -82,6 +83,18 @@ class Server:
     def admitted(self) -> int:
         """WebSocket connections admitted and not yet ended: what admission compares with the limit."""
         return self._admitted
+
+    @property
+    def draining(self) -> bool:
+        """``shutdown()`` has begun: no new session is admitted."""
+        return self._draining
+
+    def statistics(self) -> ServerStatistics:
+        """The runtime's record and the server's connection counters, read at one moment."""
+        assert self.runtime is not None, "the server has not started"
+        return ServerStatistics(replica_id=self.replica_id or "", draining=self._draining,
+                                admitted=self._admitted, pending_handshakes=self.pending_handshakes,
+                                refused=dict(sorted(self.refused.items())), runtime=self.runtime.statistics())
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -320,26 +333,20 @@ class Server:
         if path == "/healthz":
             return 200, b"ok\n", text
         if path == "/readyz":
-            scheduler = runtime.scheduler
-            free = scheduler.slots - self._admitted
-            failures = scheduler.statistics().consecutive_step_failures
-            # A model failing every step is not ready: the balancer should send clients
-            # elsewhere.  New sessions are still admitted (see README: a step that works is what
-            # clears it, and only a session can bring one).
-            capacity = scheduler.capacity.estimate
-            reason = ("model_not_loaded" if not scheduler.ready else "draining" if self._draining
-                      else "model_failing" if scheduler.failing else "no_free_slot" if free <= 0
-                      else "at_capacity" if self._admitted >= capacity.limit else None)
-            body = {"ready": reason is None, "reason": reason, "model_loaded": scheduler.ready,
-                    "draining": self._draining, "backend": runtime.backend.info.name,
-                    "slots": scheduler.slots, "free_slots": free, "sessions": runtime.metrics.sessions_active,
-                    "consecutive_step_failures": failures, "replica_id": self.replica_id,
-                    "admitted": self._admitted, "capacity": capacity.as_dict()}
+            stats = self.statistics()
+            reason = stats.not_ready_reason
+            body = {"ready": reason is None, "reason": reason, "model_loaded": stats.runtime.ready,
+                    "draining": stats.draining, "backend": stats.runtime.backend,
+                    "slots": stats.runtime.slots, "free_slots": stats.free_slots,
+                    "sessions": stats.runtime.sessions_active,
+                    "consecutive_step_failures": stats.runtime.scheduler.consecutive_step_failures,
+                    "replica_id": stats.replica_id, "admitted": stats.admitted,
+                    "capacity": stats.runtime.capacity.as_dict()}
             return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
         if path == "/stats":
-            return 200, stats_json(self), "application/json"
+            return 200, stats_json(self.statistics(), self.config), "application/json"
         page = static_answer(path)
         if page is not None:
             return page
@@ -411,7 +418,7 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
             task_status.started()
             async for signum in signals:
                 log.warning("received %s", signal.Signals(signum).name)
-                if server._draining:
+                if server.draining:
                     server.abort()  # closing handshakes run shielded: only this ends them now
                     nursery.cancel_scope.cancel()
                 server.shutdown()

@@ -1,8 +1,9 @@
-"""Which protocol each WebSocket path speaks, and how its options come from the request."""
+"""How the server builds each route's translator from the request (the routes: duplexrt/routes.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import attrs
 
@@ -11,6 +12,7 @@ from duplexrt.config import Config
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.options import duplex_specs, wants_continuous, wants_duplex
 from duplexrt.protocols.raw import RawProtocol
+from duplexrt.routes import ROUTE_TABLE, RouteInfo
 from duplexrt.server.http import BadRequest, RequestHead
 
 
@@ -61,12 +63,20 @@ def _live(head: RequestHead, config: Config) -> Translator:
                         model=config.backend.name, max_message_seconds=config.audio.max_message_seconds)
 
 
-ROUTES: dict[str, Route] = {
-    "/v1/duplex": Route("duplex", _duplex, lambda c: c.server.max_message_bytes),
-    "/v1/realtime": Route("realtime", _realtime, lambda c: c.server.realtime_max_message_bytes),
-    # Duplex without the query string: frameworks append their own ``?model=`` to a base URL.
-    "/v1/realtime/duplex": Route("realtime", lambda h, c: _realtime(h, c, duplex=True),
-                                 lambda c: c.server.realtime_max_message_bytes),
-    "/api/chat": Route("moshi", _moshi, lambda c: c.server.max_message_bytes),
-    "/v1/live/sessions": Route("live", _live, lambda c: c.server.realtime_max_message_bytes),
+#: How the server builds each protocol's translator, and which message limit it takes.
+_BUILDERS: dict[str, tuple[Callable[..., Translator], Callable[[Config], int]]] = {
+    "duplex": (_duplex, lambda c: c.server.max_message_bytes),
+    "realtime": (_realtime, lambda c: c.server.realtime_max_message_bytes),
+    "moshi": (_moshi, lambda c: c.server.max_message_bytes),
+    "live": (_live, lambda c: c.server.realtime_max_message_bytes),
 }
+
+
+def _route(info: RouteInfo) -> Route:
+    build, max_message_bytes = _BUILDERS[info.protocol]
+    if info.variant:  # /v1/realtime/duplex: duplex without the query string
+        build = partial(build, duplex=True)
+    return Route(info.protocol, build, max_message_bytes)
+
+
+ROUTES: dict[str, Route] = {info.path: _route(info) for info in ROUTE_TABLE}

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from duplexrt.server.app import Server
+from duplexrt.config import Config
+from duplexrt.server.statistics import ServerStatistics
 
 STATIC_DIR = Path(__file__).parent / "static"
 
@@ -56,32 +55,28 @@ def static_answer(path: str) -> tuple[int, bytes, str] | None:
     return 200, file.read_bytes(), _TYPES[file.suffix]
 
 
-def stats_json(server: Server) -> bytes:
-    """What the dashboard draws, read from the runtime's own counters (nothing per frame).
+def stats_json(stats: ServerStatistics, config: Config) -> bytes:
+    """What the dashboard draws, read from ``Server.statistics()`` (nothing per frame).
 
     Counters are cumulative; the page turns two readings into rates and interval percentiles."""
-    runtime = server.runtime
-    assert runtime is not None
-    scheduler = runtime.scheduler
-    metrics = runtime.metrics
-    steps = scheduler.statistics()
-    frames = metrics.statistics()
-    lag = metrics.latency.snapshot()
+    runtime = stats.runtime
+    steps = runtime.scheduler
+    frames = runtime.frames
+    lag = runtime.histograms.latency
     lag_counts = lag.cumulative([int(edge * 1e6) for edge in LAG_EDGES_MS])
     stages = {name: {"count": histogram.count, "total_ms": histogram.total / 1e6}
-              for name, histogram in sorted(scheduler.stage_time.items())}
-    step_time = scheduler.step_time_snapshot()
-    config = server.config
+              for name, histogram in runtime.histograms.stages.items()}
+    step_time = runtime.histograms.step_time
     body = {
         "time": time.monotonic(),
-        "backend": runtime.backend.info.name,
+        "backend": runtime.backend,
         "sample_rate": config.audio.sample_rate,
         "frame_ms": config.audio.frame_seconds * 1e3,
         "api_key_required": bool(config.server.api_key),
-        "ready": scheduler.ready and not server._draining,
-        "slots": scheduler.slots,
-        "admitted": server._admitted,
-        "free_slots": scheduler.slots - server._admitted,
+        "ready": runtime.ready and not stats.draining,
+        "slots": runtime.slots,
+        "admitted": stats.admitted,
+        "free_slots": stats.free_slots,
         "sessions_active": frames.sessions_active,
         "sessions_opened": frames.sessions_opened,
         "steps": steps.steps,
@@ -97,7 +92,7 @@ def stats_json(server: Server) -> bytes:
         "text_pieces": frames.text_pieces,
         "lag_ms": {"p50": frames.latency_us.p50 / 1e3, "p99": frames.latency_us.p99 / 1e3},
         "lag_histogram": {"edges_ms": LAG_EDGES_MS, "cumulative": lag_counts, "count": lag.count},
-        "handoffs": dict(sorted(runtime.handoffs.statistics().by_kind.items())),
-        "refused": dict(sorted(server.refused.items())),
+        "handoffs": dict(sorted(runtime.handoffs.by_kind.items())),
+        "refused": stats.refused,
     }
     return json.dumps(body).encode()

@@ -1,0 +1,55 @@
+"""``ServerStatistics``: the runtime's record plus what only the server knows (connections).
+
+``/readyz``, ``/stats``, ``/metrics`` and the ``log_stats`` line all read this one record, so
+they cannot disagree: in particular, slots free for new connections are counted once, here.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from duplexrt.runtime import RuntimeStatistics
+
+
+@attrs.frozen
+class ServerStatistics:
+    """What the server's endpoints show, read at one moment on the trio thread."""
+
+    #: This replica's name behind a balancer (``server.replica_id``, else host:port once bound).
+    replica_id: str
+    #: Shutdown has begun: no new session is admitted.
+    draining: bool
+    #: WebSocket connections admitted and not yet ended (handshakes under way included): what
+    #: admission compares with the slots and the capacity limit.
+    admitted: int
+    #: Connections still sending their request head.
+    pending_handshakes: int
+    #: Connections refused before a session started, by reason.
+    refused: dict[str, int]
+    #: The runtime's own record.
+    runtime: RuntimeStatistics
+
+    @property
+    def free_slots(self) -> int:
+        """Slots a new connection could still take: the slots less those admitted.  A connection
+        admitted but still in its handshake holds no row yet, and counts as taken here."""
+        return self.runtime.slots - self.admitted
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why a balancer should send new clients elsewhere, or None when this replica takes them.
+
+        A model failing every step is not ready; new sessions are still admitted (see README: a
+        step that works is what clears it, and only a session can bring one)."""
+        runtime = self.runtime
+        if not runtime.ready:
+            return "model_not_loaded"
+        if self.draining:
+            return "draining"
+        if runtime.failing:
+            return "model_failing"
+        if self.free_slots <= 0:
+            return "no_free_slot"
+        if self.admitted >= runtime.capacity.limit:
+            return "at_capacity"
+        return None

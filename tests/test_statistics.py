@@ -1,0 +1,116 @@
+"""``Runtime.statistics()`` and ``Server.statistics()``: the one record every figure is read from.
+
+The endpoints (``/readyz``, ``/stats``, ``/metrics``) read the same record, so they cannot
+disagree; a connection admitted but still in its WebSocket handshake (no model row yet) is where
+they used to.  Real sockets on loopback and a real scheduler thread: no autojump clock.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+import textwrap
+
+import attrs
+import pytest
+import trio
+
+from duplexrt.config import load_config
+from duplexrt.runtime import RuntimeHistograms, RuntimeStatistics, open_runtime
+from duplexrt.server import Server
+from duplexrt.server.statistics import ServerStatistics
+
+from conftest import make_config, run_sessions, spec
+
+PATIENCE = 10.0
+
+
+def _documented_fields(cls: type) -> list[str]:
+    """Fields of an attrs class whose line is not preceded by a ``#:`` comment."""
+    lines = inspect.getsource(cls).splitlines()
+    missing = []
+    for field in attrs.fields(cls):
+        index = next(i for i, line in enumerate(lines) if re.match(rf"\s+{field.name}:", line))
+        if not lines[index - 1].strip().startswith("#:"):
+            missing.append(field.name)
+    return missing
+
+
+@pytest.mark.parametrize("cls", [RuntimeStatistics, RuntimeHistograms, ServerStatistics])
+def test_every_statistics_field_is_documented_and_the_record_frozen(cls):
+    assert _documented_fields(cls) == []
+    assert attrs.has(cls) and cls.__setattr__ is not object.__setattr__  # attrs.frozen
+
+
+#: The runtime's and the server's own parts, which only ``statistics()`` should read.
+_PARTS = {"metrics", "step_time_snapshot", "delivery_delay", "stage_time", "estimate",
+          "_draining", "_admitted"}
+
+
+def _runtime_parts_read(source: str) -> set[str]:
+    tree = ast.parse(textwrap.dedent(source))
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in _PARTS}
+
+
+def test_the_exporter_the_log_line_stats_and_simulate_read_only_statistics():
+    import duplexrt.server.metrics as metrics
+    import duplexrt.server.stats_log as stats_log
+    import duplexrt.server.web as web
+    from duplexrt.simulate import in_process
+
+    for module in (metrics, web, stats_log):
+        assert _runtime_parts_read(inspect.getsource(module)) == set(), module.__name__
+    assert _runtime_parts_read(inspect.getsource(in_process._run_round)) == set()
+    assert _runtime_parts_read(inspect.getsource(Server._plain_answer)) == set()
+
+
+async def test_runtime_statistics_count_a_session_s_frames_and_copy_histograms():
+    config = make_config("runtime.slots=2")
+    wire = spec("pcm_f32le")
+    messages = [b"\0" * (4 * 1920)] * 3
+    async with open_runtime(config) as runtime:
+        before = runtime.statistics()
+        await run_sessions(runtime, [(messages, wire, 1)])
+        after = runtime.statistics()
+    assert before.frames.frames_in == 0 and after.frames.frames_in == 3
+    assert after.frames.frames_out == 3
+    assert after.slots == 2 and after.free_rows == 2 and after.sessions_active == 0
+    assert after.histograms.latency.count == 3 and before.histograms.latency.count == 0  # a copy
+    assert after.histograms.latency.minus(before.histograms.latency).count == 3
+    assert after.scheduler.frames - before.scheduler.frames == 3
+    assert after.handoffs.offloads == 0 and after.ready and not after.failing
+
+
+async def _get(port: int, path: str) -> bytes:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        data = b""
+        with trio.fail_after(PATIENCE):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    return data.partition(b"\r\n\r\n")[2]
+
+
+async def test_free_slots_agree_while_a_connection_is_in_its_handshake(nursery):
+    config = load_config(None, ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
+                                "server.handshake_timeout_s=30"])
+    server = Server(config)
+    await nursery.start(server.run)
+    port = server.ports[0]
+    # An upgrade to a known route without Sec-WebSocket-Key: admitted, then held in the
+    # handshake (wsproto never accepts it) until the handshake deadline; no row is taken.
+    stuck = await trio.open_tcp_stream("127.0.0.1", port)
+    await stuck.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n")
+    with trio.fail_after(PATIENCE):
+        while server.admitted != 1:
+            await trio.sleep(0.01)
+    ready = json.loads(await _get(port, "/readyz"))
+    stats = json.loads(await _get(port, "/stats"))
+    metrics = (await _get(port, "/metrics")).decode()
+    exported = float(re.search(r"^duplexrt_slots_free (\S+)$", metrics, re.M).group(1))
+    assert ready["free_slots"] == stats["free_slots"] == exported == 1
+    assert server.statistics().runtime.free_rows == 2  # the handshake holds no row yet
+    await stuck.aclose()
