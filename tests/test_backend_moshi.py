@@ -404,8 +404,10 @@ async def serve_clients(runtime, clients: list[tuple[LockstepClient, object, int
 
 
 def tiny_config(*overrides: str):
+    # "wait", not the preset's "fill": these tests compare exact frames, and a lockstep client on
+    # a loaded CPU would otherwise see silence stepped in for audio it had not sent yet.
     return load_config(TINY, ["runtime.slots=3", "runtime.gather_window_ms=1", "backend.options.warmup_steps=1",
-                              *overrides])
+                              "runtime.late_input=wait", *overrides])
 
 
 async def test_through_the_runtime_sessions_joining_and_leaving_change_nothing():

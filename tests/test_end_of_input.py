@@ -64,7 +64,7 @@ def tiny_backend(slots: int, **options) -> MoshiBackend:
 
 def tiny_config(*overrides: str):
     return load_config(TINY, ["runtime.slots=1", "runtime.gather_window_ms=1", "backend.options.warmup_steps=1",
-                              f"backend.options.flush_frames={FLUSH}", *overrides])
+                              f"backend.options.flush_frames={FLUSH}", "runtime.late_input=wait", *overrides])
 
 
 # -- the backend ----------------------------------------------------------------------------------

@@ -625,7 +625,7 @@ async def test_tiny_moshi_speaks_text_on_the_timeline_over_a_real_socket(nursery
     try:
         tiny = Path(__file__).resolve().parent.parent / "configs" / "moshi-tiny.toml"
         server = await _server(nursery, tiny, "runtime.slots=1", "runtime.gather_window_ms=1",
-                               "backend.options.warmup_steps=1")
+                               "backend.options.warmup_steps=1", "runtime.late_input=wait")  # exact counts
         audio = tone(24000)
         with trio.fail_after(PATIENCE * 3):
             events = await _converse(f"ws://127.0.0.1:{server.ports[0]}/v1/live/sessions", audio)
