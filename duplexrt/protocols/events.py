@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import reprlib
+from typing import Any
 
 import attrs
 
@@ -140,3 +142,15 @@ __all__ = [
     "AudioIn", "AudioSpec", "ClearInput", "ClearOutput", "Event", "Ignored", "InputEnd",
     "ProtocolError", "QUOTE_LIMIT", "Reconfigure", "Reply", "SessionEnd", "clip", "quote",
 ]
+
+
+def json_object(message: str) -> dict[str, Any] | ProtocolError:
+    """A JSON route's client event as an object, or the error both JSON routes (Realtime, Live)
+    answer a malformed one with.  Deeply nested JSON is refused like any other bad JSON."""
+    try:
+        data = json.loads(message)
+    except (ValueError, RecursionError):
+        return ProtocolError("invalid_json", "client events must be JSON objects")
+    if type(data) is not dict:
+        return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"')
+    return data

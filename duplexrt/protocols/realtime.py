@@ -69,6 +69,7 @@ from duplexrt.protocols.events import (
     Reply,
     SessionEnd,
     clip,
+    json_object,
     quote,
 )
 from duplexrt.transport import UNSUPPORTED_DATA, Message
@@ -415,12 +416,9 @@ class RealtimeProtocol(Translator):
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):
             return _BINARY
-        try:
-            data = json.loads(message)
-        except (ValueError, RecursionError):
-            return ProtocolError("invalid_json", "client events must be JSON objects")
-        if type(data) is not dict:
-            return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"')
+        data = json_object(message)
+        if isinstance(data, ProtocolError):
+            return data
         kind = data.get("type")
         handler = self._handlers.get(kind) if type(kind) is str else None
         if handler is None:
