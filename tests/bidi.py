@@ -58,13 +58,15 @@ class Browser(Connection):
 
 
 @asynccontextmanager
-async def open_browser() -> AsyncIterator[Browser]:
-    """Headless Firefox with its fake microphone, a BiDi session open."""
+async def open_browser(**prefs: Any) -> AsyncIterator[Browser]:
+    """Headless Firefox with its fake microphone, a BiDi session open; ``prefs`` (dots spelt as
+    double underscores) change or add to PREFS."""
     assert FIREFOX is not None
+    chosen = PREFS | {name.replace("__", "."): value for name, value in prefs.items()}
 
     def args(profile: Path) -> list[str]:
         (profile / "user.js").write_text("".join(f"user_pref({json.dumps(k)}, {json.dumps(v)});\n"
-                                                 for k, v in PREFS.items()))
+                                                 for k, v in chosen.items()))
         return [FIREFOX, "-headless", "-no-remote", "-profile", str(profile), "--remote-debugging-port=0",
                 "about:blank"]
 

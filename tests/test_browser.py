@@ -166,3 +166,20 @@ async def test_talk_page_in_firefox_echoes_the_microphone_and_shows_text(nursery
         await talk.evaluate("document.getElementById('stop').click()")
         await talk.wait_for("duplexrt.state === 'idle'", "the session to end")
     assert server.runtime.metrics.sessions_opened == 1
+
+
+@needs_firefox
+async def test_talk_page_says_so_when_the_browser_cannot_start_audio(nursery):
+    # Without its mock audio backend, headless Firefox on a machine with no sound device never
+    # starts an AudioContext: resume() neither resolves nor rejects.  The page must say so and let
+    # go of the microphone, not sit in "starting".
+    server = await _server(nursery)
+    async with open_firefox(media__cubeb__force_mock_context=False) as browser:
+        talk = await browser.open(f"http://127.0.0.1:{server.ports[0]}/")
+        await talk.wait_for("window.duplexrt.server", "the page to read /stats")
+        await talk.evaluate("document.getElementById('start').click()")
+        error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the page to give up on audio",
+                                    timeout=10)
+        assert "could not start audio" in error
+        assert not await talk.evaluate("document.getElementById('start').disabled")
+    assert server.runtime.metrics.sessions_opened == 0
