@@ -40,6 +40,9 @@ class FirefoxPage(Page):
         self.context = context
 
     async def evaluate(self, expression: str) -> Any:
+        # A script, its last statement's value the result; unlike CDP's, no top-level await.
+        # userActivation: the click that starts the page counts as the person's, under Firefox's
+        # default autoplay policy (nothing here relaxes it).
         reply = await self._browser.command("script.evaluate", {
             "expression": expression, "target": {"context": self.context}, "awaitPromise": True,
             "userActivation": True, "resultOwnership": "none",
