@@ -1,7 +1,8 @@
-"""The talk page and the dashboard in a real browser (headless Chromium over DevTools).
+"""The talk page and the dashboard in real browsers: headless Chromium over DevTools, headless
+Firefox over WebDriver BiDi.
 
-Chromium's fake microphone plays a WAV tone; the tests check what the page itself counts
-(``window.duplexrt``, ``window.dashboard``) and what it shows.  With DUPLEXRT_SCREENSHOTS=DIR
+Chromium's fake microphone plays a WAV tone, Firefox's a tone of its own; the tests check what
+the page itself counts (``window.duplexrt``, ``window.dashboard``) and what it shows.  With DUPLEXRT_SCREENSHOTS=DIR
 the screenshots of both pages are kept there (docs/ holds the README's).
 """
 
@@ -17,13 +18,15 @@ import pytest
 import trio
 import trio_websocket
 
+from bidi import FIREFOX, open_browser as open_firefox
 from cdp import CHROMIUM, open_browser
 from conftest import backend_info, wait_until
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (CI installs Debian's)")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (CI installs Debian's)")
+needs_firefox = pytest.mark.skipif(FIREFOX is None, reason="no Firefox on this machine (CI installs Debian's firefox-esr)")
 
 
 class SpeakingEcho(EchoBackend):
@@ -68,6 +71,7 @@ def _keep(shot: Path) -> None:
         shutil.copy(shot, Path(where) / shot.name)
 
 
+@needs_chromium
 async def test_talk_page_echoes_the_microphone_shows_text_and_the_dashboard_sees_it(nursery, tmp_path):
     server = await _server(nursery, backend=SpeakingEcho)
     base = f"http://127.0.0.1:{server.ports[0]}"
@@ -107,6 +111,7 @@ async def test_talk_page_echoes_the_microphone_shows_text_and_the_dashboard_sees
         _keep(tmp_path / shot)
 
 
+@needs_chromium
 async def test_talk_page_with_an_api_key_a_full_server_and_a_denied_microphone(nursery, tmp_path):
     server = await _server(nursery, 'server.api_key="s3cret"', "runtime.slots=1", "backend.options.delay_frames=0")
     port = server.ports[0]
@@ -138,3 +143,43 @@ async def test_talk_page_with_an_api_key_a_full_server_and_a_denied_microphone(n
                             "echo with the right key")
         assert "s3cret" not in await talk.evaluate("location.href")
         assert server.refused["unauthorized"] == 1
+
+
+@needs_firefox
+async def test_talk_page_in_firefox_echoes_the_microphone_and_shows_text(nursery):
+    server = await _server(nursery, backend=SpeakingEcho)
+    rate = server.config.audio.sample_rate
+    async with open_firefox() as browser:
+        talk = await browser.open(f"http://127.0.0.1:{server.ports[0]}/")
+        await talk.wait_for("window.duplexrt.server", "the page to read /stats")
+        await talk.evaluate("document.getElementById('start').click()")
+        await talk.wait_for(f"duplexrt.playedSamples > {rate} && duplexrt.textPieces > 2",
+                            "a second of echo played and some text")
+        state = await talk.evaluate("window.duplexrt")
+        assert state["error"] is None and state["state"] == "talking"
+        assert state["sentSamples"] >= rate
+        # Firefox's fake microphone is a tone at a tenth of full scale: it came back as that tone
+        # (not silence) and went through the jitter buffer.
+        assert 0.05 < state["receivedPeak"] <= 0.11 and 0.05 < state["playedPeak"] <= 0.11
+        assert 0 < state["ttfaMs"] < 5000 and 0 < state["lagMs"] < 5000
+        assert "hello hello" in await talk.evaluate("document.getElementById('text').textContent")
+        await talk.evaluate("document.getElementById('stop').click()")
+        await talk.wait_for("duplexrt.state === 'idle'", "the session to end")
+    assert server.runtime.metrics.sessions_opened == 1
+
+
+@needs_firefox
+async def test_talk_page_says_so_when_the_browser_cannot_start_audio(nursery):
+    # Without its mock audio backend, headless Firefox on a machine with no sound device never
+    # starts an AudioContext: resume() neither resolves nor rejects.  The page must say so and let
+    # go of the microphone, not sit in "starting".
+    server = await _server(nursery)
+    async with open_firefox(media__cubeb__force_mock_context=False) as browser:
+        talk = await browser.open(f"http://127.0.0.1:{server.ports[0]}/")
+        await talk.wait_for("window.duplexrt.server", "the page to read /stats")
+        await talk.evaluate("document.getElementById('start').click()")
+        error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the page to give up on audio",
+                                    timeout=10)
+        assert "could not start audio" in error
+        assert not await talk.evaluate("document.getElementById('start').disabled")
+    assert server.runtime.metrics.sessions_opened == 0

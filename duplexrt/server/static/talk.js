@@ -7,6 +7,7 @@
 'use strict';
 const $ = (id) => document.getElementById(id);
 const KEY_PROTOCOL = 'openai-insecure-api-key.';
+const AUDIO_START_MS = 5000;
 
 // Everything the page measures, also read by the browser tests.
 const talk = window.duplexrt = {
@@ -82,16 +83,24 @@ async function start() {
       : `The microphone could not be opened: ${e.message}`);
     return reset();
   }
-  ctx = new AudioContext({ latencyHint: 'interactive' });
-  await ctx.audioWorklet.addModule('/static/worklet.js');
-  node = new AudioWorkletNode(ctx, 'duplexrt-audio', { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [2],
-    // The server sends whole model frames: the buffer must ride out one frame's gap, plus jitter.
-    processorOptions: { modelRate: talk.server.sample_rate, targetMs: talk.server.frame_ms + 40,
-                        maxMs: 3 * talk.server.frame_ms + 200 } });
-  node.port.onmessage = onWorklet;
-  ctx.createMediaStreamSource(mic).connect(node);
-  node.connect(ctx.destination);
-  await ctx.resume();
+  try {
+    ctx = new AudioContext({ latencyHint: 'interactive' });
+    await ctx.audioWorklet.addModule('/static/worklet.js');
+    node = new AudioWorkletNode(ctx, 'duplexrt-audio', { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [2],
+      // The server sends whole model frames: the buffer must ride out one frame's gap, plus jitter.
+      processorOptions: { modelRate: talk.server.sample_rate, targetMs: talk.server.frame_ms + 40,
+                          maxMs: 3 * talk.server.frame_ms + 200 } });
+    node.port.onmessage = onWorklet;
+    ctx.createMediaStreamSource(mic).connect(node);
+    node.connect(ctx.destination);
+    // Firefox with no sound device leaves resume() pending for ever (no error): give up after a while.
+    const started = await Promise.race([ctx.resume().then(() => true),
+                                        new Promise((ok) => setTimeout(() => ok(false), AUDIO_START_MS))]);
+    if (!started) throw new Error(`no audio output after ${AUDIO_START_MS / 1000} s: is a speaker or headphones connected?`);
+  } catch (e) {
+    fail(`The browser could not start audio (${e.message}).`);
+    return teardown();
+  }
   connect(key);
 }
 
