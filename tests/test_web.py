@@ -60,6 +60,7 @@ async def test_stats_reads_the_runtime_counters(nursery):
     before = json.loads(body)
     assert status == 200 and headers["content-type"] == "application/json"
     assert before["backend"] == "echo" and before["slots"] == 2 and before["free_slots"] == 2
+    assert before["capacity"] == 2  # what admission lets in: the echo model fits every slot
     assert before["sessions_opened"] == 0 and before["api_key_required"] is False
     frame = server.config.audio.frame_size
     url = f"ws://127.0.0.1:{server.ports[0]}/v1/duplex"

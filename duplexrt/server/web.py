@@ -75,6 +75,9 @@ def stats_json(stats: ServerStatistics, config: Config) -> bytes:
         "api_key_required": bool(config.server.api_key),
         "ready": runtime.ready and not stats.draining,
         "slots": runtime.slots,
+        # What admission lets in: the sessions the fitted step cost fits in a frame period (or
+        # runtime.max_sessions), never above the slots.
+        "capacity": runtime.capacity.limit,
         "admitted": stats.admitted,
         "free_slots": stats.free_slots,
         "sessions_active": frames.sessions_active,

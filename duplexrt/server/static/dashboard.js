@@ -4,7 +4,7 @@
 const $ = (id) => document.getElementById(id);
 const POINTS = 60;
 const COLORS = ['#4fb3ff', '#5fd38d', '#ffb454', '#ff6b6b', '#c792ea', '#89ddff'];
-const history = { sessions: [], slots: [], steps: [], batch: [], p50: [], p99: [], late: [], stages: {} };
+const history = { sessions: [], slots: [], capacity: [], steps: [], batch: [], p50: [], p99: [], late: [], stages: {} };
 const board = window.dashboard = { readings: 0, last: null, current: {}, error: null };
 let previous = null;
 
@@ -64,10 +64,10 @@ async function tick() {
     }
     if (!Object.keys(s.stages).length) push(history.stages.step = history.stages.step || [], cur.stepMs);
   }
-  push(history.sessions, s.sessions_active); push(history.slots, s.slots);
+  push(history.sessions, s.sessions_active); push(history.slots, s.slots); push(history.capacity, s.capacity);
   previous = s; board.last = s; board.current = cur; board.readings++;
 
-  $('sessions').innerHTML = `${s.sessions_active}<small> / ${s.slots}</small>`;
+  $('sessions').innerHTML = `${s.sessions_active}<small> / ${s.capacity} / ${s.slots}</small>`;
   $('steps').textContent = cur.stepsPerSecond === undefined ? '–' : cur.stepsPerSecond.toFixed(1);
   $('batch').textContent = cur.batch === undefined ? '–' : cur.batch.toFixed(2);
   $('steptime').innerHTML = cur.stepMs === undefined ? '–' : `${cur.stepMs.toFixed(2)}<small> ms</small>`;
@@ -81,6 +81,7 @@ async function tick() {
 
   const o = { points: POINTS };
   drawChart($('c-sessions'), [{ values: history.sessions, color: COLORS[0], label: 'active' },
+    { values: history.capacity, color: COLORS[3], label: 'capacity' },
     { values: history.slots, color: '#3a4755', label: 'slots' }], o);
   drawChart($('c-steps'), [{ values: history.steps, color: COLORS[1], label: 'steps/s' }], o);
   drawChart($('c-batch'), [{ values: history.batch, color: COLORS[2], label: 'mean' }], o);
