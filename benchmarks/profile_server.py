@@ -48,6 +48,10 @@ Attribution rules:
 
 Usage: python benchmarks/profile_server.py [--routes '/v1/duplex,/v1/realtime?duplex=1&continuous=1']
            [--concurrency 96] [--frames 250] [--rate 200] [--native] [--baseline] [--keep DIR]
+       python benchmarks/profile_server.py --fold DIR/v1_duplex.txt --cpu 206.2   # kept stacks again
+
+Needs py-spy in the same environment (``pip install py-spy``) and ptrace on the server process
+(same user; in a container, CAP_SYS_PTRACE or a permissive kernel.yama.ptrace_scope).
 """
 
 from __future__ import annotations
@@ -99,6 +103,11 @@ FRAME = re.compile(r"^(?P<func>.*) \((?P<path>[^():]+?)(?::(?P<line>\d+))?\)$")
 THREAD = re.compile(r"^thread \(\w+\)(?:: (?P<name>.*))?$")
 
 
+def is_python(match: re.Match[str] | None) -> bool:
+    """A Python frame: with --native, C frames of CPython's modules carry a file and line too."""
+    return bool(match and match.group("line") and not match.group("path").endswith((".c", ".h", ".cc", ".cpp")))
+
+
 def layer_of(path: str) -> str | None:
     # py-spy prints site-packages files relative to site-packages; a file of this checkout may be
     # printed with a longer prefix, so match from the package name on.
@@ -122,6 +131,10 @@ class Profile:
         self.total: collections.Counter[str] = collections.Counter()
         #: Innermost matching frame -> samples, to name the hottest functions of each layer.
         self.functions: collections.Counter[tuple[str, str]] = collections.Counter()
+        #: PARTS label -> busy samples whose stack holds one of its functions.
+        self.parts: collections.Counter[str] = collections.Counter()
+        #: (trio task, self layer) -> samples of the trio thread: which task pays for what.
+        self.tasks: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def add(self, line: str) -> None:
         stack, _, count_text = line.rstrip("\n").rpartition(" ")
@@ -138,13 +151,13 @@ class Profile:
         innermost: str | None = None
         function = ""
         seen: set[str] = set()
-        python = [m for m in map(FRAME.match, frames) if m and m.group("line") is not None]
+        python = [m for m in map(FRAME.match, frames) if is_python(m)]
         if python and (python[-1].group("func"), python[-1].group("path")) in WAITS:
             innermost, function = WAIT, f"{python[-1].group('func')} ({python[-1].group('path')})"
             frames = []
         for frame in frames:
             match = FRAME.match(frame)
-            if not match or match.group("line") is None:  # native frame or unparsable: no layer
+            if not is_python(match):  # native frame or unparsable: no layer
                 continue
             layer = layer_of(match.group("path"))
             if layer is not None:
@@ -152,12 +165,75 @@ class Profile:
                 function = f"{match.group('func')} ({match.group('path').rsplit('site-packages/', 1)[-1]})"
                 seen.add(layer)
         innermost = innermost or "other"
+        if thread.startswith("trio") and innermost != WAIT:
+            self.tasks[(task_of(frames), innermost)] += count
+        if innermost != WAIT:
+            names = {m.group("func") for m in python}
+            for label, wanted in PARTS:
+                if any(_matches(name, w) for name in names for w in wanted):
+                    self.parts[label] += count
         for group in (thread, "whole process"):
             self.total[group] += count
             self.self_[group][innermost] += count
             for layer in seen or {innermost}:
                 self.inclusive[group][layer] += count
         self.functions[(innermost, function)] += count
+
+
+#: What each cut the issue suggests would act on: (label, function names), counted inclusively (a
+#: sample counts when any of the functions is anywhere in its stack), so each row is what that code
+#: and everything it calls cost.  Rows overlap; they are not meant to add up.
+PARTS: list[tuple[str, tuple[str, ...]]] = [
+    ("trio-websocket reader task, all of it", ("WebSocketConnection._reader_task",)),
+    ("  wsproto receive: Connection.events + receive_data", ("Connection.events", "Connection.receive_data")),
+    ("    of which unmasking: XorMaskerSimple.process", ("XorMaskerSimple.process",)),
+    ("  socket receive: SocketStream.receive_some", ("SocketStream.receive_some",)),
+    ("  message to the session: _handle_message_event (channel send)", ("WebSocketConnection._handle_message_event",)),
+    ("session's receive from the channel: WebSocketTransport.receive(_nowait)",
+     ("WebSocketTransport.receive", "WebSocketTransport.receive_nowait")),
+    ("send path: WebSocketTransport.send", ("WebSocketTransport.send",)),
+    ("  socket send: SocketStream.send_all", ("SocketStream.send_all",)),
+    ("  wsproto send: Connection.send", ("Connection.send",)),
+    ("  trio-websocket send lock: _LockImpl.acquire/release", ("_LockImpl.acquire", "_LockImpl.release")),
+    ("session read loop: Session._read_loop", ("Session._read_loop",)),
+    ("  PCM decode: _PcmDecoder.decode", ("_PcmDecoder.decode",)),
+    ("    of which the range check: _in_range", ("_in_range",)),
+    ("  submit to the scheduler: Session._submit", ("Session._submit",)),
+    ("session write loop: Session._write_loop", ("Session._write_loop",)),
+    ("  PCM encode: _PcmEncoder.encode", ("_PcmEncoder.encode",)),
+    ("thread handoffs into trio: EntryQueue.task", ("EntryQueue.task",)),
+    ("realtime/live VAD: InputVad.*", ("InputVad.",)),
+    ("base64 audio: Base64Audio.*", ("Base64Audio.",)),
+    ("Opus: _OpusEncoder.* / _OpusDecoder.*", ("_OpusEncoder.", "_OpusDecoder.")),
+    ("stage metrics: Histogram.record, Session._record_sent", ("Histogram.record", "Session._record_sent")),
+    ("attrs/dataclass __init__ (per-event objects)", ("__create_fn__.<locals>.__init__",)),
+    ("logging: Logger.*", ("Logger.",)),
+]
+
+
+def _matches(name: str, wanted: str) -> bool:
+    return name.startswith(wanted) if wanted.endswith(".") else name == wanted
+
+
+#: The first frame of a task's stack, as the run loop calls it, and the name it gets in the table.
+TASK_NAMES = {"_run_handler": "connection handler (session read loop)",
+              "WebSocketConnection._reader_task": "trio-websocket reader task",
+              "Session._write_loop": "session write loop", "EntryQueue.task": "trio entry queue (thread handoffs)"}
+
+
+def task_of(frames: list[str]) -> str:
+    """The trio task a sample of the trio thread ran in: the frame the run loop stepped into, or
+    the run loop itself when that frame is trio's own (epoll events, rescheduling, deadlines)."""
+    names = [(m.group("func"), m.group("path")) for m in map(FRAME.match, frames) if is_python(m)]
+    for at, (func, _) in enumerate(names):
+        if func == "unrolled_run":
+            if at + 1 == len(names):
+                return "run loop (between tasks)"
+            func, path = names[at + 1]
+            if func in TASK_NAMES:
+                return TASK_NAMES[func]
+            return "run loop (between tasks)" if path.startswith(("trio/_core/", "collections/")) else func
+    return "outside the run loop"
 
 
 def free_port() -> int:
@@ -280,6 +356,30 @@ def report(result: dict, args: argparse.Namespace) -> dict:
         rows[layer] = {"self_share": shares[0], "self_us_per_frame": us, "inclusive_share": inclusive}
         print(f"| {layer} | " + " | ".join(f"{s:.1f} %" for s in shares) + f" | {us:.1f} | {inclusive:.1f} % |")
     print("| busy samples | " + " | ".join(str(busy[g]) for g in groups) + " | | |")
+    trio_groups = [g for g in groups if g.startswith("trio")]
+    if trio_groups and busy[trio_groups[0]]:
+        # µs per frame: the trio thread's part of the server CPU, split by its samples.
+        trio_cpu = cpu * busy[trio_groups[0]] / max(busy["whole process"], 1)
+        per_task = collections.Counter()
+        for (task, _), count in profile.tasks.items():
+            per_task[task] += count
+        columns = [name for name in sorted(LAYERS, key=lambda n: -profile.self_[trio_groups[0]][n])
+                   if profile.self_[trio_groups[0]][name] and name != WAIT]
+        print(f"\nThe trio thread by task, µs per frame (its {trio_cpu:.1f} µs split by its busy samples; self layer):")
+        print("\n| task | total | " + " | ".join(columns) + " |")
+        print("|---|---|" + "---|" * len(columns))
+        for task, count in per_task.most_common(args.tasks):
+            scale = trio_cpu / busy[trio_groups[0]]
+            print(f"| {task} | {count * scale:.1f} | "
+                  + " | ".join(f"{profile.tasks[(task, name)] * scale:.1f}" for name in columns) + " |")
+    print("\nWhat the suggested cuts act on (inclusive, whole process; rows overlap):\n")
+    print("| code | share of busy samples | µs per frame |\n|---|---|---|")
+    parts = {}
+    for label, _ in PARTS:
+        if profile.parts[label]:
+            share = 100 * profile.parts[label] / max(busy["whole process"], 1)
+            parts[label.strip()] = share / 100 * cpu
+            print(f"| {label.replace('  ', '&nbsp;&nbsp;')} | {share:.1f} % | {share / 100 * cpu:.1f} |")
     print("\nHottest innermost matching frames (self share of busy samples, whole process; µs per frame):")
     hottest = []
     for (layer, function), count in profile.functions.most_common(args.top):
@@ -292,7 +392,8 @@ def report(result: dict, args: argparse.Namespace) -> dict:
             "baseline_server_cpu_us_per_frame": result.get("baseline", {}).get("server_cpu_us_per_frame"),
             "load_generator_cpu_us_per_frame": profiled["load_generator_cpu_us_per_frame"],
             "load_average": [result["load_before"], result["load_after"]], "samples": whole, "busy_samples": busy["whole process"],
-            "threads": {g: busy[g] for g in groups}, "layers": rows, "hottest": hottest}
+            "threads": {g: busy[g] for g in groups}, "layers": rows, "parts_us_per_frame": parts,
+            "hottest": hottest}
 
 
 def main() -> None:
@@ -305,9 +406,21 @@ def main() -> None:
     parser.add_argument("--nonblocking", action="store_true", help="py-spy --nonblocking (no pause per sample)")
     parser.add_argument("--baseline", action="store_true", help="also run the load once without py-spy")
     parser.add_argument("--top", type=int, default=20, help="hottest functions to list")
+    parser.add_argument("--tasks", type=int, default=6, help="trio tasks to list")
     parser.add_argument("--keep", type=Path, default=None, help="keep py-spy's collapsed stacks in this folder")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--fold", type=Path, default=None,
+                        help="no run: fold stacks kept by --keep again (with --cpu, the server's µs per frame)")
+    parser.add_argument("--cpu", type=float, default=0.0, help="with --fold: server CPU µs per frame")
     args = parser.parse_args()
+    if args.fold:
+        profile = Profile()
+        for line in args.fold.read_text().splitlines():
+            profile.add(line)
+        nan = float("nan")
+        report({"route": str(args.fold), "profile": profile, "load_before": nan, "load_after": nan,
+                "profiled": {"server_cpu_us_per_frame": args.cpu, "load_generator_cpu_us_per_frame": nan}}, args)
+        return
     if not PY_SPY.exists():
         raise SystemExit(f"{PY_SPY} not found: pip install py-spy into this environment")
     if args.keep:
