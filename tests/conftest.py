@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 import trio
+import trio_websocket
 
 from duplexrt.audio import AudioSpec, Framer, make_decoder, make_encoder
 from duplexrt.backends import BackendInfo
@@ -382,3 +383,36 @@ class ServeProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- a /v1/duplex client over a real WebSocket --------------------------------------------------------
+
+
+async def duplex_session(url: str, audio: np.ndarray, chunk: int = 2 * FRAME) -> tuple[bytes, list[dict]]:
+    """Stream ``audio`` as f32 over /v1/duplex in messages of ``chunk`` samples, end input, and
+    collect everything until the server closes.  The events end with ``{"type": "closed", "code",
+    "reason"}``.  A server that ends the session first (a failed step) stops the sending quietly:
+    it says why in its events."""
+    received = bytearray()
+    events: list[dict] = []
+    async with trio_websocket.open_websocket_url(url) as ws:
+        async with trio.open_nursery() as nursery:
+            async def send() -> None:
+                try:
+                    for start in range(0, len(audio), chunk):
+                        await ws.send_message(audio[start:start + chunk].tobytes())
+                    await ws.send_message(INPUT_END)
+                except trio_websocket.ConnectionClosed:
+                    pass
+
+            nursery.start_soon(send)
+            try:
+                while True:
+                    message = await ws.get_message()
+                    if isinstance(message, bytes):
+                        received += message
+                    else:
+                        events.append(json.loads(message))
+            except trio_websocket.ConnectionClosed as closed:
+                events.append({"type": "closed", "code": closed.reason.code, "reason": closed.reason.reason})
+    return bytes(received), events

@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 import sphn
 import trio
-import trio_websocket
 
-from conftest import PATIENCE, run_session, wait_until
+from conftest import PATIENCE, run_session, wait_until, duplex_session
 from duplexrt.backends.base import BackendInfo, SlotSession
 from duplexrt.config import ConfigError, load_config
 from duplexrt.protocols.events import SessionEnd
@@ -135,21 +134,10 @@ async def test_input_end_on_v1_duplex_gets_the_flush_and_ends_with_stop(nursery)
     url = f"ws://127.0.0.1:{server.ports[0]}/v1/duplex?format=pcm_f32le"
     caller = 5
     audio = signal(3, caller).reshape(-1)[:-FRAME // 2]  # the last frame is half a frame
-    received = bytearray()
-    events: list[dict] = []
     with trio.fail_after(PATIENCE * 2):
-        async with trio_websocket.open_websocket_url(url) as ws:
-            await ws.send_message(audio.tobytes())
-            await ws.send_message(json.dumps({"type": "input.end"}))
-            try:
-                while True:
-                    message = await ws.get_message()
-                    if isinstance(message, bytes):
-                        received += message
-                    else:
-                        events.append(json.loads(message))
-            except trio_websocket.ConnectionClosed as closed:
-                assert closed.reason.code == 1000
+        received, events = await duplex_session(url, audio, chunk=len(audio))  # one message
+    closed = events.pop()
+    assert closed["code"] == 1000
     end = events[-1]
     assert end["type"] == "session.end" and end["reason"] == "stop"
     usage = end["usage"]

@@ -16,9 +16,8 @@ import json
 
 import numpy as np
 import trio
-import trio_websocket
 
-from conftest import PATIENCE, ControlledBackend
+from conftest import PATIENCE, ControlledBackend, duplex_session
 from duplexrt.config import load_config
 from duplexrt.server import Server
 from faulty_peer import FaultyPeer, Rejected, masked_frame_header
@@ -68,35 +67,12 @@ async def _settled(server: Server) -> None:
 
 
 async def _healthy_session(server: Server, audio: np.ndarray, chunk: int = FRAME) -> tuple[bytes, dict]:
-    """A well-behaved /v1/duplex client: streams ``audio``, then input.end, and reads until the
-    server closes.  Returns the audio that came back and the ``session.end`` event."""
-    url = f"ws://127.0.0.1:{server.ports[0]}/v1/duplex"
-    received = bytearray()
-    events: list[dict] = []
-    async with trio_websocket.open_websocket_url(url) as ws:
-        assert json.loads(await ws.get_message())["type"] == "session.created"
-        async with trio.open_nursery() as nursery:
-            async def send() -> None:
-                try:
-                    for start in range(0, len(audio), chunk):
-                        await ws.send_message(audio[start:start + chunk].tobytes())
-                    await ws.send_message(json.dumps({"type": "input.end"}))
-                except trio_websocket.ConnectionClosed:
-                    pass  # the server ended the session first (a failed step): it says why
-
-            nursery.start_soon(send)
-            try:
-                while True:
-                    message = await ws.get_message()
-                    if isinstance(message, bytes):
-                        received += message
-                    else:
-                        events.append(json.loads(message))
-            except trio_websocket.ConnectionClosed:
-                pass
+    """A well-behaved /v1/duplex client; returns the audio that came back and ``session.end``."""
+    received, events = await duplex_session(f"ws://127.0.0.1:{server.ports[0]}/v1/duplex", audio, chunk)
+    assert events[0]["type"] == "session.created"
     ends = [event for event in events if event["type"] == "session.end"]
     assert len(ends) == 1, events
-    return bytes(received), ends[0]
+    return received, ends[0]
 
 
 async def _beside_a_healthy_session(server: Server, fault) -> None:

@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio_websocket
 
-from conftest import PATIENCE, ControlledBackend, ServeProcess, backend_info
+from conftest import PATIENCE, ControlledBackend, ServeProcess, backend_info, duplex_session
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
@@ -56,30 +56,6 @@ async def http_get(port: int, path: str, method: str = "GET", headers: str = "")
 
 def _noise(samples: int, seed: int) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(samples) * 0.2).astype(np.float32)
-
-
-async def _duplex_session(url: str, audio: np.ndarray, chunk: int = 2 * FRAME) -> tuple[bytes, list[dict]]:
-    """Stream ``audio`` as f32 over /v1/duplex, end input, collect everything until close."""
-    received = bytearray()
-    events: list[dict] = []
-    async with trio_websocket.open_websocket_url(url) as ws:
-        async with trio.open_nursery() as nursery:
-            async def send() -> None:
-                for start in range(0, len(audio), chunk):
-                    await ws.send_message(audio[start:start + chunk].tobytes())
-                await ws.send_message(json.dumps({"type": "input.end"}))
-
-            nursery.start_soon(send)
-            try:
-                while True:
-                    message = await ws.get_message()
-                    if isinstance(message, bytes):
-                        received += message
-                    else:
-                        events.append(json.loads(message))
-            except trio_websocket.ConnectionClosed as closed:
-                events.append({"type": "closed", "code": closed.reason.code, "reason": closed.reason.reason})
-    return bytes(received), events
 
 
 async def test_health_ready_and_metrics_are_plain_http(nursery):
@@ -125,7 +101,7 @@ async def test_readyz_is_503_while_the_model_fails_every_step_and_clients_get_no
 
     ends = []
     for seed in (10, 11):  # one frame each: one failed step each
-        _, events = await _duplex_session(running.url("/v1/duplex"), _noise(FRAME, seed))
+        _, events = await duplex_session(running.url("/v1/duplex"), _noise(FRAME, seed))
         [end] = [e for e in events if e["type"] == "session.end"]
         assert events[-1]["code"] == 1011 and events[-1]["reason"] == end["error"]
         ends.append(end)
@@ -145,7 +121,7 @@ async def test_readyz_is_503_while_the_model_fails_every_step_and_clients_get_no
     # New sessions are still admitted: one step that works is what makes the server ready again.
     backend.failing.clear()
     audio = _noise(2 * FRAME, seed=12)
-    received, events = await _duplex_session(running.url("/v1/duplex"), audio)
+    received, events = await duplex_session(running.url("/v1/duplex"), audio)
     assert received == audio.tobytes()
     status, _, body = await http_get(running.port, "/readyz")
     ready = json.loads(body)
@@ -165,7 +141,7 @@ async def test_malformed_http_gets_400_and_the_server_goes_on(nursery):
 async def test_duplex_route_echoes_pcm_and_reports_usage(nursery):
     running = await _start(nursery)
     audio = _noise(5 * FRAME + 100, seed=1)
-    received, events = await _duplex_session(running.url("/v1/duplex"), audio, chunk=3000)
+    received, events = await duplex_session(running.url("/v1/duplex"), audio, chunk=3000)
     padded = np.concatenate([audio, np.zeros(6 * FRAME - len(audio), np.float32)])
     assert received == padded.tobytes()
     assert events[0]["type"] == "session.created"
@@ -219,7 +195,7 @@ async def test_one_session_more_than_slots_is_refused_with_503_and_nothing_leaks
     with trio.fail_after(5):
         while running.server.runtime.scheduler.free_slots != 2:
             await trio.sleep(0.01)
-    received, _ = await _duplex_session(running.url("/v1/duplex"), _noise(FRAME, seed=3))
+    received, _ = await duplex_session(running.url("/v1/duplex"), _noise(FRAME, seed=3))
     assert len(received) == FRAME * 4
     assert running.server.refused["no_free_slot"] == 1
 
@@ -285,7 +261,7 @@ async def test_misbehaving_connections_leave_a_concurrent_session_intact(nursery
     result = {}
 
     async def healthy() -> None:
-        result["healthy"] = await _duplex_session(running.url("/v1/duplex"), audio, chunk=FRAME)
+        result["healthy"] = await duplex_session(running.url("/v1/duplex"), audio, chunk=FRAME)
 
     async def vandal() -> None:
         async with trio_websocket.open_websocket_url(running.url("/v1/duplex?format=pcm_s16le")) as ws:
