@@ -55,16 +55,9 @@ from duplexrt.protocols.events import (
     SessionEnd,
 )
 from duplexrt.metrics import FrameMetrics
+from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.scheduler import BackendStepError, Scheduler, SlotClosedError, new_error_id
-from duplexrt.transport import (
-    GOING_AWAY,
-    INTERNAL_ERROR,
-    MESSAGE_TOO_BIG,
-    NORMAL_CLOSURE,
-    Message,
-    Transport,
-    TransportClosed,
-)
+from duplexrt.transport import Message, Transport, TransportClosed
 
 
 log = logging.getLogger("duplexrt.session")
@@ -74,14 +67,6 @@ log = logging.getLogger("duplexrt.session")
 #: same queue, a batch at a time, so the byte bound sits well above one batch of audio.
 MAX_PENDING_MESSAGES = 64
 MAX_PENDING_BYTES = 1 << 20
-
-STOP = "stop"
-#: The client closed the connection or it went away.  When this end closed it — a limit, a dead
-#: peer, a broken frame — the transport names the reason instead (duplexrt.transport).
-CLIENT_CLOSED = "client_closed"
-ERROR = "error"
-SHUTDOWN = "shutdown"
-LENGTH = "length"
 
 
 @attrs.frozen
@@ -152,9 +137,9 @@ class Session:
         self._input_ended = False
         self._flush_frames = services.flush_frames
         self._flushed = 0  # flush frames submitted: model input, but not the caller's audio
-        self._finish_reason: str | None = None
+        self._finish_reason: FinishReason | None = None
         self._finish_error: str | None = None
-        self._close_code = NORMAL_CLOSURE
+        self._close_code: int = CloseCode.NORMAL_CLOSURE
         # The whole goodbye (last messages, Close and the peer's answer) fits in this: a peer
         # that never answers cannot keep the session, its slot or a shutdown waiting.
         self._close_timeout = config.server.close_timeout_s
@@ -246,10 +231,10 @@ class Session:
         except BaseException as exc:
             if self._finish_reason is None:
                 if _only_cancellation(exc):
-                    self._finish(SHUTDOWN, None, GOING_AWAY)
+                    self._finish(FinishReason.SHUTDOWN, None, CloseCode.GOING_AWAY)
                 else:
                     log.exception("session %s failed", self.lease.session_id)
-                    self._finish(ERROR, "internal error", INTERNAL_ERROR)
+                    self._finish(FinishReason.ERROR, "internal error", CloseCode.INTERNAL_ERROR)
             raise
         finally:
             self._release()
@@ -274,7 +259,7 @@ class Session:
 
     def summary(self) -> SessionEnd:
         return SessionEnd(
-            reason=self._finish_reason or STOP,
+            reason=self._finish_reason or FinishReason.STOP,
             frames_in=self._submitted - self._flushed,
             frames_out=self._sent,
             seconds_in=round((self._submitted - self._flushed) * self._frame_seconds, 6),
@@ -292,9 +277,9 @@ class Session:
         """The server is stopping: take no more messages, submit and answer every frame of the
         messages already taken (the one being read included, nothing after it), then end with
         reason ``shutdown``.  Whoever calls this also bounds how long that may take."""
-        self._stop_input(SHUTDOWN, GOING_AWAY)
+        self._stop_input(FinishReason.SHUTDOWN, CloseCode.GOING_AWAY)
 
-    def _stop_input(self, reason: str, close_code: int) -> None:
+    def _stop_input(self, reason: FinishReason, close_code: int) -> None:
         """End the session after the messages already taken have been answered: the reader stops
         at the next message boundary, the writer finishes, the client gets full usage and
         ``reason``."""
@@ -311,7 +296,7 @@ class Session:
         elif self._cancel_scope is not None:
             self._cancel_scope.cancel()
 
-    def _finish(self, reason: str, error: str | None, close_code: int) -> None:
+    def _finish(self, reason: FinishReason, error: str | None, close_code: int) -> None:
         """Record why the session ends (the first reason wins) and stop its tasks: outputs that
         arrive from now on (a later step of a failed session) are not sent."""
         self._stopped = True
@@ -333,7 +318,7 @@ class Session:
         """Send what the writer left (a fatal error, audio cut off mid-send), then the end with
         its usage, then close.  Returns the end as the client was told it."""
         deadline = trio.current_time() + self._close_timeout
-        if self._finish_reason == CLIENT_CLOSED:
+        if self._finish_reason == FinishReason.CLIENT_CLOSED:
             with trio.move_on_at(deadline):
                 await self._transport.close(self._close_code)
             return self.summary()
@@ -385,7 +370,7 @@ class Session:
             log.error("session %s: the model failed (error id %s)", self.lease.session_id, error_id,
                       exc_info=error)
             message = str(BackendStepError(error_id))
-        self._finish(ERROR, message, INTERNAL_ERROR)
+        self._finish(FinishReason.ERROR, message, CloseCode.INTERNAL_ERROR)
 
     # -- reader ----------------------------------------------------------------------------------
 
@@ -553,8 +538,8 @@ class Session:
                     HandoffKind.LARGE_DECODE_OFFLOAD, decoder.decode, bytes(payload))
         except AudioTooLongError as exc:
             # Fatal only when the decoder had to stop inside the message (an Ogg stream).
-            self._reject(ProtocolError("audio_too_long", str(exc), close_code=MESSAGE_TOO_BIG,
-                                       fatal=exc.stream_lost))
+            self._reject(ProtocolError("audio_too_long", str(exc),
+                                       close_code=CloseCode.MESSAGE_TOO_BIG, fatal=exc.stream_lost))
             return
         except AudioFormatError as exc:
             self._reject(ProtocolError("invalid_audio", str(exc)))
@@ -603,7 +588,7 @@ class Session:
             # The session has had all the audio it may have: answer what was taken, then end
             # with reason "length".  The rest of the message is skipped here, frame by frame,
             # and the reader stops at the end of it.
-            self._stop_input(LENGTH, NORMAL_CLOSURE)
+            self._stop_input(FinishReason.LENGTH, CloseCode.NORMAL_CLOSURE)
             return
         while (self._submitted - self._delivered >= self._inbox_depth
                or self._in_flight >= self._max_in_flight):
@@ -614,7 +599,7 @@ class Session:
             await self.lease.submit(frame, started)
         except SlotClosedError:
             self._in_flight -= 1
-            self._finish(SHUTDOWN, "the runtime is stopping", GOING_AWAY)
+            self._finish(FinishReason.SHUTDOWN, "the runtime is stopping", CloseCode.GOING_AWAY)
             await trio.lowlevel.checkpoint()  # the cancellation just requested lands here...
             raise  # ... so this only runs if the reader was shielded: the slot is gone either way
         if not self._submitted:
@@ -668,7 +653,7 @@ class Session:
     def _reject(self, error: ProtocolError) -> None:
         self._queue(self._protocol.error(error))
         if error.fatal:
-            self._finish(ERROR, error.message, error.close_code)
+            self._finish(FinishReason.ERROR, error.message, error.close_code)
 
     # -- writer ----------------------------------------------------------------------------------
 
@@ -783,7 +768,7 @@ class Session:
 
     def _transport_closed(self, closed: TransportClosed) -> None:
         if closed.finish_reason is None:
-            self._finish(CLIENT_CLOSED, None, NORMAL_CLOSURE)
+            self._finish(FinishReason.CLIENT_CLOSED, None, CloseCode.NORMAL_CLOSURE)
         else:  # this end closed it (a limit, a dead peer): its own reason, for the log and usage
             self._finish(closed.finish_reason, None, closed.code)
 

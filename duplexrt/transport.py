@@ -13,25 +13,9 @@ from typing import Protocol
 import attrs
 import trio
 
+from duplexrt.reasons import CloseCode, FinishReason
+
 Message = bytes | str
-
-#: Close codes, as WebSocket defines them, so in-memory and network sessions end alike.
-NORMAL_CLOSURE = 1000
-GOING_AWAY = 1001
-UNSUPPORTED_DATA = 1003
-INVALID_PAYLOAD = 1007
-POLICY_VIOLATION = 1008
-MESSAGE_TOO_BIG = 1009
-INTERNAL_ERROR = 1011
-TRY_AGAIN_LATER = 1013
-
-#: Finish reasons of a connection this end closed itself, so that a limit or a dead peer is not
-#: mistaken for a client that hung up (``client_closed``) in the usage and the log.
-FIRST_MESSAGE_TIMEOUT = "first_message_timeout"
-IDLE_TIMEOUT = "idle_timeout"
-PING_TIMEOUT = "ping_timeout"
-MESSAGE_TOO_BIG = "message_too_big"
-PROTOCOL_ERROR = "protocol_error"
 
 
 class TransportClosed(Exception):
@@ -40,7 +24,7 @@ class TransportClosed(Exception):
     ``finish_reason`` is None when the other end closed or went away, and names why when this
     end closed it (a limit reached, a peer that stopped answering pings)."""
 
-    def __init__(self, code: int, reason: str = "", finish_reason: str | None = None) -> None:
+    def __init__(self, code: int, reason: str = "", finish_reason: FinishReason | None = None) -> None:
         super().__init__(f"connection closed with code {code}" + (f": {reason}" if reason else ""))
         self.code = code
         self.reason = reason
@@ -61,7 +45,7 @@ class Transport(Protocol):
         """Send one whole message; raises TransportClosed if the peer has gone."""
         ...
 
-    async def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
         """Close both directions, telling the peer why.  Idempotent."""
         ...
 
@@ -111,7 +95,7 @@ class MemoryTransport:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise self._closed() from None
 
-    async def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
         if self._mine.code is None and self._theirs.code is None:
             self._mine.code = code
             self._mine.reason = reason
@@ -133,7 +117,7 @@ class MemoryTransport:
     def _closed(self) -> TransportClosed:
         record = self._theirs if self._theirs.code is not None else self._mine
         if record.code is None:
-            return TransportClosed(GOING_AWAY, "the connection went away")
+            return TransportClosed(CloseCode.GOING_AWAY, "the connection went away")
         return TransportClosed(record.code, record.reason)
 
 

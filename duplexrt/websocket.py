@@ -15,17 +15,8 @@ import trio
 import trio_websocket
 from wsproto.connection import ConnectionState
 
-from duplexrt.transport import (
-    FIRST_MESSAGE_TIMEOUT,
-    GOING_AWAY,
-    IDLE_TIMEOUT,
-    MESSAGE_TOO_BIG,
-    PING_TIMEOUT,
-    POLICY_VIOLATION,
-    PROTOCOL_ERROR,
-    Message,
-    TransportClosed,
-)
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import Message, TransportClosed
 
 #: How long a close may wait for the peer's Close frame unless told otherwise.
 DEFAULT_CLOSE_TIMEOUT = 3.0
@@ -70,8 +61,8 @@ class WebSocketTransport:
         except trio_websocket.ConnectionClosed as exc:
             raise self._closed(exc) from None
         reason = "no message arrived in time after the connection opened"
-        ended = self._end(FIRST_MESSAGE_TIMEOUT, POLICY_VIOLATION, reason)
-        await self.close(POLICY_VIOLATION, reason)
+        ended = self._end(FinishReason.FIRST_MESSAGE_TIMEOUT, CloseCode.POLICY_VIOLATION, reason)
+        await self.close(CloseCode.POLICY_VIOLATION, reason)
         raise ended
 
     def receive_nowait(self) -> Message:
@@ -95,7 +86,7 @@ class WebSocketTransport:
         except trio_websocket.ConnectionClosed as exc:
             raise self._closed(exc) from None
 
-    async def close(self, code: int = 1000, reason: str = "") -> None:
+    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
         """Send Close and wait for the peer's, at most ``close_timeout`` seconds; then (or on
         cancellation) drop the connection.  A second caller waits for the first one's close,
         within the same deadline."""
@@ -145,7 +136,7 @@ class WebSocketTransport:
             if waited.cancelled_caught and timeout > 0:
                 # A peer that cannot even take a ping (or answer it) is gone or stuck: a Close
                 # would wait on it too, so the socket goes at once.
-                self._end(PING_TIMEOUT, GOING_AWAY, f"no pong within {timeout:g} s")
+                self._end(FinishReason.PING_TIMEOUT, CloseCode.GOING_AWAY, f"no pong within {timeout:g} s")
                 self.abort()
                 return
 
@@ -160,17 +151,18 @@ class WebSocketTransport:
                 seen = self.received
                 last_heard = now
             elif now - last_heard >= limit:
-                self._interrupt(IDLE_TIMEOUT, POLICY_VIOLATION, f"no message from the client for {limit:g} s")
+                self._interrupt(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION,
+                                f"no message from the client for {limit:g} s")
                 return
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _end(self, finish_reason: str, code: int, reason: str) -> TransportClosed:
+    def _end(self, finish_reason: FinishReason, code: int, reason: str) -> TransportClosed:
         if self._ended is None:
             self._ended = TransportClosed(code, reason, finish_reason)
         return self._ended
 
-    def _interrupt(self, finish_reason: str, code: int, reason: str) -> None:
+    def _interrupt(self, finish_reason: FinishReason, code: int, reason: str) -> None:
         """End the session's input with ``finish_reason`` but leave the connection open, so the
         session can still send its end and close with its usage: closing trio-websocket's queue
         of received messages wakes a waiting receive, which then raises the recorded end."""
@@ -196,14 +188,15 @@ class WebSocketTransport:
             return self._ended
         reason = exc.reason
         if reason is None:
-            return TransportClosed(GOING_AWAY, "the connection went away")
+            return TransportClosed(CloseCode.GOING_AWAY, "the connection went away")
         # trio-websocket ends a connection itself on a message over the size limit (it sends
         # Close 1009) and on a frame it cannot parse (1002, or 1007 for bad UTF-8); the peer
         # never sent a Close then, which is how those are told from a client's own close.
         state = getattr(getattr(self.ws, "_wsproto", None), "state", None)
-        local = (reason.code not in (1000, 1006)
+        local = (reason.code not in (CloseCode.NORMAL_CLOSURE, CloseCode.ABNORMAL_CLOSURE)
                  and state in (ConnectionState.OPEN, ConnectionState.LOCAL_CLOSING))
         if local:
-            finish = MESSAGE_TOO_BIG if reason.code == 1009 else PROTOCOL_ERROR
+            finish = (FinishReason.MESSAGE_TOO_BIG if reason.code == CloseCode.MESSAGE_TOO_BIG
+                      else FinishReason.PROTOCOL_ERROR)
             return TransportClosed(reason.code, reason.reason or "", finish)
         return TransportClosed(reason.code, reason.reason or "")

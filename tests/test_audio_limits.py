@@ -35,7 +35,8 @@ from duplexrt.protocols.events import AudioIn
 from duplexrt.protocols.moshi import MoshiProtocol
 from duplexrt.protocols.realtime import RealtimeProtocol
 from duplexrt.runtime import open_runtime
-from duplexrt.transport import MESSAGE_TOO_BIG, TransportClosed, memory_transport_pair
+from duplexrt.reasons import CloseCode
+from duplexrt.transport import TransportClosed, memory_transport_pair
 
 FORMATS = ["pcm_f32le", "pcm_s16le", "g711_ulaw", "g711_alaw"]
 
@@ -242,7 +243,7 @@ async def test_a_moshi_opus_message_over_the_bound_ends_that_session_with_1009_a
     errors = [m[1:].decode() for m in received if m[0] == 5]
     assert len(errors) == 1 and "more than 1 s of audio" in errors[0]
     assert ends[0].reason == "error"
-    assert closed[0].code == MESSAGE_TOO_BIG
+    assert closed[0].code == CloseCode.MESSAGE_TOO_BIG == 1009
     assert other.end.reason == "stop" and other.client.errors == []
     assert bytes(other.client.audio) == synthetic_wire(model_frames(healthy, s16), 5, s16)
 

@@ -23,6 +23,7 @@ from duplexrt.config import load_config
 from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn, InputEnd, ProtocolError, Reconfigure, Reply, SessionEnd
 from duplexrt.protocols.live import CLOSE_REASONS, LiveProtocol, close_reason
+from duplexrt.reasons import FinishReason
 from duplexrt.runtime import open_runtime
 from duplexrt.server import Server
 from duplexrt.transport import TransportClosed, memory_transport_pair
@@ -334,10 +335,18 @@ def test_usage_ratio_is_null_without_a_limit():
 # -- the end -------------------------------------------------------------------------------------
 
 
+#: The Live names of the three reasons it has a word for; every other ending is connection_lost.
+LIVE_NAMES = {FinishReason.STOP: "close_requested", FinishReason.LENGTH: "expired",
+              FinishReason.SHUTDOWN: "remote_hangup"}
+
+
+def test_the_live_close_reasons_name_every_finish_reason():
+    assert set(CLOSE_REASONS) == set(FinishReason)
+
+
 @pytest.mark.parametrize("reason, live", [
-    ("stop", "close_requested"), ("length", "expired"), ("shutdown", "remote_hangup"),
-    ("error", "connection_lost"), ("idle_timeout", "connection_lost"), ("ping_timeout", "connection_lost"),
-    ("first_message_timeout", "connection_lost"), ("something_new", "connection_lost"),
+    *((reason, LIVE_NAMES.get(reason, "connection_lost")) for reason in FinishReason),
+    ("something_new", "connection_lost"),
 ])
 def test_every_finish_reason_maps_to_a_live_close_reason(reason, live):
     assert close_reason(reason) == live

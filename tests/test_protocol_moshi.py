@@ -18,13 +18,8 @@ from duplexrt.config import load_config
 from duplexrt.protocols.events import AudioIn, EndTurn, Ignored, ProtocolError, SessionEnd
 from duplexrt.protocols.moshi import CONTROL_CODES, HANDSHAKE_MESSAGE, MoshiProtocol
 from duplexrt.runtime import open_runtime
-from duplexrt.transport import (
-    GOING_AWAY,
-    UNSUPPORTED_DATA,
-    MemoryTransport,
-    TransportClosed,
-    memory_transport_pair,
-)
+from duplexrt.reasons import CloseCode
+from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
 
 RATE = 24000
 PATIENCE = 10.0
@@ -139,7 +134,7 @@ def test_a_text_websocket_message_is_fatal_unsupported_data(text):
     event = MoshiProtocol().parse(text)
     assert isinstance(event, ProtocolError)
     assert event.code == "text_not_supported"
-    assert event.fatal and event.close_code == UNSUPPORTED_DATA == 1003
+    assert event.fatal and event.close_code == CloseCode.UNSUPPORTED_DATA == 1003
     assert event.message
 
 
@@ -372,7 +367,7 @@ async def test_a_text_message_closes_its_session_with_1003_and_leaves_a_concurre
     bad_end = results["bad"]
     assert bad_end.reason == "error" and bad_end.error
     assert bad.closed is not None
-    assert bad.closed.code == UNSUPPORTED_DATA == 1003
+    assert bad.closed.code == CloseCode.UNSUPPORTED_DATA == 1003
     assert bad.closed.reason == bad_end.error[:120] and "binary" in bad.closed.reason
     assert bad_server.close_code == 1003 and bad_server.close_reason == bad.closed.reason
     errors = bad.kinds(5)
@@ -418,5 +413,5 @@ async def test_an_empty_message_gets_an_error_and_the_session_goes_on_until_shut
     assert last["type"] == "session.end" and last["reason"] == "shutdown"
     assert last["usage"]["frames_in"] >= last["usage"]["frames_out"] > 0
     assert last["usage"]["seconds_out"] == pytest.approx(last["usage"]["frames_out"] * 0.08)
-    assert moshi.closed is not None and moshi.closed.code == GOING_AWAY == 1001
-    assert server.close_code == GOING_AWAY
+    assert moshi.closed is not None and moshi.closed.code == CloseCode.GOING_AWAY == 1001
+    assert server.close_code == CloseCode.GOING_AWAY

@@ -7,6 +7,7 @@ import json
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.protocols.events import AudioIn, InputEnd, ProtocolError, Reply, SessionEnd
 from duplexrt.protocols.raw import RawProtocol
+from duplexrt.reasons import FinishReason
 
 F32 = AudioSpec.create(AudioFormat.PCM_F32LE, None, model_rate=24000)
 S16 = AudioSpec.create(AudioFormat.PCM_S16LE, 16000, model_rate=24000)
@@ -55,10 +56,10 @@ def test_outputs():
 
 def test_end_carries_the_reason_and_usage_and_the_error_only_when_there_is_one():
     protocol = RawProtocol(F32)
-    [plain] = protocol.end(SessionEnd("input_ended", 3, 3, 0.24, 0.24))
+    [plain] = protocol.end(SessionEnd(FinishReason.STOP, 3, 3, 0.24, 0.24))
     body = json.loads(plain)
-    assert body["type"] == "session.end" and body["reason"] == "input_ended" and "error" not in body
+    assert body["type"] == "session.end" and body["reason"] == "stop" and "error" not in body
     assert body["usage"]["frames_in"] == 3 and body["usage"]["seconds_out"] == 0.24
     assert "reason" not in body["usage"] and "error" not in body["usage"]
-    [failed] = protocol.end(SessionEnd("server_error", 1, 0, 0.08, 0.0, error="boom"))
+    [failed] = protocol.end(SessionEnd(FinishReason.ERROR, 1, 0, 0.08, 0.0, error="boom"))
     assert json.loads(failed)["error"] == "boom"

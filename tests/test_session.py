@@ -40,7 +40,8 @@ from conftest import (
 from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.handoffs import OFFLOAD_KINDS, HandoffKind
 from duplexrt.runtime import Runtime, open_runtime
-from duplexrt.transport import INTERNAL_ERROR, TransportClosed, memory_transport_pair
+from duplexrt.reasons import CloseCode
+from duplexrt.transport import TransportClosed, memory_transport_pair
 
 SYNTHETIC = ("backend.name=synthetic",)
 
@@ -372,7 +373,7 @@ async def test_backend_step_failure_ends_the_session_with_1011_and_later_session
         [logged] = [r for r in caplog.records if error_id in r.getMessage()]
         assert logged.levelname == "ERROR" and "injected failure on step 3" in str(logged.exc_info[1])
         assert client_end["usage"]["frames_out"] == failed.end.frames_out <= 2
-        assert failed.client.close_code == INTERNAL_ERROR == 1011
+        assert failed.client.close_code == CloseCode.INTERNAL_ERROR == 1011
         # What did arrive before the failure is right.
         frames = model_frames(messages, wire)
         got = bytes(failed.client.audio)

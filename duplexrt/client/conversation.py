@@ -21,7 +21,8 @@ from typing import Any
 import trio
 
 from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
-from duplexrt.transport import NORMAL_CLOSURE, Message, Transport, TransportClosed
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import Message, Transport, TransportClosed
 
 __all__ = ["Conversation", "ENDED", "CLOSED", "COMPLETE", "IDLE"]
 
@@ -182,7 +183,7 @@ class Conversation:
 
     async def _close(self) -> None:
         with trio.move_on_after(5):
-            await self.transport.close(NORMAL_CLOSURE)
+            await self.transport.close(CloseCode.NORMAL_CLOSURE)
 
     # -- after the end ---------------------------------------------------------------------------
 
@@ -194,7 +195,7 @@ class Conversation:
             return False
         if self.outcome == COMPLETE:
             return True
-        return self.outcome == ENDED and self.end is not None and self.end.reason == "stop"
+        return self.outcome == ENDED and self.end is not None and self.end.reason == FinishReason.STOP
 
     def describe(self) -> str:
         """How it ended, in words."""

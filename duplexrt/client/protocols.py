@@ -44,6 +44,7 @@ from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
 from duplexrt.protocols import moshi as moshi_wire
 from duplexrt.protocols.options import duplex_specs, wants_duplex
 from duplexrt.routes import CLIENT_ROUTES
+from duplexrt.reasons import FinishReason
 from duplexrt.transport import Message
 
 __all__ = [
@@ -252,9 +253,10 @@ _REALTIME_RATE = 24000
 _AUDIO_DELTAS = ("response.output_audio.delta", "response.audio.delta")
 _TEXT_DELTAS = ("response.output_audio_transcript.delta", "response.audio_transcript.delta")
 #: response.done status (and status_details.reason) -> the finish reason, as the other routes say it.
-_STATUS_REASONS = {"completed": "stop", "failed": "error"}
-_DETAIL_REASONS = {"server_shutdown": "shutdown", "max_output_tokens": "length",
-                   "client_cancelled": "cancelled"}
+#: ``cancelled`` is the client's own word: the Realtime status does not say how the client left.
+_STATUS_REASONS: dict[str, str] = {"completed": FinishReason.STOP, "failed": FinishReason.ERROR}
+_DETAIL_REASONS: dict[str, str] = {"server_shutdown": FinishReason.SHUTDOWN, "max_output_tokens": FinishReason.LENGTH,
+                                   "client_cancelled": "cancelled"}
 
 
 class RealtimeClient(ClientProtocol):
@@ -322,7 +324,7 @@ class RealtimeClient(ClientProtocol):
         status = response.get("status")
         details = response.get("status_details") if isinstance(response.get("status_details"), dict) else {}
         if status == "cancelled" and self._cancelled:
-            reason = "stop"  # the client asked for it: it had heard everything
+            reason = FinishReason.STOP  # the client asked for it: it had heard everything
         else:
             reason = _STATUS_REASONS.get(status) or _DETAIL_REASONS.get(details.get("reason")) or str(status)
         error = details.get("error") if isinstance(details.get("error"), dict) else None
@@ -384,8 +386,8 @@ _LIVE_FORMATS = {AudioFormat.PCM_S16LE: "audio/pcm", AudioFormat.G711_ULAW: "aud
                  AudioFormat.G711_ALAW: "audio/pcma"}
 #: session.closed reason -> the finish reason, as the other routes say it (when the server does
 #: not send duplexrt's own ``finish_reason``).
-_LIVE_REASONS = {"close_requested": "stop", "expired": "length", "remote_hangup": "shutdown",
-                 "connection_lost": "error"}
+_LIVE_REASONS: dict[str, str] = {"close_requested": FinishReason.STOP, "expired": FinishReason.LENGTH,
+                                  "remote_hangup": FinishReason.SHUTDOWN, "connection_lost": FinishReason.ERROR}
 
 
 class LiveClient(ClientProtocol):

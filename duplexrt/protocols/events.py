@@ -9,7 +9,8 @@ from typing import Any
 import attrs
 
 from duplexrt.audio import AudioSpec
-from duplexrt.transport import Message, POLICY_VIOLATION
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import Message
 
 
 @attrs.frozen
@@ -36,7 +37,7 @@ class ProtocolError:
 
     code: str
     message: str
-    close_code: int = POLICY_VIOLATION
+    close_code: int = CloseCode.POLICY_VIOLATION
     fatal: bool = False
     #: The id of the client event that caused it, where the protocol has ids.
     event_id: str | None = None
@@ -91,7 +92,7 @@ Event = AudioIn | InputEnd | ProtocolError | Ignored | Reply | Reconfigure | Cle
 class SessionEnd:
     """How a session ended, with its usage: what the client is told last."""
 
-    reason: str
+    reason: FinishReason
     frames_in: int
     frames_out: int
     seconds_in: float

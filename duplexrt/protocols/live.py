@@ -76,7 +76,8 @@ from duplexrt.protocols.events import (
     json_object,
     quote,
 )
-from duplexrt.transport import UNSUPPORTED_DATA, Message
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import Message
 
 __all__ = ["CLOSE_REASONS", "LiveProtocol", "close_reason"]
 
@@ -96,14 +97,22 @@ _SILENCE = {
     AudioFormat.G711_ALAW: alaw_encode(np.zeros(1, np.float32)).tobytes(),
 }
 
-#: The session's finish reason -> the Live protocol's close reason.  Anything else (the server's
-#: timeouts, a fatal client error, reasons added later) is ``connection_lost``.
-CLOSE_REASONS = {
-    "stop": "close_requested",
-    "length": "expired",
-    "shutdown": "remote_hangup",
-}
 _DEFAULT_REASON = "connection_lost"
+#: The session's finish reason -> the Live protocol's close reason, for every finish reason:
+#: the Live list has no name for the server's timeouts, a fatal client error or a client that
+#: went away, so those are ``connection_lost`` (as is any other string, in ``close_reason``).
+CLOSE_REASONS: dict[FinishReason, str] = {
+    FinishReason.STOP: "close_requested",
+    FinishReason.LENGTH: "expired",
+    FinishReason.SHUTDOWN: "remote_hangup",
+    FinishReason.CLIENT_CLOSED: _DEFAULT_REASON,
+    FinishReason.ERROR: _DEFAULT_REASON,
+    FinishReason.FIRST_MESSAGE_TIMEOUT: _DEFAULT_REASON,
+    FinishReason.IDLE_TIMEOUT: _DEFAULT_REASON,
+    FinishReason.PING_TIMEOUT: _DEFAULT_REASON,
+    FinishReason.MESSAGE_TOO_BIG: _DEFAULT_REASON,
+    FinishReason.PROTOCOL_ERROR: _DEFAULT_REASON,
+}
 
 #: Client events that need delegation or a text prompt: no duplexrt backend can use them.
 _UNSUPPORTED = {
@@ -119,7 +128,7 @@ _BINARY = ProtocolError(
     "binary_not_supported",
     "binary messages are not part of the Live protocol; send audio as base64 in "
     "session.input_audio.append events",
-    close_code=UNSUPPORTED_DATA,
+    close_code=CloseCode.UNSUPPORTED_DATA,
     fatal=True,
 )
 
@@ -213,7 +222,7 @@ class LiveProtocol(Translator):
 
     def end(self, end: SessionEnd) -> list[Message]:
         messages: list[Message] = []
-        if end.reason == "error" and not self._fatal_sent:
+        if end.reason == FinishReason.ERROR and not self._fatal_sent:
             messages.append(self._error_event("server_error", "server_error",
                                               end.error or "internal server error", None))
         if not self.started:

@@ -57,7 +57,8 @@ from typing import Any
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import AudioIn, EndTurn, Event, Ignored, ProtocolError, SessionEnd
-from duplexrt.transport import UNSUPPORTED_DATA, Message
+from duplexrt.reasons import CloseCode
+from duplexrt.transport import Message
 
 __all__ = [
     "AUDIO", "CONTROL", "CONTROL_CODES", "ERROR", "HANDSHAKE", "HANDSHAKE_MESSAGE", "METADATA",
@@ -93,7 +94,7 @@ _END_TURN = EndTurn(())
 _TEXT_NOT_SUPPORTED = ProtocolError(
     "text_not_supported",
     "the Moshi protocol only has binary messages (a kind byte, then the payload)",
-    close_code=UNSUPPORTED_DATA,
+    close_code=CloseCode.UNSUPPORTED_DATA,
     fatal=True,
 )
 _EMPTY_MESSAGE = ProtocolError("empty_message", "empty message: every message starts with its kind byte")

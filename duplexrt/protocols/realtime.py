@@ -72,7 +72,8 @@ from duplexrt.protocols.events import (
     json_object,
     quote,
 )
-from duplexrt.transport import UNSUPPORTED_DATA, Message
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import Message
 
 __all__ = ["RealtimeProtocol"]
 
@@ -110,19 +111,19 @@ _UNSUPPORTED = (
 #: SessionEnd.reason -> (response status, status_details reason).  The protocol's reasons are a
 #: closed list; any other ending is an ``incomplete`` response whose ``status_details.error.code``
 #: names it (``server_shutdown``, ``idle_timeout``, ...).
-_END_STATUS = {
-    "stop": ("completed", None),
-    "client_closed": ("cancelled", "client_cancelled"),
-    "length": ("incomplete", "max_output_tokens"),
-    "error": ("failed", None),
+_END_STATUS: dict[str, tuple[str, str | None]] = {
+    FinishReason.STOP: ("completed", None),
+    FinishReason.CLIENT_CLOSED: ("cancelled", "client_cancelled"),
+    FinishReason.LENGTH: ("incomplete", "max_output_tokens"),
+    FinishReason.ERROR: ("failed", None),
 }
-_END_CODES = {"shutdown": "server_shutdown"}
+_END_CODES: dict[str, str] = {FinishReason.SHUTDOWN: "server_shutdown"}
 
 _BINARY = ProtocolError(
     "binary_not_supported",
     "binary messages are not part of the Realtime protocol; send audio as base64 in "
     "input_audio_buffer.append events",
-    close_code=UNSUPPORTED_DATA,
+    close_code=CloseCode.UNSUPPORTED_DATA,
     fatal=True,
 )
 
@@ -385,7 +386,7 @@ class RealtimeProtocol(Translator):
 
     def end(self, end: SessionEnd) -> list[Message]:
         if self._response is None:
-            if end.reason == "error" and not self._fatal_sent:
+            if end.reason == FinishReason.ERROR and not self._fatal_sent:
                 # No response to fail, but the client still hears why the session ends.
                 return [self._event("error", error={
                     "type": "server_error", "code": "server_error", "param": None, "event_id": None,
@@ -397,7 +398,7 @@ class RealtimeProtocol(Translator):
         if end.reason not in _END_STATUS:
             code = _END_CODES.get(end.reason, end.reason)
             error = {"type": "server_error", "code": code, "message": f"the session ended: {code}"}
-        if end.reason == "error":
+        if end.reason == FinishReason.ERROR:
             if self._fatal_sent:  # the client's own error was already sent as such
                 error = {"type": "invalid_request_error", "code": None, "message": end.error}
             else:

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 
 from duplexrt.backends import Backend
 from duplexrt.config import Config
+from duplexrt.reasons import CloseCode
 from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
@@ -31,7 +32,6 @@ from duplexrt.server.stats_log import log_stats
 from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.web import static_answer, stats_json
 from duplexrt.websocket import WebSocketTransport
-from duplexrt.transport import GOING_AWAY
 
 log = logging.getLogger("duplexrt.server")
 #: The start-up line: printed at the default level (warning) without turning every info log on.
@@ -296,7 +296,7 @@ class Server:
                     await self.runtime.serve(transport, translator)
                 finally:
                     with trio.CancelScope(shield=True):  # bounded by close_timeout_s
-                        await transport.close(GOING_AWAY if self._draining else 1000)
+                        await transport.close(CloseCode.GOING_AWAY if self._draining else CloseCode.NORMAL_CLOSURE)
                     self._transports.discard(transport)
             finally:
                 nursery.cancel_scope.cancel()

@@ -15,6 +15,7 @@ from duplexrt.client.protocols import DuplexClient
 from duplexrt.config import Config
 from duplexrt.histogram import Summary
 from duplexrt.progress import show_progress
+from duplexrt.reasons import CloseCode
 from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.simulate.checker import Checker
 from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict, find_capacity, judge
@@ -79,7 +80,7 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
             await runtime.serve(transport, input_spec=spec, output_spec=spec, session_id=index + 1)
         except Exception as exc:  # a guard failure, not a crash of the whole run
             failures.append(f"session {index + 1}: the server raised {exc!r}")
-            await transport.close(1011, "server error")
+            await transport.close(CloseCode.INTERNAL_ERROR, "server error")
 
     async def client(index: int, transport: MemoryTransport) -> None:
         # The raw protocol, as runtime.serve speaks it by default: no greeting.

@@ -16,6 +16,7 @@ from duplexrt.client.connection import ConnectError
 from duplexrt.client.conversation import Conversation
 from duplexrt.client.protocols import Buffer, ClientProtocol
 from duplexrt.histogram import Histogram
+from duplexrt.reasons import FinishReason
 from duplexrt.simulate.checker import OutputRecord
 from duplexrt.simulate.workload import Workload
 
@@ -127,7 +128,7 @@ def end_failures(index: int, conversation: Conversation) -> list[str]:
     """What the server said went wrong with one session."""
     failures = [f"session {index + 1}: server sent error {error}" for error in conversation.errors]
     end = conversation.end
-    if end is not None and end.reason != "stop":
+    if end is not None and end.reason != FinishReason.STOP:
         failures.append(f"session {index + 1}: ended with {end.reason!r}: {end.error}")
     return failures
 
