@@ -33,7 +33,7 @@ test: install
 # mutants/).  MUTANTS picks the modules, as mutmut's name globs.
 MUTATION_SECONDS ?= 3600
 MUTATION_JOBS ?= 2
-MUTANTS ?= "duplexrt.inbox*" "duplexrt.audio.framer*" "duplexrt.session*" "duplexrt.scheduler*" \
+MUTANTS ?= "duplexrt.core.inbox*" "duplexrt.audio.framer*" "duplexrt.core.session*" "duplexrt.core.scheduler*" \
 	"duplexrt.protocols.*"
 
 mutation: install

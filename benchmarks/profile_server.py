@@ -15,11 +15,11 @@ Layers, matched on the file path py-spy prints for a Python frame (first rule th
     trio-websocket      trio_websocket/*
     trio scheduling     trio/* (the rest: the run loop, checkpoints, memory channels, locks)
     translator          duplexrt/protocols/*
-    session             duplexrt/session.py, duplexrt/audio/*
-    scheduler/inbox     duplexrt/scheduler.py, duplexrt/inbox.py, duplexrt/handoffs.py
-    metrics             duplexrt/metrics.py, duplexrt/histogram.py, duplexrt/server/metrics.py,
+    session             duplexrt/core/session.py, duplexrt/audio/*
+    scheduler/inbox     duplexrt/core/scheduler.py, duplexrt/core/inbox.py, duplexrt/core/handoffs.py
+    metrics             duplexrt/core/metrics.py, duplexrt/core/histogram.py, duplexrt/server/metrics.py,
                         duplexrt/stats_log.py
-    backend             duplexrt/backends/*, duplexrt/runtime.py
+    backend             duplexrt/backends/*, duplexrt/core/runtime.py
     server glue         duplexrt/websocket.py, duplexrt/transport.py, duplexrt/server/*
     other               no frame of the stack matches (interpreter start-up, logging, ...)
 
@@ -29,7 +29,7 @@ Attribution rules:
   that matches a rule.  Frames of libraries outside the list (json, base64, numpy, stdlib
   helpers, native frames with ``--native``) count for the listed layer that called them: a
   ``json.dumps`` inside ``duplexrt/protocols/realtime.py`` is translator time, a
-  ``threading.Lock.release`` inside ``duplexrt/inbox.py`` is scheduler/inbox time.  Self shares
+  ``threading.Lock.release`` inside ``duplexrt/core/inbox.py`` is scheduler/inbox time.  Self shares
   add up to 100 %.
 * **Inclusive** ("what this layer and everything it calls costs"): a sample counts once for every
   layer that appears anywhere in its stack.  Shares add up to more than 100 %; the trio run loop is
@@ -81,10 +81,10 @@ RULES: list[tuple[str, re.Pattern[str]]] = [
     ("trio-websocket", re.compile(r"^trio_websocket/")),
     ("trio scheduling", re.compile(r"^trio/")),
     ("translator", re.compile(r"^duplexrt/protocols/")),
-    ("session", re.compile(r"^duplexrt/(session\.py|audio/)")),
-    ("scheduler/inbox", re.compile(r"^duplexrt/(scheduler|inbox|handoffs)\.py$")),
-    ("metrics", re.compile(r"^duplexrt/(metrics|histogram|stats_log|server/metrics)\.py$")),
-    ("backend", re.compile(r"^duplexrt/(backends/|runtime\.py)")),
+    ("session", re.compile(r"^duplexrt/(core/session\.py|audio/)")),
+    ("scheduler/inbox", re.compile(r"^duplexrt/core/(scheduler|inbox|handoffs)\.py$")),
+    ("metrics", re.compile(r"^duplexrt/(core/metrics|core/histogram|stats_log|server/metrics)\.py$")),
+    ("backend", re.compile(r"^duplexrt/(backends/|core/runtime\.py)")),
     ("server glue", re.compile(r"^duplexrt/(websocket|transport)\.py$|^duplexrt/server/")),
 ]
 WAIT = "blocked wait"

@@ -14,8 +14,8 @@ import typer
 from duplexrt import __version__, presets
 from duplexrt.audio import AudioFormat, AudioFormatError
 from duplexrt.config import ConfigError, load_config
+from duplexrt.core.scheduler import BackendLoadError
 from duplexrt.routes import client_paths, routes_help
-from duplexrt.scheduler import BackendLoadError
 
 app = typer.Typer(
     name="duplexrt",

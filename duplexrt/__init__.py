@@ -20,9 +20,9 @@ __version__ = "0.1.0.dev0"
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
-    "Runtime": "duplexrt.runtime",
-    "RuntimeStatistics": "duplexrt.runtime",
-    "open_runtime": "duplexrt.runtime",
+    "Runtime": "duplexrt.core.runtime",
+    "RuntimeStatistics": "duplexrt.core.runtime",
+    "open_runtime": "duplexrt.core.runtime",
     "Config": "duplexrt.config",
     "ConfigError": "duplexrt.config",
     "load_config": "duplexrt.config",
@@ -32,14 +32,16 @@ _EXPORTS = {
     "Backend": "duplexrt.backends.base",
     "BackendInfo": "duplexrt.backends.base",
     "SlotSession": "duplexrt.backends.base",
-    "BackendLoadError": "duplexrt.scheduler",
-    "NoFreeSlotError": "duplexrt.scheduler",
+    "BackendLoadError": "duplexrt.core.scheduler",
+    "NoFreeSlotError": "duplexrt.core.scheduler",
     "Transport": "duplexrt.transport",
     "TransportClosed": "duplexrt.transport",
     "MemoryTransport": "duplexrt.transport",
     "memory_transport_pair": "duplexrt.transport",
     "Translator": "duplexrt.protocols.base",
     "SessionEnd": "duplexrt.protocols.events",
+    "FinishReason": "duplexrt.reasons",
+    "CloseCode": "duplexrt.reasons",
     "AudioFormat": "duplexrt.audio",
     "AudioFormatError": "duplexrt.audio",
     "AudioSpec": "duplexrt.audio",
@@ -51,10 +53,11 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getat
     from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
     from duplexrt.backends.base import Backend, BackendInfo, SlotSession
     from duplexrt.config import Config, ConfigError, load_config
+    from duplexrt.core.runtime import Runtime, RuntimeStatistics, open_runtime
+    from duplexrt.core.scheduler import BackendLoadError, NoFreeSlotError
     from duplexrt.protocols.base import Translator
     from duplexrt.protocols.events import SessionEnd
-    from duplexrt.runtime import Runtime, RuntimeStatistics, open_runtime
-    from duplexrt.scheduler import BackendLoadError, NoFreeSlotError
+    from duplexrt.reasons import CloseCode, FinishReason
     from duplexrt.server.app import Server, serve
     from duplexrt.server.statistics import ServerStatistics
     from duplexrt.transport import MemoryTransport, Transport, TransportClosed, memory_transport_pair

@@ -29,12 +29,12 @@ from conftest import (
 )
 from duplexrt.audio import AudioTooLongError, make_decoder, make_encoder
 from duplexrt.audio.formats import INLINE_DECODE_SECONDS
-from duplexrt.handoffs import HandoffKind
+from duplexrt.core.handoffs import HandoffKind
+from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn
 from duplexrt.protocols.moshi import MoshiProtocol
 from duplexrt.protocols.realtime import RealtimeProtocol
-from duplexrt.runtime import open_runtime
 from duplexrt.reasons import CloseCode
 from duplexrt.transport import TransportClosed, memory_transport_pair
 

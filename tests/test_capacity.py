@@ -13,8 +13,8 @@ import trio_websocket
 
 from conftest import backend_info
 from duplexrt.backends.echo import EchoBackend
-from duplexrt.capacity import CapacityEstimator, fit_line, sessions_within
 from duplexrt.config import load_config
+from duplexrt.core.capacity import CapacityEstimator, fit_line, sessions_within
 from duplexrt.server import Server
 from test_server import http_get
 

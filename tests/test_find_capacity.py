@@ -6,7 +6,7 @@ import attrs
 import numpy as np
 import pytest
 
-from duplexrt.histogram import Summary
+from duplexrt.core.histogram import Summary
 from duplexrt.simulate.find_capacity import Verdict, find_capacity, format_search, judge
 from duplexrt.simulate.report import RoundReport
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import trio
 
-from duplexrt.handoffs import OFFLOAD_KINDS, HandoffKind, Handoffs
+from duplexrt.core.handoffs import OFFLOAD_KINDS, HandoffKind, Handoffs
 
 
 async def test_an_offload_runs_on_a_worker_thread_and_counts_once():

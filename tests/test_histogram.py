@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from duplexrt.histogram import Histogram, Summary, _bucket_of, _lower_bound
+from duplexrt.core.histogram import Histogram, Summary, _bucket_of, _lower_bound
 
 #: The documented bound on relative error: 1 / 2**sub_bits with the default five sub-bucket bits.
 RELATIVE_ERROR = 1 / 32

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from duplexrt.inbox import Batch, ControlOp, Inbox, _State
+from duplexrt.core.inbox import Batch, ControlOp, Inbox, _State
 
 JOIN_TIMEOUT = 5.0
 #: A gather window long enough that a test finishing before it proves a wake, not a timeout.

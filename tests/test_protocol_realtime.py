@@ -24,6 +24,7 @@ from conftest import PATIENCE, backend_info, wait_until
 from duplexrt.audio import AudioFormat, AudioSpec, make_decoder, make_encoder
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
+from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
@@ -34,7 +35,6 @@ from duplexrt.protocols.events import (
     SessionEnd,
 )
 from duplexrt.protocols.realtime import RealtimeProtocol
-from duplexrt.runtime import open_runtime
 from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
 from realtime_schema import every_server_event_is_checked  # noqa: F401  (autouse)
 
@@ -1308,7 +1308,7 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_una
     """Large control messages from a client that never reads: every reply is short (client values
     are quoted short, ignored settings not echoed) and the queue of replies is bounded in bytes,
     while another session is served as usual."""
-    from duplexrt import session as session_module
+    from duplexrt.core import session as session_module
 
     limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
     config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])

@@ -34,10 +34,10 @@ from conftest import (
     wire_messages,
 )
 from duplexrt.backends.echo import EchoBackend
-from duplexrt.handoffs import HandoffKind
-from duplexrt.inbox import _State
-from duplexrt.runtime import open_runtime
-from duplexrt.scheduler import BackendStepError, NoFreeSlotError, SlotClosedError
+from duplexrt.core.handoffs import HandoffKind
+from duplexrt.core.inbox import _State
+from duplexrt.core.runtime import open_runtime
+from duplexrt.core.scheduler import BackendStepError, NoFreeSlotError, SlotClosedError
 
 
 class FailingLoadBackend(EchoBackend):
@@ -524,7 +524,7 @@ async def test_puts_that_find_the_scheduler_busy_wake_nothing():
 async def test_pinning_puts_the_trio_and_scheduler_threads_on_one_cpu_and_restores_it():
     import os
 
-    from duplexrt.scheduler import THREAD_NAME
+    from duplexrt.core.scheduler import THREAD_NAME
 
     before = os.sched_getaffinity(0)
     config = make_config("runtime.pin_host_threads=true")

@@ -492,7 +492,7 @@ def test_a_session_that_cannot_drain_is_cut_after_the_grace_period_and_the_serve
 async def test_a_model_that_is_not_ready_gets_503_and_health_stays_up(nursery, monkeypatch):
     """README: readiness is "model loaded, free slots"; a WebSocket handshake while the model is
     not ready is refused with 503 (retry-after), /readyz says why, /healthz stays 200."""
-    from duplexrt.scheduler import Scheduler
+    from duplexrt.core.scheduler import Scheduler
 
     running = await _start(nursery)
     # FAKE: the scheduler reports its model not loaded (as between a thread failure and exit).

@@ -38,11 +38,11 @@ from conftest import (
     wait_until,
     wire_messages,
 )
-from duplexrt.handoffs import HandoffKind
-from duplexrt.inbox import Inbox
+from duplexrt.core.handoffs import HandoffKind
+from duplexrt.core.inbox import Inbox
+from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.core.session import Session
 from duplexrt.protocols.events import SessionEnd
-from duplexrt.runtime import Runtime, open_runtime
-from duplexrt.session import Session
 from duplexrt.transport import memory_transport_pair
 
 

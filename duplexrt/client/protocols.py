@@ -43,8 +43,8 @@ import attrs
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
 from duplexrt.protocols import moshi as moshi_wire
 from duplexrt.protocols.options import duplex_specs, wants_duplex
-from duplexrt.routes import CLIENT_ROUTES
 from duplexrt.reasons import FinishReason
+from duplexrt.routes import CLIENT_ROUTES
 from duplexrt.transport import Message
 
 __all__ = [

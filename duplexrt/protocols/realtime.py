@@ -55,9 +55,6 @@ from typing import Any
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
 from duplexrt.protocols.b64audio import Base64Audio
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.realtime_items import Items, client_item, message_item
-from duplexrt.protocols.realtime_session import parse_turn_detection, render_turn_detection, unsupported_settings
-from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
 from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
@@ -72,6 +69,9 @@ from duplexrt.protocols.events import (
     json_object,
     quote,
 )
+from duplexrt.protocols.realtime_items import Items, client_item, message_item
+from duplexrt.protocols.realtime_session import parse_turn_detection, render_turn_detection, unsupported_settings
+from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message
 

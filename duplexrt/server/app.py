@@ -22,8 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 
 from duplexrt.backends import Backend
 from duplexrt.config import Config
+from duplexrt.core.runtime import Runtime, open_runtime
 from duplexrt.reasons import CloseCode
-from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.routes import ROUTES

@@ -13,10 +13,10 @@ from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.backends import Backend
 from duplexrt.client.protocols import DuplexClient
 from duplexrt.config import Config
-from duplexrt.histogram import Summary
+from duplexrt.core.histogram import Summary
+from duplexrt.core.runtime import Runtime, open_runtime
 from duplexrt.progress import show_progress
 from duplexrt.reasons import CloseCode
-from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.simulate.checker import Checker
 from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict, find_capacity, judge
 from duplexrt.simulate.options import SimulateOptions, Usage, search_options

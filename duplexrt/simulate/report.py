@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from duplexrt.histogram import Summary
+from duplexrt.core.histogram import Summary
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from duplexrt.audio import AudioSpec
 from duplexrt.client.connection import ConnectError
 from duplexrt.client.conversation import Conversation
 from duplexrt.client.protocols import Buffer, ClientProtocol
-from duplexrt.histogram import Histogram
+from duplexrt.core.histogram import Histogram
 from duplexrt.reasons import FinishReason
 from duplexrt.simulate.checker import OutputRecord
 from duplexrt.simulate.workload import Workload

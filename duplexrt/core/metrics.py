@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from duplexrt.histogram import Histogram, Summary
+from duplexrt.core.histogram import Histogram, Summary
 
 
 @attrs.frozen

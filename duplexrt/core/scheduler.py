@@ -20,13 +20,13 @@ import attrs
 import numpy as np
 import trio
 
-from duplexrt.affinity import pin_this_thread, restore
 from duplexrt.backends.base import Backend, SlotSession
-from duplexrt.capacity import CapacityEstimator
 from duplexrt.config import RuntimeConfig
-from duplexrt.handoffs import HandoffKind, Handoffs
-from duplexrt.histogram import Histogram, Summary
-from duplexrt.inbox import Batch, ControlOp, Inbox, PutTicket
+from duplexrt.core.affinity import pin_this_thread, restore
+from duplexrt.core.capacity import CapacityEstimator
+from duplexrt.core.handoffs import HandoffKind, Handoffs
+from duplexrt.core.histogram import Histogram, Summary
+from duplexrt.core.inbox import Batch, ControlOp, Inbox, PutTicket
 
 log = logging.getLogger("duplexrt.scheduler")
 

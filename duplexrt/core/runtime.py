@@ -12,19 +12,19 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from duplexrt.affinity import chosen_cpu, pin_this_thread, restore
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.backends import Backend, create_backend
-from duplexrt.capacity import CapacityEstimate
 from duplexrt.config import Config
-from duplexrt.handoffs import HandoffStatistics, Handoffs
-from duplexrt.histogram import Histogram
-from duplexrt.metrics import FrameMetrics, FrameStatistics
+from duplexrt.core.affinity import chosen_cpu, pin_this_thread, restore
+from duplexrt.core.capacity import CapacityEstimate
+from duplexrt.core.handoffs import HandoffStatistics, Handoffs
+from duplexrt.core.histogram import Histogram
+from duplexrt.core.metrics import FrameMetrics, FrameStatistics
+from duplexrt.core.scheduler import BackendLoadError, Scheduler, SchedulerStatistics
+from duplexrt.core.session import Session, SessionServices
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawProtocol
-from duplexrt.scheduler import BackendLoadError, Scheduler, SchedulerStatistics
-from duplexrt.session import Session, SessionServices
 from duplexrt.transport import Transport
 
 

@@ -39,7 +39,9 @@ from duplexrt.audio import (
     make_encoder,
 )
 from duplexrt.config import Config
-from duplexrt.handoffs import HandoffKind, Handoffs
+from duplexrt.core.handoffs import HandoffKind, Handoffs
+from duplexrt.core.metrics import FrameMetrics
+from duplexrt.core.scheduler import BackendStepError, Scheduler, SlotClosedError, new_error_id
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (
     AudioIn,
@@ -54,9 +56,7 @@ from duplexrt.protocols.events import (
     Reply,
     SessionEnd,
 )
-from duplexrt.metrics import FrameMetrics
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.scheduler import BackendStepError, Scheduler, SlotClosedError, new_error_id
 from duplexrt.transport import Message, Transport, TransportClosed
 
 
