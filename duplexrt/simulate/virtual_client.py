@@ -5,7 +5,6 @@ transport, keeps a CRC per output frame for the guards and, paced, measures each
 from __future__ import annotations
 
 import math
-import time
 from functools import partial
 
 import numpy as np
