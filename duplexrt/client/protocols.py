@@ -171,6 +171,21 @@ class ClientProtocol(abc.ABC):
         """One message from the server: audio (a buffer, in ``output_spec``) or an event."""
 
 
+def _append_event(kind: str, payload: Buffer) -> str:
+    """A JSON append event carrying base64 audio, formatted by hand: base64 needs no escaping,
+    and json.dumps would scan every byte again (the load generator sends one per frame)."""
+    return '{"type":"' + kind + '","audio":"' + b2a_base64(payload, newline=False).decode("ascii") + '"}'
+
+
+def _delta_audio(kind: str, data: dict) -> bytes | ServerError:
+    """The audio of a JSON delta event (Realtime, Live), or the error its bad base64 is."""
+    delta = data.get("delta")
+    try:
+        return a2b_base64(delta) if isinstance(delta, str) else b""
+    except ValueError:
+        return ServerError("invalid_base64", f"{kind} carried audio that is not base64")
+
+
 def _json_object(message: str) -> dict[str, Any] | None:
     try:
         data = json.loads(message)
@@ -280,9 +295,7 @@ class RealtimeClient(ClientProtocol):
 
     def audio(self, payload: Buffer) -> Message:
         self._appended = True
-        # Formatted by hand: base64 needs no escaping, and json.dumps would scan every byte again.
-        return ('{"type":"input_audio_buffer.append","audio":"'
-                + b2a_base64(payload, newline=False).decode("ascii") + '"}')
+        return _append_event("input_audio_buffer.append", payload)
 
     def end_input(self) -> list[Message]:
         if self.duplex or not self._appended:
@@ -303,11 +316,7 @@ class RealtimeClient(ClientProtocol):
             return Other("invalid", message)
         kind = data.get("type")
         if kind in _AUDIO_DELTAS:
-            delta = data.get("delta")
-            try:
-                return a2b_base64(delta) if isinstance(delta, str) else b""
-            except ValueError:
-                return ServerError("invalid_base64", f"{kind} carried audio that is not base64")
+            return _delta_audio(kind, data)
         if kind == "response.done":
             return self._ended(data)
         if kind == "error":
@@ -411,8 +420,7 @@ class LiveClient(ClientProtocol):
         return [json.dumps({"type": "session.start", "session": {"model": self.model, "audio": audio}})]
 
     def audio(self, payload: Buffer) -> Message:
-        return ('{"type":"session.input_audio.append","audio":"'
-                + b2a_base64(payload, newline=False).decode("ascii") + '"}')
+        return _append_event("session.input_audio.append", payload)
 
     def end_input(self) -> list[Message]:
         return [json.dumps({"type": "session.close"})]
@@ -425,11 +433,7 @@ class LiveClient(ClientProtocol):
             return Other("invalid", message)
         kind = data.get("type")
         if kind == "session.output_audio.delta":
-            delta = data.get("delta")
-            try:
-                return a2b_base64(delta) if isinstance(delta, str) else b""
-            except ValueError:
-                return ServerError("invalid_base64", f"{kind} carried audio that is not base64")
+            return _delta_audio(kind, data)
         if kind == "session.output_transcript.delta":
             return Text(str(data.get("delta", "")))
         if kind == "session.closed":
