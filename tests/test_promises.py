@@ -106,36 +106,21 @@ async def test_realtime_turn_carries_every_text_piece_including_the_last():
     backend = TextEcho(config)
     pcm = (np.sin(np.arange(frames * FRAME) / 7.0) * 8000).astype("<i2").tobytes()
     client_end, server_end = memory_transport_pair()
-    events: list[dict] = []
-    done = trio.Event()
-    created = trio.Event()
+    client = _RealtimeClient(client_end)
+    client.reading.set()
+    events = client.events
     try:
         async with open_runtime(config, backend) as runtime:
-            async def receive() -> None:
-                try:
-                    while True:
-                        event = json.loads(await client_end.receive())
-                        events.append(event)
-                        if event["type"] == "response.created":
-                            created.set()
-                        if event["type"] == "response.done":
-                            done.set()
-                except TransportClosed:
-                    pass
-
-            async def send(kind: str, **fields) -> None:
-                await client_end.send(json.dumps({"type": kind, **fields}))
-
             with trio.fail_after(PATIENCE):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(runtime.serve, server_end, RealtimeProtocol())
-                    nursery.start_soon(receive)
-                    await send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
-                    await send("input_audio_buffer.commit")
-                    await send("response.create")
-                    await created.wait()
+                    nursery.start_soon(client.receive_all)
+                    await client.send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
+                    await client.send("input_audio_buffer.commit")
+                    await client.send("response.create")
+                    await client.wait_for("response.created")
                     backend.gate.set()
-                    await done.wait()
+                    await client.wait_for("response.done")
                     await client_end.close()
     finally:
         backend.gate.set()
@@ -161,28 +146,16 @@ async def test_realtime_turn_reply_said_before_response_create_is_not_lost():
     config = make_config("backend.options.delay_frames=0", "runtime.slots=2")
     pcm = (np.sin(np.arange(frames * FRAME) / 5.0) * 9000).astype("<i2").tobytes()
     client_end, server_end = memory_transport_pair()
-    events: list[dict] = []
-    done = trio.Event()
+    client = _RealtimeClient(client_end)
+    client.reading.set()
+    events = client.events
     async with open_runtime(config) as runtime:
-        async def receive() -> None:
-            try:
-                while True:
-                    event = json.loads(await client_end.receive())
-                    events.append(event)
-                    if event["type"] == "response.done":
-                        done.set()
-            except TransportClosed:
-                pass
-
-        async def send(kind: str, **fields) -> None:
-            await client_end.send(json.dumps({"type": kind, **fields}))
-
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(runtime.serve, server_end, RealtimeProtocol())
-                nursery.start_soon(receive)
-                await send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
-                await send("input_audio_buffer.commit")
+                nursery.start_soon(client.receive_all)
+                await client.send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
+                await client.send("input_audio_buffer.commit")
                 while not runtime.sessions:
                     await trio.sleep(0.001)
                 (session,) = runtime.sessions
@@ -191,8 +164,8 @@ async def test_realtime_turn_reply_said_before_response_create_is_not_lost():
                 await settle(session)
                 assert session.frames_answered == frames  # all said, none of it sent yet
                 assert not [e for e in events if e["type"] == "response.output_audio.delta"]
-                await send("response.create")
-                await done.wait()
+                await client.send("response.create")
+                await client.wait_for("response.done")
                 await client_end.close()
     heard = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
     assert heard == pcm
