@@ -39,6 +39,9 @@ class FinishReason(enum.StrEnum):
     MESSAGE_TOO_BIG = "message_too_big"
     #: Server side: a WebSocket frame the server could not parse (close 1002, or 1007 for bad UTF-8).
     PROTOCOL_ERROR = "protocol_error"
+    #: The connection dropped without a clean end and no client resumed the session within
+    #: ``runtime.resume_window_s`` (or its output outgrew the resume journal): its slot is freed.
+    RESUME_EXPIRED = "resume_expired"
 
 
 class CloseCode(enum.IntEnum):

@@ -26,6 +26,8 @@ class FrameStatistics:
     #: ``runtime.late_input = "fill"``: silence stepped for overdue input, and late input dropped.
     frames_filled: int = 0
     frames_dropped_late: int = 0
+    #: Sessions resumed on a new connection after a drop (``runtime.resume_window_s``).
+    sessions_resumed: int = 0
 
 
 class FrameMetrics:
@@ -56,6 +58,8 @@ class FrameMetrics:
         #: ``runtime.late_input = "fill"``: silence stepped for overdue input, and late input dropped.
         self.frames_filled = 0
         self.frames_dropped_late = 0
+        #: Sessions resumed on a new connection after a drop.
+        self.sessions_resumed = 0
 
     def statistics(self) -> FrameStatistics:
         return FrameStatistics(
@@ -73,4 +77,5 @@ class FrameMetrics:
             text_pieces=self.text_pieces,
             frames_filled=self.frames_filled,
             frames_dropped_late=self.frames_dropped_late,
+            sessions_resumed=self.sessions_resumed,
         )

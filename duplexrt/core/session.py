@@ -42,6 +42,7 @@ from duplexrt.config import Config
 from duplexrt.core.handoffs import HandoffKind, Handoffs
 from duplexrt.core.metrics import FrameMetrics
 from duplexrt.core.scheduler import BackendStepError, Scheduler, SlotClosedError, new_error_id
+from duplexrt.core.state import SessionState, rank
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (
     AudioIn,
@@ -133,8 +134,7 @@ class Session:
         self._sent = 0
         self._dropped = 0  # outputs thrown away at the client's request (ClearOutput)
         self._told = 0  # outputs handed to the translator (sent, or being sent)
-        self._stopped = False  # _finish was called: no more output goes out
-        self._input_ended = False
+        self.state = SessionState.OPENING
         self._flush_frames = services.flush_frames
         self._flushed = 0  # flush frames submitted: model input, but not the caller's audio
         self._finish_reason: FinishReason | None = None
@@ -148,7 +148,6 @@ class Session:
         # A stop (shutdown, the length limit) takes effect between two messages, never inside
         # one: the reader is only cancelled while it waits for the next message, and otherwise
         # stops by itself once the message in hand is submitted whole.
-        self._stop_taking = False
         self._between_messages = False
         self.lease = None
         # Usage: always exact, whatever is collected besides.
@@ -210,6 +209,7 @@ class Session:
     async def run(self) -> SessionEnd:
         services = self._services
         self.lease = services.scheduler.open_slot(self, self._requested_id)
+        self._advance(SessionState.OPEN)
         metrics = services.metrics
         metrics.sessions_opened += 1
         metrics.sessions_active += 1
@@ -242,6 +242,7 @@ class Session:
             metrics.sessions_active -= 1
             with trio.CancelScope(shield=True):
                 end = await self._say_goodbye()
+            self.state = SessionState.CLOSED
             self._log_end(end)
         return end
 
@@ -273,6 +274,28 @@ class Session:
             frames_flushed=self._flushed,
         )
 
+    @property
+    def _taking_no_more(self) -> bool:
+        """No more input is taken: stopping, the input ended, or ending."""
+        return rank(self.state) >= _STOPPING_RANK
+
+    def _advance(self, state: SessionState) -> None:
+        """Move forward to ``state``; never back (a later stop does not reopen an ended input)."""
+        if rank(state) > rank(self.state):
+            self.state = state
+
+    def connection_dropped(self) -> None:
+        """The connection dropped and the transport waits for a resume (``ResumableTransport``):
+        the session carries on, its input waiting per ``runtime.late_input``."""
+        if self.state is SessionState.OPEN:
+            self.state = SessionState.DETACHED
+
+    def connection_resumed(self) -> None:
+        """A client resumed the session on a new connection."""
+        if self.state is SessionState.DETACHED:
+            self.state = SessionState.OPEN
+        self._metrics.sessions_resumed += 1
+
     def shutdown(self) -> None:
         """The server is stopping: take no more messages, submit and answer every frame of the
         messages already taken (the one being read included, nothing after it), then end with
@@ -286,7 +309,7 @@ class Session:
         if self._finish_reason is None:
             self._finish_reason = reason
             self._close_code = close_code
-        self._stop_taking = True
+        self._advance(SessionState.STOPPING)
         if self._reader_scope is not None:
             # Mid-message (decoding, submitting, waiting for credit) the reader is left to finish
             # the message: cancelling it there would drop the rest of the message's frames and
@@ -299,7 +322,7 @@ class Session:
     def _finish(self, reason: FinishReason, error: str | None, close_code: int) -> None:
         """Record why the session ends (the first reason wins) and stop its tasks: outputs that
         arrive from now on (a later step of a failed session) are not sent."""
-        self._stopped = True
+        self._advance(SessionState.CLOSING)
         if self._finish_reason is None:
             self._finish_reason = reason
             self._finish_error = error
@@ -343,7 +366,8 @@ class Session:
     # -- scheduler callbacks (trio thread, once per step) ----------------------------------------
 
     def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
-        if self.lease is None or self.lease.released or self._stopped:
+        state = self.state
+        if self.lease is None or self.lease.released or state is _CLOSING or state is _CLOSED:
             return
         self._outbox.append((output, text, submitted_ns, stepped_ns))
         self._delivered += 1
@@ -351,7 +375,7 @@ class Session:
             self._writer_lot.unpark_all()
         if self._credit and self._submitted - self._delivered <= self._resume_below:
             self._credit.unpark_all()
-        if self._input_ended and self._delivered == self._submitted:
+        if state is _INPUT_ENDED and self._delivered == self._submitted:
             self._close_outbox()
 
     def _close_outbox(self) -> None:
@@ -394,7 +418,7 @@ class Session:
                     await self._handle(event)
                     if self._queue_full():
                         await self._wait_for_room()
-                if self._stop_taking:
+                if self._taking_no_more:
                     break  # every frame of every message taken is submitted; nothing after them
                 try:
                     message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
@@ -407,7 +431,7 @@ class Session:
 
     async def _receive(self) -> Message:
         """Wait for the next message: the one place where a stop may cancel the reader."""
-        if self._stop_taking and self._reader_scope is not None:
+        if self._taking_no_more and self._reader_scope is not None:
             self._reader_scope.cancel()  # asked before the reader got here: a stop cancels only a waiter
         self._between_messages = True
         message = await self._transport.receive()
@@ -506,7 +530,7 @@ class Session:
         """A client that stops reading but keeps sending control messages (or bad audio) must
         not grow the queue of replies without bound: its reader waits until the writer catches
         up."""
-        if self._stop_taking:
+        if self._taking_no_more:
             return  # the reader stops now; its goodbye waits for the writer anyway
         self._between_messages = True  # the message that queued the replies is handled
         while self._queue_full():
@@ -570,7 +594,7 @@ class Session:
         """
         period = self._frame_seconds
         await self._clock_started.wait()
-        while not (self._input_ended or self._stop_taking or self._stopped):
+        while not self._taking_no_more:
             overdue_at = self._clock_start + (self._submitted + 1) * period + self._fill_after
             if trio.current_time() < overdue_at:
                 await trio.sleep_until(overdue_at)
@@ -629,7 +653,7 @@ class Session:
             await self._submit(last)
         await self._feed_flush()
         self.lease.end_input()
-        self._input_ended = True
+        self._advance(SessionState.INPUT_ENDED)
         if self._delivered == self._submitted:
             self._close_outbox()
 
@@ -771,6 +795,12 @@ class Session:
             self._finish(FinishReason.CLIENT_CLOSED, None, CloseCode.NORMAL_CLOSURE)
         else:  # this end closed it (a limit, a dead peer): its own reason, for the log and usage
             self._finish(closed.finish_reason, None, closed.code)
+
+
+_CLOSING = SessionState.CLOSING
+_CLOSED = SessionState.CLOSED
+_INPUT_ENDED = SessionState.INPUT_ENDED
+_STOPPING_RANK = rank(SessionState.STOPPING)
 
 
 def _only_cancellation(exc: BaseException) -> bool:
