@@ -120,6 +120,16 @@ class RuntimeConfig:
     #: is filled.  Longer than the audio one client message carries, or on-time messages get filled.
     fill_after_ms: float = attrs.field(
         default=240.0, validator=_float_range("runtime.fill_after_ms", 0.0, 60_000.0))
+    #: Resume after a dropped connection: how long a session whose connection dropped without
+    #: a clean end keeps its slot, waiting for its client to reconnect with the session's resume
+    #: token (0: no resume, a drop ends the session).  Input waits per ``late_input`` meanwhile.
+    resume_window_s: float = attrs.field(
+        default=10.0, validator=_float_range("runtime.resume_window_s", 0.0, 3600.0))
+    #: Seconds of output (by when it was sent) kept for a resume: what the client may have missed
+    #: when the connection dropped, plus all that is made while it is away.  A session whose
+    #: missed output no longer fits cannot be resumed.  Longer than ``resume_window_s``.
+    resume_journal_s: float = attrs.field(
+        default=15.0, validator=_float_range("runtime.resume_journal_s", 0.1, 3600.0))
 
 
 @attrs.frozen(kw_only=True)

@@ -41,6 +41,7 @@ from duplexrt.audio import (
 from duplexrt.config import Config
 from duplexrt.core.handoffs import HandoffKind, Handoffs
 from duplexrt.core.metrics import FrameMetrics
+from duplexrt.core.resume import ResumableTransport
 from duplexrt.core.scheduler import BackendStepError, Scheduler, SlotClosedError, new_error_id
 from duplexrt.core.state import SessionState, rank
 from duplexrt.protocols.base import Translator
@@ -176,6 +177,8 @@ class Session:
         self._frames_filled = 0
         self._frames_dropped_late = 0
         self._silence = np.zeros(config.audio.frame_size, dtype=np.float32)
+        if isinstance(transport, ResumableTransport):
+            transport.listener = self  # for DETACHED and back
         protocol.attach(self)
 
     @property

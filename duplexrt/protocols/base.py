@@ -11,6 +11,7 @@ path to a list of one message where they can.
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -52,6 +53,9 @@ class Translator(abc.ABC):
     #: ``Reconfigure`` event).
     input_spec: AudioSpec
     output_spec: AudioSpec
+    #: The session's resume token, set by the server before ``start`` when resume is on
+    #: (``runtime.resume_window_s``): ``start`` names it in the session's first message.
+    resume_token: str | None = None
 
     def attach(self, progress: SessionProgress) -> None:
         """Called once by the session before ``start``: the counters the translator may read."""
@@ -60,6 +64,13 @@ class Translator(abc.ABC):
     def start(self) -> list[Message]:
         """Messages to send as soon as the session is open (a handshake, ``session.created``)."""
         return []
+
+    def resumed(self, token: str, received: int) -> list[Message]:
+        """The first messages on a resumed connection, before the output the client missed: the
+        next resume ``token`` and how many client messages the session ``received`` (the client
+        sends the rest again).  Not counted among the session's messages.  Default: one JSON
+        ``session.resumed`` event."""
+        return [json.dumps({"type": "session.resumed", "resume_token": token, "received": received})]
 
     @abc.abstractmethod
     def parse(self, message: Message) -> Event:

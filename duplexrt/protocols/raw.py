@@ -34,11 +34,14 @@ class RawProtocol(Translator):
     def start(self) -> list[Message]:
         if not self._announce:
             return []
-        return [json.dumps({
+        created: dict[str, object] = {
             "type": "session.created",
             "input": {"format": self.input_spec.format.value, "sample_rate": self.input_spec.sample_rate},
             "output": {"format": self.output_spec.format.value, "sample_rate": self.output_spec.sample_rate},
-        })]
+        }
+        if self.resume_token is not None:
+            created["resume_token"] = self.resume_token
+        return [json.dumps(created)]
 
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):

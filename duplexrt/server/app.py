@@ -14,6 +14,7 @@ import json
 import logging
 import socket
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import trio
@@ -22,7 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 
 from duplexrt.backends import Backend
 from duplexrt.config import Config
+from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, split_token
 from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.protocols.base import Translator
+from duplexrt.protocols.events import ProtocolError
 from duplexrt.reasons import CloseCode
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
@@ -31,6 +35,7 @@ from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
 from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.web import static_answer, stats_json
+from duplexrt.transport import TransportClosed
 from duplexrt.websocket import WebSocketTransport
 
 log = logging.getLogger("duplexrt.server")
@@ -74,6 +79,8 @@ class Server:
         self._accept_scope: trio.CancelScope | None = None
         #: This replica's name behind a balancer (``server.replica_id``, else host:port once bound).
         self.replica_id = config.server.replica_id
+        #: Sessions a client may resume, by their token's secret: (transport, translator, path).
+        self._resumable: dict[str, tuple[ResumableTransport, Translator, str]] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(lambda: self.statistics() if self.runtime is not None else None))
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
@@ -223,6 +230,9 @@ class Server:
                                              f"?api_key=KEY, or the subprotocol {KEY_SUBPROTOCOL}KEY)",
                                 [("www-authenticate", "Bearer")])
             return
+        if "resume" in head.query:  # a session that lives here already: no admission
+            await self._serve_resume(stream, received, head, deadline)
+            return
         if self._draining:
             self.refused["shutting_down"] += 1
             await self._respond(stream, 503, "the server is shutting down")
@@ -253,7 +263,8 @@ class Server:
             return
         self._admitted += 1  # no await since the check above: admission cannot be raced
         try:
-            await self._serve_websocket(stream, received, route.max_message_bytes(self.config), translator,
+            await self._serve_websocket(stream, received, route.max_message_bytes(self.config),
+                                        partial(self._run_session, translator=translator, path=head.path),
                                         deadline)
         finally:
             self._admitted -= 1
@@ -266,7 +277,7 @@ class Server:
                                          "are waiting to be served; try again later", [("retry-after", "1")])
 
     async def _serve_websocket(self, stream: trio.SocketStream, received: bytes, max_message: int,
-                               translator, deadline: float) -> None:
+                               serve: Callable[[WebSocketTransport], Awaitable[None]], deadline: float) -> None:
         assert self.runtime is not None
         settings = self.config.server
         async with trio.open_nursery() as nursery:
@@ -293,13 +304,89 @@ class Server:
                         return
                     nursery.start_soon(transport.watch, settings.ping_interval_s, settings.ping_timeout_s,
                                        settings.idle_timeout_s)
-                    await self.runtime.serve(transport, translator)
+                    await serve(transport)
                 finally:
                     with trio.CancelScope(shield=True):  # bounded by close_timeout_s
                         await transport.close(CloseCode.GOING_AWAY if self._draining else CloseCode.NORMAL_CLOSURE)
                     self._transports.discard(transport)
             finally:
                 nursery.cancel_scope.cancel()
+
+    # -- sessions and their resumes --------------------------------------------------------------
+
+    async def _run_session(self, transport: WebSocketTransport, *, translator: Translator, path: str) -> None:
+        """Serve a new session; with resume on, over a transport that survives a dropped connection."""
+        assert self.runtime is not None
+        settings = self.config.runtime
+        if settings.resume_window_s <= 0:
+            await self.runtime.serve(transport, translator)
+            return
+        token = new_token(self.replica_id or "")
+        resumable = ResumableTransport(transport, token, window_s=settings.resume_window_s,
+                                       journal_s=settings.resume_journal_s)
+        translator.resume_token = token
+        self._resumable[split_token(token)[1]] = (resumable, translator, path)
+        try:
+            await self.runtime.serve(resumable, translator)
+        finally:
+            self._resumable.pop(split_token(resumable.token)[1], None)
+
+    def _find_resumable(self, head: RequestHead) -> tuple[ResumableTransport, Translator, int]:
+        """The session ``?resume=TOKEN&received=N`` names, checked; raises ResumeError."""
+        replica, secret = split_token(head.query.get("resume", ""))
+        if replica != self.replica_id:
+            raise ResumeError(421, "wrong_replica", f"the token belongs to replica {replica!r}, and this is "
+                                                    f"{self.replica_id!r}: route it by the token's replica")
+        entry = self._resumable.get(secret)
+        if entry is None:
+            raise ResumeError(404, "unknown_token", "unknown, used or expired resume token: a token resumes "
+                                                    "once, within runtime.resume_window_s of the drop")
+        resumable, translator, path = entry
+        if ROUTES[path].name != ROUTES[head.path].name:
+            raise ResumeError(400, "wrong_route", f"the session was opened on {path}, not {head.path}")
+        try:
+            count = int(head.query.get("received", ""))
+        except ValueError:
+            raise ResumeError(400, "bad_received", "a resume needs received=N: how many of the session's "
+                                                   "messages the client received") from None
+        resumable.check(count)
+        return resumable, translator, count
+
+    async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead,
+                            deadline: float) -> None:
+        try:
+            resumable, translator, count = self._find_resumable(head)
+        except ResumeError as exc:
+            self.refused[f"resume_{exc.code}"] += 1
+            await self._respond(stream, exc.status, f"{exc.code}: {exc.message}")
+            return
+        max_message = ROUTES[head.path].max_message_bytes(self.config)
+        await self._serve_websocket(stream, received, max_message,
+                                    partial(self._rejoin, resumable=resumable, translator=translator, count=count),
+                                    deadline)
+
+    async def _rejoin(self, transport: WebSocketTransport, *, resumable: ResumableTransport,
+                      translator: Translator, count: int) -> None:
+        """Hand the session its new connection, then hold it until the session lets it go."""
+        old_secret = split_token(resumable.token)[1]
+        try:
+            await resumable.attach(transport, count, new_token(self.replica_id or ""), translator.resumed)
+        except ResumeError as exc:  # the session ended or moved on during the handshake
+            self.refused[f"resume_{exc.code}"] += 1
+            with trio.move_on_after(self.config.server.close_timeout_s):
+                try:
+                    for message in translator.error(ProtocolError(exc.code, exc.message)):
+                        await transport.send(message)
+                except TransportClosed:
+                    pass
+                await transport.close(CloseCode.POLICY_VIOLATION, f"{exc.code}: {exc.message}"[:120])
+            return
+        except TransportClosed:
+            return  # this connection failed too: the session stays detached, the old token good
+        entry = self._resumable.pop(old_secret, None)
+        if entry is not None:
+            self._resumable[split_token(resumable.token)[1]] = entry
+        await resumable.wait_released(transport)
 
     def _authorized(self, head: RequestHead) -> bool:
         expected = self.config.server.api_key

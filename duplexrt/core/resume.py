@@ -1,0 +1,277 @@
+"""Resume after a dropped connection: a transport that outlives the connection under it.
+
+A phone that walks out of Wi-Fi, or a balancer that restarts, cuts a WebSocket without a Close.
+``ResumableTransport`` stands between the session and its connection so that such a drop is not
+the end: the session keeps its slot, its reader waits for input as it would for a slow client
+(``runtime.late_input``), and what its writer sends goes into a journal.  A client that comes
+back with the session's token within ``runtime.resume_window_s`` gets, on the new connection, a
+notice (how many of its messages the session took), then the journal from the first message it
+did not receive, then live output: the same conversation, nothing lost and nothing twice.
+
+Exactly once, both ways, by counting messages:
+
+- every message the session sends is numbered from 0 (the first server message, which carries
+  the token, is number 0); the journal keeps the last ``runtime.resume_journal_s`` seconds of
+  them.  The client says how many it received (``received=N``) and gets numbers N onwards.  The
+  resume notice itself is not numbered.
+- every client message the session takes is counted; the notice says how many (``taken``), and
+  the client sends again, in order, whatever it sent after those.  A message the old connection
+  delivers after the drop was noticed is not taken: the client will send it again.
+
+A token is good for one resume: the notice carries the next one.  A token names its replica
+(``<replica id>.<secret>``) so that a balancer can send the resume where the session lives.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import trio
+
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import Message, Transport, TransportClosed
+
+#: Random bytes in a token's secret: 144 bits, far past guessing; urlsafe base64 has no ``.``.
+TOKEN_BYTES = 18
+#: A journal never holds more than this, whatever its seconds: memory stays bounded even for a
+#: client that makes the model talk faster than real time.
+MAX_JOURNAL_BYTES = 32 << 20
+
+
+def new_token(replica_id: str) -> str:
+    """A fresh, unguessable resume token naming ``replica_id``."""
+    return f"{replica_id}.{secrets.token_urlsafe(TOKEN_BYTES)}"
+
+
+def split_token(token: str) -> tuple[str, str]:
+    """``(replica id, secret)``; the replica id may itself contain dots, the secret never does."""
+    replica, _, secret = token.rpartition(".")
+    return replica, secret
+
+
+class ResumeError(Exception):
+    """A resume that cannot be served: ``status`` for the HTTP answer, ``code`` for programs."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class ConnectionListener(Protocol):
+    """Who hears that the connection dropped or came back (the session, for its state)."""
+
+    def connection_dropped(self) -> None: ...
+
+    def connection_resumed(self) -> None: ...
+
+
+#: Builds the protocol's resume notice from the next token and the count of client messages taken.
+Notice = Callable[[str, int], list[Message]]
+
+
+def is_drop(closed: TransportClosed) -> bool:
+    """A connection lost without a clean end: no Close frame (1006), or a peer that stopped
+    answering pings.  A client's own Close, a limit or a protocol error ends the session."""
+    if closed.finish_reason is FinishReason.PING_TIMEOUT:
+        return True
+    return closed.finish_reason is None and closed.code == CloseCode.ABNORMAL_CLOSURE
+
+
+class ResumableTransport:
+    """A ``Transport`` over a connection that may be replaced (see the module docstring)."""
+
+    def __init__(self, transport: Transport, token: str, *, window_s: float, journal_s: float,
+                 max_journal_bytes: int = MAX_JOURNAL_BYTES) -> None:
+        self.token = token
+        self.listener: ConnectionListener | None = None
+        #: Messages the session sent (numbered from 0), and client messages it took.
+        self.sent = 0
+        self.taken = 0
+        #: Drops noticed and resumes served.
+        self.drops = 0
+        self.resumes = 0
+        self._current: Transport | None = transport
+        self._window = window_s
+        self._journal_s = journal_s
+        self._max_journal_bytes = max_journal_bytes
+        self._journal: deque[tuple[float, Message]] = deque()
+        self._journal_first = 0  # the number of the oldest message in the journal
+        self._journal_bytes = 0
+        self._attached = trio.Event()
+        self._attached.set()
+        self._deadline = math.inf
+        self._attaching = False
+        self._expired = False
+        self._closed = False
+        self._changed = trio.lowlevel.ParkingLot()
+
+    @property
+    def detached(self) -> bool:
+        """The connection dropped and no client has resumed yet."""
+        return self._current is None and not self._closed
+
+    # -- the session's side ----------------------------------------------------------------------
+
+    async def receive(self) -> Message:
+        while True:
+            transport = self._current
+            if transport is None:
+                await self._wait_for_client()
+                continue
+            try:
+                message = await transport.receive()
+            except TransportClosed as closed:
+                if transport is not self._current:
+                    continue  # that connection was already given up
+                if self._window > 0 and is_drop(closed):
+                    self._drop(transport)
+                    continue
+                raise
+            if transport is not self._current:
+                continue  # arrived on a connection given up: the client sends it again
+            self.taken += 1
+            return message
+
+    def receive_nowait(self) -> Message:
+        transport = self._current
+        if transport is None:
+            raise trio.WouldBlock
+        try:
+            message = transport.receive_nowait()
+        except TransportClosed:
+            raise trio.WouldBlock from None  # receive() tells a drop from an end
+        self.taken += 1
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self._expired or self._closed:
+            raise self._ended()
+        self._record(message)
+        transport = self._current
+        if transport is None:
+            return  # kept in the journal for the client's return
+        try:
+            await transport.send(message)
+        except TransportClosed as closed:
+            if transport is not self._current:
+                return  # given up meanwhile: the message is in the journal
+            if self._window > 0 and is_drop(closed):
+                self._drop(transport)
+                return
+            raise
+
+    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
+        """Close the connection in use.  Detached, first give the client until the end of the
+        window to come back for the session's last messages (the caller bounds the wait)."""
+        if self._closed:
+            return
+        if self._current is None and not self._expired:
+            with trio.move_on_at(self._deadline):
+                await self._attached.wait()
+        self._closed = True
+        transport = self._current
+        try:
+            if transport is not None:
+                await transport.close(code, reason)
+        finally:
+            self._changed.unpark_all()
+
+    # -- the resuming connection's side ----------------------------------------------------------
+
+    def check(self, received: int) -> None:
+        """Raises ResumeError unless a client that received ``received`` messages can resume now."""
+        if self._closed or self._expired:
+            raise ResumeError(410, "session_ended", "the session has ended")
+        if self._attaching:
+            raise ResumeError(409, "resume_in_progress", "another connection is resuming this session")
+        if not 0 <= received <= self.sent:
+            raise ResumeError(400, "bad_received",
+                              f"received={received}, but the session has sent {self.sent} messages")
+        if received < self._journal_first:
+            raise ResumeError(410, "journal_exceeded",
+                              f"the session's journal no longer holds message {received} (it starts at "
+                              f"{self._journal_first}): the connection was away too long to resume")
+
+    async def attach(self, transport: Transport, received: int, token: str, notice: Notice) -> None:
+        """Serve the session over ``transport`` from now on: the notice (carrying ``token``, the
+        next one), the messages from number ``received`` on, then live.  A connection still in
+        use (its drop not yet noticed) is given up: the token proves who is asking.  Raises
+        ResumeError if that cannot be done, TransportClosed if the new connection fails too."""
+        self.check(received)
+        if self._current is not None:
+            self._drop(self._current)
+        self._attaching = True
+        try:
+            for message in notice(token, self.taken):
+                await transport.send(message)
+            number = received
+            # Sends may add to the journal while this one replays it: until caught up, no
+            # await lies between the last check and taking over as the live connection.
+            while number < self.sent:
+                if number < self._journal_first:
+                    raise ResumeError(410, "journal_exceeded", "the journal moved past the client during the resume")
+                await transport.send(self._journal[number - self._journal_first][1])
+                number += 1
+            if self._closed or self._expired:
+                raise ResumeError(410, "session_ended", "the session ended during the resume")
+        finally:
+            self._attaching = False
+        self._current = transport
+        self.token = token
+        self.resumes += 1
+        self._attached.set()
+        self._changed.unpark_all()
+        if self.listener is not None:
+            self.listener.connection_resumed()
+
+    async def wait_released(self, transport: Transport) -> None:
+        """Return once ``transport`` no longer serves the session (it dropped, was replaced, or
+        the session ended and closed it)."""
+        while self._current is transport and not self._closed:
+            await self._changed.park()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _record(self, message: Message) -> None:
+        now = trio.current_time()
+        journal = self._journal
+        journal.append((now, message))
+        self._journal_bytes += len(message)
+        self.sent += 1
+        horizon = now - self._journal_s
+        while journal and (journal[0][0] < horizon or self._journal_bytes > self._max_journal_bytes):
+            self._journal_bytes -= len(journal.popleft()[1])
+            self._journal_first += 1
+
+    def _drop(self, transport: Transport) -> None:
+        self._current = None
+        self.drops += 1
+        self._attached = trio.Event()
+        self._deadline = trio.current_time() + self._window
+        abort = getattr(transport, "abort", None)
+        if abort is not None:
+            abort()  # free the socket now; whatever it still holds is resent or replayed
+        self._changed.unpark_all()
+        if self.listener is not None:
+            self.listener.connection_dropped()
+
+    async def _wait_for_client(self) -> None:
+        if not (self._expired or self._closed):
+            with trio.move_on_at(self._deadline):
+                await self._attached.wait()
+                return
+            self._expired = True
+            self._changed.unpark_all()
+        raise self._ended()
+
+    def _ended(self) -> TransportClosed:
+        if self._expired:
+            return TransportClosed(CloseCode.GOING_AWAY, f"no resume within {self._window:g} s",
+                                   FinishReason.RESUME_EXPIRED)
+        return TransportClosed(CloseCode.NORMAL_CLOSURE, "the session has ended")

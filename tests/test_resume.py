@@ -1,0 +1,208 @@
+"""Resume after a dropped connection, on a real server over loopback WebSockets (echo).
+
+The client here speaks the wire contract by hand (docs/resume.md): it counts the session's
+messages it received, keeps what it sent, and on a resume sends again whatever the server says it
+did not take.  Echo with no delay hears each input frame back as it was, so "every frame exactly
+once, in order" is one byte comparison of everything sent against everything heard.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import trio
+import trio_websocket
+
+from duplexrt.reasons import FinishReason
+from test_server import _start, http_get
+
+PATIENCE = 10.0
+FRAME = 1920  # the default model frame (80 ms at 24 kHz)
+
+
+def frames(count: int, seed: int = 0) -> list[bytes]:
+    """``count`` one-frame messages, each with its own content, as pcm_f32le."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(FRAME) * 0.1).astype(np.float32).tobytes() for _ in range(count)]
+
+
+class DuplexPeer:
+    """One /v1/duplex session over a TCP stream the test can cut without a Close frame."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.heard = bytearray()
+        self.received = 0  # the session's messages received, over every connection
+        self.events: list[dict] = []
+        self.sent: list[bytes | str] = []
+        self.token: str | None = None
+        self.ws: trio_websocket.WebSocketConnection | None = None
+        self.stream: trio.SocketStream | None = None
+        self.resumes = 0
+
+    async def open(self, nursery: trio.Nursery, query: str = "") -> None:
+        self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+        self.ws = await trio_websocket.wrap_client_stream(nursery, self.stream, "127.0.0.1",
+                                                         f"/v1/duplex{query}", message_queue_size=0)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        await self.open(nursery)
+        created = await self.next()
+        assert created["type"] == "session.created"
+        self.token = created["resume_token"]
+
+    async def next(self) -> dict:
+        """The next message; audio is kept, control is decoded (and returned)."""
+        while True:
+            message = await self.ws.get_message()
+            if isinstance(message, bytes):
+                self.received += 1
+                self.heard += message
+                continue
+            event = json.loads(message)
+            if event["type"] != "session.resumed":
+                self.received += 1
+            self.events.append(event)
+            return event
+
+    async def send(self, message: bytes | str) -> None:
+        self.sent.append(message)
+        await self.ws.send_message(message)
+
+    def cut(self) -> None:
+        """Drop the connection: the socket closes with no Close frame."""
+        self.stream.socket.close()
+
+    async def resume(self, nursery: trio.Nursery) -> dict:
+        await self.open(nursery, f"?resume={self.token}&received={self.received}")
+        notice = await self.next()
+        assert notice["type"] == "session.resumed"
+        self.token = notice["resume_token"]
+        self.resumes += 1
+        for message in self.sent[notice["received"]:]:
+            await self.ws.send_message(message)
+        return notice
+
+    async def until_end(self) -> dict:
+        while (event := await self.next())["type"] != "session.end":
+            pass
+        return event
+
+
+async def wait_for(predicate, what: str) -> None:
+    with trio.fail_after(PATIENCE):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+async def test_a_duplex_session_resumes_after_a_drop_with_every_frame_once_and_in_order(nursery):
+    running = await _start(nursery)
+    audio = frames(40)
+    peer = DuplexPeer(running.port)
+    async with trio.open_nursery() as connections:
+        await peer.start(connections)
+        for message in audio[:20]:
+            await peer.send(message)
+        # Some output heard, some still on its way: the cut loses whatever is in flight both ways.
+        while len(peer.heard) < 5 * FRAME * 4:
+            message = await peer.ws.get_message()
+            peer.received += 1
+            peer.heard += message
+        peer.cut()
+        (session,) = running.server.runtime.sessions
+        await wait_for(lambda: session.state.value == "detached", "the server noticing the drop")
+        notice = await peer.resume(connections)
+        assert 0 < notice["received"] <= 20
+        for message in audio[20:]:
+            await peer.send(message)
+        await peer.send(json.dumps({"type": "input.end"}))
+        with trio.fail_after(PATIENCE):
+            end = await peer.until_end()
+            await peer.ws.aclose()
+        connections.cancel_scope.cancel()
+    assert end["reason"] == FinishReason.STOP
+    assert end["usage"]["frames_in"] == end["usage"]["frames_out"] == 40
+    assert bytes(peer.heard) == b"".join(audio)
+    assert running.server.statistics().runtime.frames.sessions_resumed == 1
+
+
+async def test_a_client_may_resume_before_the_server_notices_the_drop(nursery):
+    """A phone that changed networks comes back before the server's pings find the old
+    connection dead: the token wins, the old connection is given up."""
+    running = await _start(nursery)
+    audio = frames(10, seed=1)
+    peer = DuplexPeer(running.port)
+    async with trio.open_nursery() as connections:
+        await peer.start(connections)
+        old_ws = peer.ws
+        for message in audio[:5]:
+            await peer.send(message)
+        notice = await peer.resume(connections)  # the old connection is still open
+        assert notice["received"] <= 5
+        with trio.fail_after(PATIENCE):
+            with pytest.raises(trio_websocket.ConnectionClosed):
+                while True:
+                    await old_ws.get_message()
+        for message in audio[5:]:
+            await peer.send(message)
+        await peer.send(json.dumps({"type": "input.end"}))
+        with trio.fail_after(PATIENCE):
+            end = await peer.until_end()
+            await peer.ws.aclose()
+        connections.cancel_scope.cancel()
+    assert end["usage"]["frames_out"] == 10
+    assert bytes(peer.heard) == b"".join(audio)
+
+
+async def _refusal(port: int, query: str) -> tuple[int, bytes]:
+    status, _, body = await http_get(port, f"/v1/duplex{query}", headers=(
+        "connection: upgrade\r\nupgrade: websocket\r\nsec-websocket-version: 13\r\n"
+        "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"))
+    return status, body
+
+
+async def test_unknown_reused_and_other_replica_tokens_are_refused_before_the_upgrade(nursery):
+    running = await _start(nursery, 'server.replica_id="gpu-0"')
+    peer = DuplexPeer(running.port)
+    async with trio.open_nursery() as connections:
+        await peer.start(connections)
+        first = peer.token
+        assert first.startswith("gpu-0.") and len(first.split(".")[-1]) >= 22  # >= 128 bits
+        status, body = await _refusal(running.port, f"?resume=gpu-0.not-a-token&received=0")
+        assert status == 404 and body.startswith(b"unknown_token")
+        status, body = await _refusal(running.port, f"?resume=gpu-1.{first.split('.')[-1]}&received=0")
+        assert status == 421 and body.startswith(b"wrong_replica")
+        status, body = await _refusal(running.port, f"?resume={first}&received=99")
+        assert status == 400 and body.startswith(b"bad_received")
+        peer.cut()
+        await peer.resume(connections)
+        assert peer.token != first
+        status, body = await _refusal(running.port, f"?resume={first}&received=1")  # used once already
+        assert status == 404 and body.startswith(b"unknown_token")
+        connections.cancel_scope.cancel()
+
+
+async def test_a_session_nobody_resumes_ends_with_resume_expired_and_frees_its_slot(nursery):
+    running = await _start(nursery, "runtime.resume_window_s=0.2")
+    peer = DuplexPeer(running.port)
+    async with trio.open_nursery() as connections:
+        await peer.start(connections)
+        await peer.send(frames(1)[0])
+        (session,) = running.server.runtime.sessions
+        peer.cut()
+        await wait_for(lambda: not running.server.runtime.sessions and not running.server.admitted,
+                       "the window to pass")
+        connections.cancel_scope.cancel()
+    assert session.summary().reason == FinishReason.RESUME_EXPIRED
+    assert running.server.runtime.scheduler.free_slots == running.server.runtime.scheduler.slots
+    status, body = await _refusal(running.port, f"?resume={peer.token}&received=1")
+    assert status == 404
+
+
+async def test_with_resume_off_a_drop_ends_the_session_and_no_token_is_given(nursery):
+    running = await _start(nursery, "runtime.resume_window_s=0")
+    async with trio_websocket.open_websocket_url(running.url("/v1/duplex")) as ws:
+        created = json.loads(await ws.get_message())
+    assert "resume_token" not in created
