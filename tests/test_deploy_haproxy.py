@@ -25,10 +25,13 @@ import pytest
 import trio
 import trio_websocket
 
+from test_resume import FRAME, DuplexPeer, frames
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
 #: Slots per replica: replica 1 is smaller, so it fills first while the others still have room.
-SLOTS = {"r1": 16, "r2": 32, "r3": 32}
+#: The names are the config's server names: resume tokens name their replica, which routes a resume.
+SLOTS = {"replica1": 16, "replica2": 32, "replica3": 32}
 START_TIMEOUT_S = 60.0
 PATIENCE_S = 10.0
 #: The config's check interval (`inter 500ms`) and one check's own time, on a loaded CI machine.
@@ -164,27 +167,27 @@ async def test_replicas_behind_haproxy_spread_fill_and_drain(cluster):
         assert all(abs(n - 16) <= 1 for n in counts.values()), counts
         for name in SLOTS:
             assert cluster.ready(name)[1]["sessions"] == counts[name]
-        status, body = cluster.ready("r1")
-        assert (status, body["reason"], body["replica_id"]) == (503, "no_free_slot", "r1")
+        status, body = cluster.ready("replica1")
+        assert (status, body["reason"], body["replica_id"]) == (503, "no_free_slot", "replica1")
 
         # A full replica gets nothing new: once its check has failed, HAProxy sends it no
         # upgrade at all (its refusal count stays put), and every client still gets a session.
         with trio.fail_after(CHECK_INTERVAL_S + CHECK_SLACK_S):
             while cluster.balancer_status()["replica1"] != "DOWN":
                 await trio.sleep(0.05)
-        refused_before = cluster.refused("r1", "no_free_slot")
+        refused_before = cluster.refused("replica1", "no_free_slot")
         sessions += [await _open(nursery, cluster.lb_port) for _ in range(8)]
         counts = _count(sessions)
-        assert counts["r1"] == 16 and abs(counts["r2"] - counts["r3"]) <= 1, counts
-        assert cluster.refused("r1", "no_free_slot") == refused_before
+        assert counts["replica1"] == 16 and abs(counts["replica2"] - counts["replica3"]) <= 1, counts
+        assert cluster.refused("replica1", "no_free_slot") == refused_before
 
         # SIGTERM drains r2: /readyz is 503 "draining" at once, its sessions end with reason
         # shutdown, HAProxy takes it out within a check interval, new sessions go elsewhere.
-        on_r2 = [ws for ws, replica in sessions if replica == "r2"]
+        on_r2 = [ws for ws, replica in sessions if replica == "replica2"]
         sent = time.monotonic()
-        cluster.replicas["r2"].send_signal(signal.SIGTERM)
+        cluster.replicas["replica2"].send_signal(signal.SIGTERM)
         while True:
-            status, body = cluster.ready("r2")
+            status, body = cluster.ready("replica2")
             if status == 503:
                 break
         answered = time.monotonic() - sent
@@ -194,9 +197,9 @@ async def test_replicas_behind_haproxy_spread_fill_and_drain(cluster):
                 await trio.sleep(0.02)
         for ws in on_r2:
             assert (await _end_of(ws))["reason"] == "shutdown"
-        assert await trio.to_thread.run_sync(cluster.replicas["r2"].wait, PATIENCE_S) == 0
+        assert await trio.to_thread.run_sync(cluster.replicas["replica2"].wait, PATIENCE_S) == 0
         later = [await _open(nursery, cluster.lb_port) for _ in range(4)]
-        assert {replica for _, replica in later} == {"r3"}
+        assert {replica for _, replica in later} == {"replica3"}
 
         for ws, _ in sessions + later:
             await ws.aclose()
@@ -207,3 +210,41 @@ async def test_replicas_behind_haproxy_spread_fill_and_drain(cluster):
          "--concurrency", "12", "--frames", "10", "--no-progress"],
         capture_stdout=True, capture_stderr=True, check=False)
     assert simulate.returncode == 0, simulate.stderr.decode()[-3000:]
+
+
+async def test_a_session_cut_mid_call_resumes_through_haproxy_on_its_replica_with_every_frame_once(cluster):
+    # The client's socket to HAProxy closes with no Close frame; HAProxy then drops its socket to
+    # the replica, which sees the connection lost mid-session (not a hang-up) and keeps the session.
+    audio = frames(60, seed=7)
+    peer = DuplexPeer(cluster.lb_port)
+    async with trio.open_nursery() as connections:
+        with trio.fail_after(PATIENCE_S):
+            await peer.start(connections)
+        replica = dict(peer.ws.handshake_headers)[b"x-duplexrt-replica"].decode()
+        assert peer.token.startswith(f"{replica}.")
+        # More sessions, so that least-connections alone would send the resume elsewhere.
+        others = [await _open(connections, cluster.lb_port) for _ in range(4)]
+        with trio.fail_after(PATIENCE_S):
+            for message in audio[:30]:
+                await peer.send(message)
+            while len(peer.heard) < 10 * FRAME * 4:
+                await peer.next_audio()
+        peer.cut()
+        with trio.fail_after(PATIENCE_S):
+            notice = await peer.resume(connections)
+        assert dict(peer.ws.handshake_headers)[b"x-duplexrt-replica"].decode() == replica
+        assert notice["received"] <= 30
+        with trio.fail_after(PATIENCE_S):
+            for message in audio[30:]:
+                await peer.send(message)
+            await peer.send(json.dumps({"type": "input.end"}))
+            end = await peer.until_end()
+            await peer.ws.aclose()
+        for ws, _ in others:
+            await ws.aclose()
+        connections.cancel_scope.cancel()
+    assert end["reason"] == "stop" and end["usage"]["frames_out"] == 60
+    # The replicas run echo's default delay of two frames: two frames of silence first.
+    assert bytes(peer.heard) == bytes(2 * FRAME * 4) + b"".join(audio[:-2])
+    _, metrics = _get(cluster.ports[replica], "/metrics")
+    assert b"duplexrt_sessions_resumed_total 1.0" in metrics

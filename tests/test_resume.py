@@ -67,6 +67,13 @@ class DuplexPeer:
             self.events.append(event)
             return event
 
+    async def next_audio(self) -> None:
+        """Take one audio message (the test reads while it waits for output)."""
+        message = await self.ws.get_message()
+        assert isinstance(message, bytes)
+        self.received += 1
+        self.heard += message
+
     async def send(self, message: bytes | str) -> None:
         self.sent.append(message)
         await self.ws.send_message(message)
@@ -107,9 +114,7 @@ async def test_a_duplex_session_resumes_after_a_drop_with_every_frame_once_and_i
             await peer.send(message)
         # Some output heard, some still on its way: the cut loses whatever is in flight both ways.
         while len(peer.heard) < 5 * FRAME * 4:
-            message = await peer.ws.get_message()
-            peer.received += 1
-            peer.heard += message
+            await peer.next_audio()
         peer.cut()
         (session,) = running.server.runtime.sessions
         await wait_for(lambda: session.state.value == "detached", "the server noticing the drop")
