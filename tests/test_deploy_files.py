@@ -30,7 +30,11 @@ def _haproxy() -> dict[str, str]:
         "rise": re.search(r" rise (\d+)", text).group(1),
         "tunnel": re.search(r"timeout tunnel (\d+)h", text).group(1),
         "servers": re.findall(r'^\s*server \S+ "\$\{DUPLEXRT_REPLICA_\d-([\d.:]+)\}"', text, re.M),
+        "names": re.findall(r'^\s*server (\S+) "', text, re.M),
     }
+    # A resume goes to the replica its token names, whatever its health (force-persist).
+    assert "use-server %[urlp(resume),field(1,.)] if { urlp(resume) -m found }" in text
+    assert "force-persist if { urlp(resume) -m found }" in text
     assert "option httpchk" in text and "http-check expect status 200" in text
     return found
 
@@ -49,7 +53,7 @@ def test_haproxy_balances_by_least_connections_on_readyz():
 def test_envoy_says_what_haproxy_says():
     haproxy = _haproxy()
     resources = _envoy()["static_resources"]
-    (cluster,) = resources["clusters"]
+    cluster, *singles = resources["clusters"]
     assert cluster["lb_policy"] == "LEAST_REQUEST"
     (check,) = cluster["health_checks"]
     assert check["http_health_check"]["path"] == haproxy["check_uri"]
@@ -64,7 +68,16 @@ def test_envoy_says_what_haproxy_says():
     assert {"upgrade_type": "websocket"} in config["upgrade_configs"]
     tunnel_s = int(haproxy["tunnel"]) * 3600
     assert int(config["stream_idle_timeout"].rstrip("s")) == tunnel_s
-    (route,) = config["route_config"]["virtual_hosts"][0]["routes"]
+    *resumes, route = config["route_config"]["virtual_hosts"][0]["routes"]
+    # A resume goes to the replica its token names: one route and one unchecked cluster per
+    # replica, named as HAProxy names its servers (the replicas' --replica-id).
+    assert [r["match"]["query_parameters"][0] for r in resumes] == [
+        {"name": "resume", "string_match": {"prefix": f"{name}."}} for name in haproxy["names"]]
+    assert [r["route"]["cluster"] for r in resumes] == [c["name"] for c in singles] == haproxy["names"]
+    assert all("health_checks" not in c for c in singles)
+    assert [f"{a['address']}:{a['port_value']}" for a in (
+        c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+        for c in singles)] == haproxy["servers"]
     assert route["route"]["cluster"] == cluster["name"] and route["route"]["timeout"] == "0s"
     assert int(route["route"]["idle_timeout"].rstrip("s")) == tunnel_s
     assert 503 in route["route"]["retry_policy"]["retriable_status_codes"]
