@@ -9,12 +9,16 @@ once, in order" is one byte comparison of everything sent against everything hea
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
 import trio
 import trio_websocket
 
+from duplexrt.audio import make_encoder
+from duplexrt.client.protocols import (AUDIO_TYPES, ClientProtocol, Ended, LiveClient, MoshiClient, Opened, Other,
+                                       RealtimeClient)
 from duplexrt.reasons import FinishReason
 from test_server import _start, http_get
 
@@ -211,3 +215,127 @@ async def test_with_resume_off_a_drop_ends_the_session_and_no_token_is_given(nur
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex")) as ws:
         created = json.loads(await ws.get_message())
     assert "resume_token" not in created
+
+
+# -- the other routes: the same contract in each protocol's own messages ------------------------------
+
+
+class RoutePeer:
+    """A session on any route, spoken through the client's own protocol classes (sans-IO)."""
+
+    def __init__(self, port: int, protocol: ClientProtocol, path: str) -> None:
+        self.port = port
+        self.protocol = protocol
+        self.base = protocol.url(f"ws://127.0.0.1:{port}{path}").split(f":{port}", 1)[1]
+        self.heard = bytearray()
+        self.received = 0
+        self.sent: list[bytes | str] = []
+        self.token: str | None = None
+        self.ended: Ended | None = None
+        self.ws: trio_websocket.WebSocketConnection | None = None
+        self.stream: trio.SocketStream | None = None
+
+    async def open(self, nursery: trio.Nursery, extra: str = "") -> None:
+        self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+        resource = self.base + (("&" if "?" in self.base else "?") + extra if extra else "")
+        self.ws = await trio_websocket.wrap_client_stream(nursery, self.stream, "127.0.0.1", resource,
+                                                         message_queue_size=0)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        await self.open(nursery)
+        for message in self.protocol.hello():
+            await self.send(message)
+        while self.token is None:
+            await self.take()
+
+    async def take(self) -> None:
+        """Read one of the session's messages."""
+        message = await self.ws.get_message()
+        self.received += 1
+        event = self.protocol.parse(message)
+        if isinstance(event, AUDIO_TYPES):
+            self.heard += event
+        elif isinstance(event, Ended):
+            self.ended = event
+        elif isinstance(event, (Opened, Other)) and isinstance(event.info, Mapping):
+            self.token = event.info.get("resume_token", self.token)
+
+    async def send(self, message: bytes | str) -> None:
+        self.sent.append(message)
+        await self.ws.send_message(message)
+
+    async def resume(self, nursery: trio.Nursery, notices: int) -> dict:
+        await self.open(nursery, f"resume={self.token}&received={self.received}")
+        found: dict = {}
+        for _ in range(notices):  # not the session's messages: not counted
+            message = await self.ws.get_message()
+            event = self.protocol.parse(message)
+            if isinstance(event, Other) and isinstance(event.info, Mapping):
+                found = dict(event.info)
+        self.token = found["resume_token"]
+        for message in self.sent[found["received"]:]:
+            await self.ws.send_message(message)
+        return found
+
+
+def _pcm16_frames(count: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(FRAME) * 3000).astype("<i2").tobytes() for _ in range(count)]
+
+
+@pytest.mark.parametrize("route", ["realtime", "live"])
+async def test_realtime_and_live_sessions_resume_with_every_frame_once(nursery, route):
+    running = await _start(nursery)
+    protocol = RealtimeClient(duplex=True) if route == "realtime" else LiveClient()
+    path = "/v1/realtime" if route == "realtime" else "/v1/live/sessions"
+    audio = _pcm16_frames(30, seed=3)
+    peer = RoutePeer(running.port, protocol, path)
+    async with trio.open_nursery() as connections:
+        with trio.fail_after(PATIENCE):
+            await peer.start(connections)
+            for payload in audio[:15]:
+                await peer.send(protocol.audio(payload))
+            while len(peer.heard) < 5 * FRAME * 2:
+                await peer.take()
+        peer.stream.socket.close()  # no Close frame
+        (session,) = running.server.runtime.sessions
+        await wait_for(lambda: session.state.value == "detached", "the server noticing the drop")
+        with trio.fail_after(PATIENCE):
+            notice = await peer.resume(connections, 1)
+            assert notice["type"] == "session.resumed" and 0 < notice["received"]
+            for payload in audio[15:]:
+                await peer.send(protocol.audio(payload))
+            while len(peer.heard) < 30 * FRAME * 2:
+                await peer.take()
+        connections.cancel_scope.cancel()
+    assert bytes(peer.heard) == b"".join(audio)
+    assert session.frames_in == 30
+
+
+async def test_a_moshi_session_gets_its_token_in_the_handshake_metadata_and_resumes(nursery):
+    running = await _start(nursery)
+    protocol = MoshiClient()
+    peer = RoutePeer(running.port, protocol, "/api/chat")
+    encoder = make_encoder(protocol.input_spec, 24000)
+    pcm = np.random.default_rng(5).standard_normal(FRAME * 20).astype(np.float32) * 0.1
+    pages = [encoder.encode(pcm[i * FRAME:(i + 1) * FRAME]) for i in range(20)]
+    pages[-1] += encoder.flush()
+    async with trio.open_nursery() as connections:
+        with trio.fail_after(PATIENCE):
+            await peer.start(connections)  # handshake, then metadata with the token
+            assert peer.received == 2
+            for page in pages[:10]:
+                await peer.send(protocol.audio(page))
+        (session,) = running.server.runtime.sessions
+        await wait_for(lambda: session.frames_in >= 4, "some input stepped")
+        peer.stream.socket.close()
+        await wait_for(lambda: session.state.value == "detached", "the server noticing the drop")
+        with trio.fail_after(PATIENCE):
+            notice = await peer.resume(connections, 2)  # a handshake, then the metadata
+            assert notice["resumed"] is True
+            for page in pages[10:]:
+                await peer.send(protocol.audio(page))
+        await wait_for(lambda: session.frames_in >= 19, "the rest of the input stepped")
+        connections.cancel_scope.cancel()
+    assert session.frames_in in (19, 20)  # every page once: Opus holds back a partial frame
+    assert running.server.statistics().runtime.frames.sessions_resumed == 1

@@ -303,9 +303,12 @@ class LiveProtocol(Translator):
         self.input_spec = self.output_spec = spec
         self._silence = _SILENCE[spec.format]
         self._audio = self._audio_rules()
-        started = json.dumps({"type": "session.started", "session": {
+        body: dict[str, Any] = {"type": "session.started", "session": {
             "id": self.session_id, "model": self.model,
-            "audio": {"format": self._format_object(spec)}}})
+            "audio": {"format": self._format_object(spec)}}}
+        if self.resume_token is not None:
+            body["resume_token"] = self.resume_token
+        started = json.dumps(body)
         return Reconfigure(messages=(started,))
 
     def _parse_format(self, value: object) -> AudioSpec | str:

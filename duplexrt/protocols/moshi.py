@@ -123,7 +123,16 @@ class MoshiProtocol(Translator):
             self._start.append(_metadata(dict(metadata)))
 
     def start(self) -> list[Message]:
-        return list(self._start)
+        if self.resume_token is None:
+            return list(self._start)
+        # The token rides in the handshake's metadata (kind 4), which clients already read.
+        metadata = json.loads(self._start[1][1:]) if len(self._start) > 1 else {}
+        return [HANDSHAKE_MESSAGE, _metadata({**metadata, "resume_token": self.resume_token})]
+
+    def resumed(self, token: str, received: int) -> list[Message]:
+        """A new connection starts with a handshake, as any Moshi connection does; the metadata
+        after it carries the next token and how many client messages the session took."""
+        return [HANDSHAKE_MESSAGE, _metadata({"resumed": True, "resume_token": token, "received": received})]
 
     def parse(self, message: Message) -> Event:
         if isinstance(message, str):

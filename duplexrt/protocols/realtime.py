@@ -263,7 +263,8 @@ class RealtimeProtocol(Translator):
     # -- server -> client ----------------------------------------------------------------------
 
     def start(self) -> list[Message]:
-        messages = [self._event("session.created", session=self._session_object())]
+        extra = {} if self.resume_token is None else {"resume_token": self.resume_token}
+        messages = [self._event("session.created", session=self._session_object(), **extra)]
         if self.duplex and self._gate is None:
             messages += self._open_response(None)
         return messages
@@ -779,6 +780,11 @@ class RealtimeProtocol(Translator):
             return ProtocolError("invalid_value", f"{rate_field}: {clip(str(exc), 200)}", event_id=event_id)
 
     # -- helpers ------------------------------------------------------------------------------------
+
+    def resumed(self, token: str, received: int) -> list[Message]:
+        """A duplexrt event (no OpenAI client sends a resume): the next token, and how many client
+        events the session took."""
+        return [self._event("session.resumed", resume_token=token, received=received)]
 
     def _event(self, kind: str, **fields: Any) -> str:
         return json.dumps({"type": kind, "event_id": f"event_{next(self._event_ids)}", **fields})
