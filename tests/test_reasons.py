@@ -43,7 +43,7 @@ def test_log_lines_and_text_show_the_value_not_the_member_name(caplog: pytest.Lo
 def test_the_values_are_the_ones_peers_already_know() -> None:
     assert [reason.value for reason in FinishReason] == [
         "stop", "client_closed", "error", "shutdown", "length", "first_message_timeout", "idle_timeout",
-        "ping_timeout", "message_too_big", "protocol_error"]
+        "ping_timeout", "message_too_big", "protocol_error", "resume_expired"]
     assert {code.name: code.value for code in CloseCode} == {
         "NORMAL_CLOSURE": 1000, "GOING_AWAY": 1001, "PROTOCOL_ERROR": 1002, "UNSUPPORTED_DATA": 1003,
         "ABNORMAL_CLOSURE": 1006, "INVALID_PAYLOAD": 1007, "POLICY_VIOLATION": 1008, "MESSAGE_TOO_BIG": 1009,

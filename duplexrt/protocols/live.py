@@ -112,6 +112,7 @@ CLOSE_REASONS: dict[FinishReason, str] = {
     FinishReason.PING_TIMEOUT: _DEFAULT_REASON,
     FinishReason.MESSAGE_TOO_BIG: _DEFAULT_REASON,
     FinishReason.PROTOCOL_ERROR: _DEFAULT_REASON,
+    FinishReason.RESUME_EXPIRED: _DEFAULT_REASON,
 }
 
 #: Client events that need delegation or a text prompt: no duplexrt backend can use them.
