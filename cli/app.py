@@ -190,6 +190,10 @@ def simulate(
     api_key: Annotated[Optional[str], typer.Option(help="With --url: the server's API key (sent as "
                                                         "'Authorization: Bearer KEY').",
                                                    envvar="DUPLEXRT_API_KEY")] = None,
+    drop_rate: Annotated[float, typer.Option(
+        help="With --url: the share of sessions (0-1) whose connection is cut once mid-stream, without "
+             "a Close frame; each resumes on its own (docs/resume.md) and the guards check that no "
+             "frame was lost or heard twice.")] = 0.0,
     find_capacity: Annotated[bool, typer.Option(
         "--find-capacity",
         help="Bisect paced concurrency (up to the slots: --slots, or the server's) for the most sessions "
@@ -235,8 +239,10 @@ def simulate(
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
                                   mode=mode.value, format=AudioFormat.parse(wire_format).value,
                                   sample_rate=sample_rate, warmup_frames=warmup_frames, repeat=repeat,
-                                  late_ms=late_ms, keep_samples=plot is not None)
+                                  late_ms=late_ms, keep_samples=plot is not None, drop_rate=drop_rate)
         options.check(cfg, slots=url is None)
+        if drop_rate and url is None:
+            raise ConfigError("--drop-rate cuts real connections: it needs --url")
     except (ConfigError, AudioFormatError) as exc:
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress

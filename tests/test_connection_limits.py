@@ -149,8 +149,9 @@ async def test_first_message_timeout_frees_the_slot(nursery, caplog):
 async def test_peer_that_stops_answering_pings_is_dropped_and_a_live_one_stays(nursery, caplog):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
     # A pong may be late by up to half a second on a loaded machine before the live one is lost.
+    # Resume off: with it, a peer lost to pings is kept for its resume (tests/test_resume.py).
     server = await _start(nursery, "server.ping_interval_s=0.2", "server.ping_timeout_s=0.5",
-                          "server.idle_timeout_s=0")
+                          "server.idle_timeout_s=0", "runtime.resume_window_s=0")
     result = {}
 
     async def live() -> None:  # trio-websocket's reader answers every ping

@@ -134,3 +134,15 @@ async def test_options_that_do_not_fit_the_route_are_refused():
                      ("ws://127.0.0.1:9/v1/realtime", "g711_ulaw"), ("ws://127.0.0.1:9/nowhere", "opus")):
         with pytest.raises(ConfigError):
             await _simulate(url, format=fmt)
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+async def test_drop_rate_cuts_connections_and_every_session_resumes_with_no_frame_lost_or_twice(nursery, route):
+    base = await _serve(nursery, "runtime.slots=8")
+    report = await _simulate(base + route, format=ROUTES[route], concurrency=8, frames=30, message_ms=80,
+                             drop_rate=1.0)
+    (round_,) = report.rounds
+    assert round_.failures == [] and report.ok  # the guards: every frame heard once, in order
+    assert (round_.drops, round_.resumes) == (8, 8)
+    assert round_.frames_in == round_.frames_out == 8 * 30
+    assert "connections cut / sessions resumed" in format_table(report)

@@ -6,8 +6,10 @@ A failed connection is a ``ConnectError`` with a short ``kind`` (``refused``, ``
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from http import HTTPStatus
 from urllib.parse import urlsplit
 
@@ -15,7 +17,8 @@ import trio
 import trio_websocket
 
 from duplexrt.client.protocols import ClientProtocol, Opened
-from duplexrt.transport import TransportClosed
+from duplexrt.client.resume import ResumingTransport
+from duplexrt.transport import Transport, TransportClosed
 from duplexrt.websocket import WebSocketTransport
 
 __all__ = ["ConnectError", "WebSocketTransport", "open_connection", "host_and_port"]
@@ -78,37 +81,78 @@ def _classify(exc: BaseException, url: str) -> ConnectError:
 
 @asynccontextmanager
 async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | None = None,
-                          timeout: float = 10.0) -> AsyncIterator[tuple[WebSocketTransport, Opened | None]]:
+                          timeout: float = 10.0, resume: bool = False,
+                          resume_window: float = 10.0) -> AsyncIterator[tuple[Transport, Opened | None]]:
     """Open a WebSocket to ``url`` (already carrying the protocol's query) and, where the protocol's
     server speaks first, wait for its greeting.  Yields the transport and the greeting; raises
-    ConnectError if either fails.  The connection is closed when the block ends."""
+    ConnectError if either fails.  The connection is closed when the block ends.
+
+    ``resume``: the transport is a ``ResumingTransport``, which resumes the session on a new
+    connection (for up to ``resume_window`` seconds) when this one drops."""
     headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else None
     try:
-        context = trio_websocket.open_websocket_url(
-            url, extra_headers=headers, message_queue_size=16, max_message_size=MAX_MESSAGE_BYTES,
-            connect_timeout=timeout, disconnect_timeout=5.0)
-        ws = await context.__aenter__()
-    except trio_websocket.HandshakeError as exc:
-        raise _classify(exc, url) from None
-    except OSError as exc:
-        raise _classify(exc, url) from None
+        async with trio.open_nursery() as nursery:
+            connect = partial(_connect, nursery, headers=headers, timeout=timeout)
+            transport: Transport = await connect(url)
+            if resume:
+                transport = ResumingTransport(transport, url, connect, window=resume_window,
+                                              notices=2 if protocol.name == "moshi" else 1)
+            try:
+                for message in protocol.hello():
+                    await transport.send(message)
+                opened = await _greeting(transport, protocol, timeout) if protocol.greets else None
+                yield transport, opened
+            finally:
+                with trio.move_on_after(5):
+                    await transport.close()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The nursery is this function's own business: callers catch ConnectError and the like.
+        if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+            raise group.exceptions[0] from None
+        raise
+
+
+async def _connect(nursery: trio.Nursery, url: str, *, headers: list[tuple[bytes, bytes]] | None,
+                   timeout: float) -> WebSocketTransport:
+    """One WebSocket to ``url`` in a task of ``nursery`` that lasts as long as the connection;
+    raises ConnectError if it cannot be opened."""
+    return await nursery.start(partial(_run_connection, url, headers=headers, timeout=timeout))
+
+
+async def _run_connection(url: str, *, headers: list[tuple[bytes, bytes]] | None, timeout: float,
+                          task_status: trio.TaskStatus[WebSocketTransport]) -> None:
+    # Over a stream of our own, so that the connection can also be cut (``abort``); in a nursery
+    # of its own, where trio-websocket's reader raises a refused handshake.
+    parts = urlsplit(url)
+    host, port = host_and_port(url)
+    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    default_port = 443 if parts.scheme == "wss" else 80
+    host_header = host if port == default_port else f"{host}:{port}"
     try:
-        transport = WebSocketTransport(ws)
-        for message in protocol.hello():
-            await transport.send(message)
-        opened = await _greeting(transport, protocol, timeout) if protocol.greets else None
-        yield transport, opened
+        async with trio.open_nursery() as connection:
+            with trio.fail_after(timeout):
+                socket_stream = await trio.open_tcp_stream(host, port)
+                stream: trio.abc.Stream = socket_stream
+                if parts.scheme == "wss":
+                    stream = trio.SSLStream(socket_stream, ssl.create_default_context(), server_hostname=host,
+                                            https_compatible=True)
+                ws = await trio_websocket.wrap_client_stream(
+                    connection, stream, host_header, resource, extra_headers=headers, message_queue_size=16,
+                    max_message_size=MAX_MESSAGE_BYTES)
+            task_status.started(WebSocketTransport(ws, stream=socket_stream))
     except BaseException as exc:
-        if not await context.__aexit__(type(exc), exc, exc.__traceback__):
-            raise
-    else:
-        try:
-            await context.__aexit__(None, None, None)
-        except trio_websocket.DisconnectionTimeout:
-            pass  # the conversation is over; a peer slow to finish the close changes nothing
+        leaf = exc
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if isinstance(leaf, trio.TooSlowError):
+            raise ConnectError("timeout", f"timed out opening a WebSocket to {host}:{port}") from None
+        if isinstance(leaf, (trio_websocket.HandshakeError, OSError, trio.BrokenResourceError)):
+            raise _classify(leaf, url) from None
+        raise
 
 
-async def _greeting(transport: WebSocketTransport, protocol: ClientProtocol, timeout: float) -> Opened:
+async def _greeting(transport: Transport, protocol: ClientProtocol, timeout: float) -> Opened:
     """The server's first message, which must be its greeting."""
     with trio.move_on_after(timeout) as scope:
         try:

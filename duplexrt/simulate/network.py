@@ -16,6 +16,7 @@ from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec, make_decode
 from duplexrt.backends import create_backend
 from duplexrt.backends.synthetic import MARKER_COUNT
 from duplexrt.client.connection import ConnectError, open_connection
+from duplexrt.client.resume import ResumingTransport
 from duplexrt.client.conversation import CLOSED, COMPLETE, IDLE, Conversation
 from duplexrt.client.metrics import MetricsSnapshot, read_ready, scrape_metrics
 from duplexrt.client.protocols import (
@@ -197,15 +198,21 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         if settled == concurrency:
             all_settled.set()
 
+    drop_at = _drop_points(options.drop_rate, concurrency, workload.message_count)
+    resuming: list[ResumingTransport] = []
+
     async def session(index: int) -> None:
         state = clients[index]
         protocol = target.new_protocol(model_rate)
         try:
-            async with open_connection(target.url, protocol, api_key=api_key,
-                                       timeout=connect_timeout) as (transport, _greeting):
+            async with open_connection(target.url, protocol, api_key=api_key, timeout=connect_timeout,
+                                       resume=True) as (transport, _greeting):
                 connected.add(index)
+                resuming.append(transport)
                 settle()
                 await go.wait()
+                if index in drop_at:
+                    transport = _CutOnce(transport, drop_at[index])
                 await state.converse(transport, protocol, workload, paced=paced,
                                      offset=(index / concurrency) * frame_seconds,
                                      caught_up_at=options.frames if protocol.needs_catch_up else None,
@@ -296,6 +303,8 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         target=target.url,
         sessions_connected=len(connected),
         connection_errors=dict(sorted(errors.items())),
+        drops=len(drop_at) if drop_at else None,
+        resumes=sum(t.resumes for t in resuming) if drop_at else None,
         server_cpu_us_per_frame=server["cpu_us_per_frame"],
         load_generator_cpu_us_per_frame=(usage.cpu - usage_before.cpu) * 1e6 / max(frames_in, 1),
         server_frames_in=server["frames_in"],
@@ -304,6 +313,42 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         server_latency_ms_mean=server["latency_ms_mean"],
         notes=notes,
     )
+
+
+def _drop_points(rate: float, sessions: int, messages: int) -> dict[int, int]:
+    """``--drop-rate``: which sessions are cut, each before which of its messages (somewhere in the
+    middle fifth to four fifths of its input, spread evenly; the same every run)."""
+    if rate <= 0 or messages < 2:
+        return {}
+    count = round(rate * sessions)
+    chosen = [round(i * sessions / count) for i in range(count)] if count else []
+    low, high = max(1, messages // 5), max(1, messages * 4 // 5)
+    return {index: low + (index * 7919) % max(1, high - low) for index in chosen}
+
+
+class _CutOnce:
+    """Cuts the session's connection once, without a Close frame, as its ``at``-th message is
+    about to go; the ``ResumingTransport`` under it resumes the session."""
+
+    def __init__(self, transport: ResumingTransport, at: int) -> None:
+        self._transport = transport
+        self._at = at
+        self._sent = 0
+
+    async def send(self, message) -> None:
+        if self._sent == self._at:
+            self._transport.drop()
+        self._sent += 1
+        await self._transport.send(message)
+
+    async def receive(self):
+        return await self._transport.receive()
+
+    def receive_nowait(self):
+        return self._transport.receive_nowait()
+
+    async def close(self, *args) -> None:
+        await self._transport.close(*args)
 
 
 async def _server_capacity(url: str) -> dict | None:

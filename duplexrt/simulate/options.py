@@ -34,6 +34,10 @@ class SimulateOptions:
     #: Keep every frame's (arrival time, lag) for a plot: memory grows with the run, so only
     #: when asked for.
     keep_samples: bool = False
+    #: With ``--url``: the share of sessions whose connection is cut once, mid-stream, without a
+    #: Close frame; each resumes on its own (``runtime.resume_window_s``) and the guards check
+    #: that no frame was lost or heard twice.
+    drop_rate: float = 0.0
 
     def check(self, config: Config, *, slots: bool = True) -> None:
         """Raise ConfigError for an impossible run.  ``slots=False`` against a server, whose own
@@ -49,6 +53,8 @@ class SimulateOptions:
                 f"--concurrency {self.concurrency} exceeds runtime.slots = {config.runtime.slots}; "
                 f"raise it with --slots {self.concurrency}"
             )
+        if not 0.0 <= self.drop_rate <= 1.0:
+            raise ConfigError(f"--drop-rate must be from 0 to 1, got {self.drop_rate}")
         if not 1 <= self.message_ms <= 60_000:
             raise ConfigError(f"--message-ms must be from 1 to 60000, got {self.message_ms}")
 

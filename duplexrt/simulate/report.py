@@ -53,6 +53,9 @@ class RoundReport:
     sessions_connected: int | None = None
     #: --url: connections that failed, by kind (refused, http_503, closed_early, idle_timeout, ...).
     connection_errors: dict[str, int] = attrs.Factory(dict)
+    #: ``--drop-rate``: connections cut mid-stream, and sessions resumed after their cut.
+    drops: int | None = None
+    resumes: int | None = None
     #: --url: the server process's CPU (process_cpu_seconds_total, 10 ms ticks) per frame it took in.
     server_cpu_us_per_frame: float | None = None
     #: --url: this process's own CPU per frame sent: what generating the load cost.
@@ -175,6 +178,8 @@ def _format_url_table(report: SimulationReport) -> str:
     add("sessions connected / attempted", lambda r: f"{_optional(r.sessions_connected, 'd')} / {r.sessions}")
     add("connection errors", lambda r: ", ".join(f"{k}: {v}" for k, v in sorted(r.connection_errors.items()))
         or "none")
+    if any(r.drops for r in report.rounds):
+        add("connections cut / sessions resumed", lambda r: f"{_optional(r.drops, 'd')} / {_optional(r.resumes, 'd')}")
     add("frames in / out (clients)", lambda r: f"{r.frames_in} / {r.frames_out}")
     add("frames in / out (server)", lambda r: f"{_optional(r.server_frames_in, 'd')} / "
                                               f"{_optional(r.server_frames_out, 'd')}")

@@ -1,0 +1,217 @@
+"""The client's half of resume (docs/resume.md): a transport that reconnects when its connection
+drops, so that ``duplexrt client`` and ``simulate --url`` carry on the same conversation.
+
+It counts the session's messages it received and keeps what it sent.  When the connection drops
+without a clean end (no Close frame, code 1006), it reconnects to the same URL with
+``resume=<token>&received=<count>``, reads the server's resume notice (how many client messages
+the session took, and the next token), sends again, in order, whatever it sent after those, and
+goes on: the conversation above it sees one unbroken stream, every message once.  The token comes
+from the session's first server messages (``resume_token`` in the greeting, or in Moshi's
+handshake metadata).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import Message, Transport, TransportClosed
+
+__all__ = ["ResumingTransport", "token_in"]
+
+#: Sent messages kept for resending: far more than a resume window of audio, and bounded.
+MAX_KEPT_BYTES = 32 << 20
+#: The session's first messages that may carry its token (Moshi: the handshake, then metadata).
+_TOKEN_MESSAGES = 2
+#: Between two failed reconnects (the server may not have noticed the drop yet).
+_RETRY_S = 0.1
+
+#: Opens a new connection to a URL (the resume query already in it).
+Connect = Callable[[str], Awaitable[Transport]]
+
+
+def token_in(message: Message) -> str | None:
+    """A resume token in one server message (JSON text, or Moshi's kind-4 metadata), or None."""
+    if isinstance(message, str):
+        text = message
+    elif message[:1] == b"\x04":
+        text = bytes(message[1:]).decode("utf-8", "replace")
+    else:
+        return None
+    if "resume_token" not in text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    token = data.get("resume_token") if isinstance(data, dict) else None
+    return token if isinstance(token, str) else None
+
+
+def _notice(messages: list[Message]) -> tuple[str, int] | None:
+    """The next token and the count of client messages taken, from a resume notice."""
+    for message in messages:
+        text = message if isinstance(message, str) else bytes(message[1:]).decode("utf-8", "replace")
+        try:
+            data = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and isinstance(data.get("resume_token"), str) and isinstance(data.get("received"), int):
+            return data["resume_token"], data["received"]
+    return None
+
+
+def _is_drop(closed: TransportClosed) -> bool:
+    return closed.finish_reason is None and closed.code == CloseCode.ABNORMAL_CLOSURE
+
+
+class ResumingTransport:
+    """A ``Transport`` that resumes its session on a new connection when the connection drops.
+
+    ``notices`` is how many messages the route's resume notice takes (2 on ``/api/chat``: a
+    handshake and metadata; 1 elsewhere).  ``window`` bounds how long it tries to reconnect."""
+
+    def __init__(self, transport: Transport, url: str, connect: Connect, *, notices: int = 1,
+                 window: float = 10.0, max_kept_bytes: int = MAX_KEPT_BYTES) -> None:
+        self._current: Transport | None = transport
+        self._url = url
+        self._connect = connect
+        self._notices = notices
+        self._window = window
+        self._max_kept_bytes = max_kept_bytes
+        self.token: str | None = None
+        #: The session's messages received, over every connection (notices not counted).
+        self.received = 0
+        #: Messages sent, and the resumes served.
+        self.sent = 0
+        self.resumes = 0
+        self._kept: deque[Message] = deque()
+        self._kept_first = 0
+        self._kept_bytes = 0
+        self._ready = trio.Event()
+        self._ready.set()
+
+    @property
+    def current(self) -> Transport | None:
+        """The connection in use (None while reconnecting)."""
+        return self._current
+
+    async def receive(self) -> Message:
+        while True:
+            transport = self._current
+            if transport is None:
+                await self._ready.wait()
+                if self._current is None:
+                    raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped and did not resume")
+                continue
+            try:
+                message = await transport.receive()
+            except TransportClosed as closed:
+                if transport is not self._current:
+                    continue
+                await self._resume_or_raise(transport, closed)
+                continue
+            if transport is not self._current:
+                continue  # from a connection given up: the server sends it again
+            self._count(message)
+            return message
+
+    def receive_nowait(self) -> Message:
+        transport = self._current
+        if transport is None:
+            raise trio.WouldBlock
+        try:
+            message = transport.receive_nowait()
+        except TransportClosed:
+            raise trio.WouldBlock from None  # receive() tells a drop from an end
+        self._count(message)
+        return message
+
+    async def send(self, message: Message) -> None:
+        self._keep(message)
+        transport = self._current
+        if transport is None:
+            return  # reconnecting: the resume sends it, in order
+        try:
+            await transport.send(message)
+        except TransportClosed as closed:
+            if transport is not self._current:
+                return
+            await self._resume_or_raise(transport, closed)
+
+    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
+        transport = self._current
+        if transport is not None:
+            await transport.close(code, reason)
+
+    def drop(self) -> None:
+        """Cut the connection in use without a Close frame (``simulate --drop-rate``)."""
+        abort = getattr(self._current, "abort", None)
+        if abort is not None:
+            abort()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _count(self, message: Message) -> None:
+        self.received += 1
+        if self.received <= _TOKEN_MESSAGES and self.token is None:
+            self.token = token_in(message)
+
+    def _keep(self, message: Message) -> None:
+        kept = self._kept
+        kept.append(message)
+        self._kept_bytes += len(message)
+        self.sent += 1
+        while self._kept_bytes > self._max_kept_bytes:
+            self._kept_bytes -= len(kept.popleft())
+            self._kept_first += 1
+
+    async def _resume_or_raise(self, transport: Transport, closed: TransportClosed) -> None:
+        if self.token is None or not _is_drop(closed):
+            raise closed
+        self._current = None
+        self._ready = trio.Event()
+        try:
+            await self._resume(closed)
+        finally:
+            self._ready.set()
+
+    async def _resume(self, closed: TransportClosed) -> None:
+        separator = "&" if "?" in self._url else "?"
+        deadline = trio.current_time() + self._window
+        while True:
+            url = f"{self._url}{separator}resume={self.token}&received={self.received}"
+            try:
+                with trio.fail_after(max(0.0, deadline - trio.current_time())):
+                    transport = await self._connect(url)
+                    notice = _notice([await transport.receive() for _ in range(self._notices)])
+                break
+            except trio.TooSlowError:
+                raise closed from None
+            except TransportClosed:
+                pass
+            except Exception as exc:  # refused (a 4xx) or not reachable yet
+                status = getattr(exc, "status", None)
+                if status is not None and 400 <= status < 500:
+                    raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, f"the resume was refused: {exc}",
+                                          FinishReason.RESUME_EXPIRED) from None
+            if trio.current_time() + _RETRY_S >= deadline:
+                raise closed
+            await trio.sleep(_RETRY_S)
+        if notice is None:
+            raise TransportClosed(CloseCode.PROTOCOL_ERROR, "the server's resume notice was not understood")
+        self.token, taken = notice
+        if taken < self._kept_first:
+            raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the messages to send again are no longer kept")
+        number = taken
+        # Messages sent meanwhile are kept, not sent: this loop sends them, in order, up to the
+        # last one, with no await between the last check and going live.
+        while number < self.sent:
+            await transport.send(self._kept[number - self._kept_first])
+            number += 1
+        self._current = transport
+        self.resumes += 1
