@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -417,3 +418,59 @@ def test_live_client_starts_appends_closes_and_maps_session_closed():
     assert client.parse(json.dumps(error)) == ServerError("unsupported_event", "no")
     ulaw = client_for_url("ws://h:1/v1/live/sessions", input_format="g711_ulaw")
     assert json.loads(ulaw.hello()[0])["session"]["audio"]["format"] == {"type": "audio/pcmu", "rate": 8000}
+
+
+# -- resume ---------------------------------------------------------------------------------------------
+
+
+class _CuttingProxy:
+    """A loopback TCP relay in front of the server that cuts its first connection, both ways and
+    without a Close frame, once ``after`` bytes have come back from the server: a dropped call."""
+
+    def __init__(self, target: int, after: int) -> None:
+        self.target = target
+        self.after = after
+        self.connections = 0
+        self.cut = trio.Event()
+
+    async def serve(self, nursery: trio.Nursery) -> int:
+        listeners = await nursery.start(partial(trio.serve_tcp, self._relay, 0, host="127.0.0.1"))
+        return listeners[0].socket.getsockname()[1]
+
+    async def _relay(self, client: trio.SocketStream) -> None:
+        self.connections += 1
+        cutting = self.connections == 1
+        server = await trio.open_tcp_stream("127.0.0.1", self.target)
+        moved = 0
+
+        async def pump(source: trio.SocketStream, sink: trio.SocketStream, counted: bool) -> None:
+            nonlocal moved
+            try:
+                while data := await source.receive_some(65536):
+                    await sink.send_all(data)
+                    if counted and cutting:
+                        moved += len(data)
+                        if moved >= self.after and not self.cut.is_set():
+                            self.cut.set()
+                            client.socket.close()
+                            server.socket.close()
+                            return
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+        async with trio.open_nursery() as pumps:
+            pumps.start_soon(pump, client, server, False)
+            pumps.start_soon(pump, server, client, True)
+
+
+async def test_the_client_resumes_a_dropped_connection_and_hears_every_frame_once(nursery, tmp_path):
+    port = await _serve(nursery)
+    proxy = _CuttingProxy(port, after=20 * FRAME * 4)
+    proxy_port = await proxy.serve(nursery)
+    sent = _wav(tmp_path / "in.wav", _noise(60 * FRAME, seed=4), RATE)
+    code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{proxy_port}/v1/duplex",
+                                              tmp_path / "in.wav")
+    assert proxy.cut.is_set() and proxy.connections == 2  # cut once, resumed once
+    assert code == 0, stderr
+    assert "server ended the session: stop" in stdout
+    assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", sent, RATE)

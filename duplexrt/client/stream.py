@@ -194,8 +194,9 @@ async def stream_file(request: ClientRequest, prepared: Prepared, *, progress: b
     """Connect, stream, listen.  Returns the result and the audio that came back."""
     protocol = prepared.protocol
     try:
+        # resume: a connection that drops mid-file resumes the same session (docs/resume.md).
         async with open_connection(prepared.url, protocol, api_key=request.api_key,
-                                   timeout=request.connect_timeout) as (transport, _opened):
+                                   timeout=request.connect_timeout, resume=True) as (transport, _opened):
             output = _Output(protocol.output_spec)  # the greeting may have said what it is
             expected = prepared.expected_samples
             texts: list[str] = []
