@@ -127,7 +127,9 @@ async def test_peer_that_never_answers_close_frees_its_slot_while_still_connecte
 
 
 async def test_peer_that_stops_reading_is_dropped_and_frees_its_slot(nursery):
-    server = await _start(nursery)
+    # Resume off: with it, the dropped peer's session waits out its resume window first
+    # (tests/test_resume.py).
+    server = await _start(nursery, "runtime.resume_window_s=0")
 
     async def fault() -> None:
         peer = await FaultyPeer.connect(server.ports[0], "/v1/duplex")
@@ -147,7 +149,7 @@ async def test_peer_that_stops_reading_is_dropped_and_frees_its_slot(nursery):
 
 async def test_silent_peer_that_completed_the_handshake_is_dropped_by_the_keepalive(nursery, caplog):
     caplog.set_level("INFO", logger="duplexrt.session")
-    server = await _start(nursery, "server.first_message_timeout_s=30")
+    server = await _start(nursery, "server.first_message_timeout_s=30", "runtime.resume_window_s=0")
     peer = await FaultyPeer.connect(server.ports[0], "/v1/duplex")
     await peer.receive()  # session.created
     await peer.send_bytes(_noise(FRAME, seed=4).tobytes())
@@ -193,7 +195,9 @@ async def test_garbage_after_valid_audio_is_refused_and_harms_nobody(nursery, ca
 
 
 async def test_reconnect_storm_leaks_nothing(nursery):
-    server = await _start(nursery)
+    # A short resume window: the sessions of peers gone without a word wait for a resume that never
+    # comes, then free their slots like the rest.
+    server = await _start(nursery, "runtime.resume_window_s=0.5")
     port = server.ports[0]
     outcomes: list[str] = []
 

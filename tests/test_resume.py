@@ -339,3 +339,19 @@ async def test_a_moshi_session_gets_its_token_in_the_handshake_metadata_and_resu
         connections.cancel_scope.cancel()
     assert session.frames_in in (19, 20)  # every page once: Opus holds back a partial frame
     assert running.server.statistics().runtime.frames.sessions_resumed == 1
+
+
+async def test_a_peer_lost_to_pings_is_kept_for_its_resume_then_expires(nursery):
+    """A phone that lost its network sends no FIN: the server's pings find it gone, and that is a
+    drop like any other (not the end), until the window passes."""
+    running = await _start(nursery, "server.ping_interval_s=0.1", "server.ping_timeout_s=0.2",
+                           "runtime.resume_window_s=0.3")
+    peer = DuplexPeer(running.port)
+    async with trio.open_nursery() as connections:
+        await peer.start(connections)
+        await peer.send(frames(1)[0])  # its echo waits unread: the peer's reader stops, no pongs
+        (session,) = running.server.runtime.sessions
+        await wait_for(lambda: session.state.value == "detached", "the pings to find the peer gone")
+        await wait_for(lambda: not running.server.runtime.sessions, "the window to pass")
+        connections.cancel_scope.cancel()
+    assert session.summary().reason == FinishReason.RESUME_EXPIRED
