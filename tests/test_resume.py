@@ -179,7 +179,7 @@ async def test_unknown_reused_and_other_replica_tokens_are_refused_before_the_up
         await peer.start(connections)
         first = peer.token
         assert first.startswith("gpu-0.") and len(first.split(".")[-1]) >= 22  # >= 128 bits
-        status, body = await _refusal(running.port, f"?resume=gpu-0.not-a-token&received=0")
+        status, body = await _refusal(running.port, "?resume=gpu-0.not-a-token&received=0")
         assert status == 404 and body.startswith(b"unknown_token")
         status, body = await _refusal(running.port, f"?resume=gpu-1.{first.split('.')[-1]}&received=0")
         assert status == 421 and body.startswith(b"wrong_replica")
@@ -355,3 +355,26 @@ async def test_a_peer_lost_to_pings_is_kept_for_its_resume_then_expires(nursery)
         await wait_for(lambda: not running.server.runtime.sessions, "the window to pass")
         connections.cancel_scope.cancel()
     assert session.summary().reason == FinishReason.RESUME_EXPIRED
+
+
+async def test_a_resumed_connection_owes_no_first_message(nursery):
+    """A client that resumes with all its input sent (waiting for output) sends nothing: the
+    first-message limit, meant for new sessions, must not end it."""
+    running = await _start(nursery, "server.first_message_timeout_s=0.1")
+    peer = DuplexPeer(running.port)
+    async with trio.open_nursery() as connections:
+        await peer.start(connections)
+        await peer.send(frames(1)[0])
+        (session,) = running.server.runtime.sessions
+        await wait_for(lambda: session.frames_in == 1, "the frame taken")
+        peer.cut()
+        await wait_for(lambda: session.state.value == "detached", "the server noticing the drop")
+        await peer.resume(connections)
+        await trio.sleep(0.3)  # three first-message limits, with nothing sent: nothing to wait on
+        assert session.state.value == "open"
+        await peer.send(json.dumps({"type": "input.end"}))
+        with trio.fail_after(PATIENCE):
+            end = await peer.until_end()
+            await peer.ws.aclose()
+        connections.cancel_scope.cancel()
+    assert end["reason"] == FinishReason.STOP and end["usage"]["frames_out"] == 1

@@ -129,6 +129,7 @@ async def _run_connection(url: str, *, headers: list[tuple[bytes, bytes]] | None
     resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     default_port = 443 if parts.scheme == "wss" else 80
     host_header = host if port == default_port else f"{host}:{port}"
+    started = False
     try:
         async with trio.open_nursery() as connection:
             with trio.fail_after(timeout):
@@ -141,7 +142,16 @@ async def _run_connection(url: str, *, headers: list[tuple[bytes, bytes]] | None
                     connection, stream, host_header, resource, extra_headers=headers, message_queue_size=16,
                     max_message_size=MAX_MESSAGE_BYTES)
             task_status.started(WebSocketTransport(ws, stream=socket_stream))
+            started = True
     except BaseException as exc:
+        if started and not isinstance(exc, trio.Cancelled):
+            # The conversation saw the connection end already (trio-websocket's reader can fail
+            # on its way out, e.g. answering a ping while closing): nothing more to tell anyone.
+            if isinstance(exc, BaseExceptionGroup):
+                _, rest = exc.split(trio.Cancelled)
+                if rest is None:
+                    raise
+            return
         leaf = exc
         while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
             leaf = leaf.exceptions[0]

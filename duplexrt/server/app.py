@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -277,7 +278,8 @@ class Server:
                                          "are waiting to be served; try again later", [("retry-after", "1")])
 
     async def _serve_websocket(self, stream: trio.SocketStream, received: bytes, max_message: int,
-                               serve: Callable[[WebSocketTransport], Awaitable[None]], deadline: float) -> None:
+                               serve: Callable[[WebSocketTransport], Awaitable[None]], deadline: float,
+                               *, resuming: bool = False) -> None:
         assert self.runtime is not None
         settings = self.config.server
         async with trio.open_nursery() as nursery:
@@ -293,7 +295,10 @@ class Server:
                     ws = await request.accept(
                         subprotocol=_companion_subprotocol(request.proposed_subprotocols),
                         extra_headers=[(b"x-duplexrt-replica", self.replica_id.encode())])
-                    transport = WebSocketTransport(ws, settings.first_message_timeout_s,
+                    # A resuming client may have nothing left to send (it waits for output): the
+                    # first-message limit is for new sessions only.
+                    first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
+                    transport = WebSocketTransport(ws, first_message_timeout,
                                                    close_timeout=settings.close_timeout_s, stream=stream)
                 if transport is None:
                     self.refused["bad_handshake"] += 1
@@ -363,7 +368,7 @@ class Server:
         max_message = ROUTES[head.path].max_message_bytes(self.config)
         await self._serve_websocket(stream, received, max_message,
                                     partial(self._rejoin, resumable=resumable, translator=translator, count=count),
-                                    deadline)
+                                    deadline, resuming=True)
 
     async def _rejoin(self, transport: WebSocketTransport, *, resumable: ResumableTransport,
                       translator: Translator, count: int) -> None:
