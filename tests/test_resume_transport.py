@@ -1,0 +1,119 @@
+"""``ResumableTransport`` alone, over in-memory connections and a virtual clock: the journal's
+bound in seconds, the window's expiry, the counts a resume is built on, and the session's state."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, split_token
+from duplexrt.core.state import SessionState
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import memory_transport_pair
+
+
+def _notice(token: str, taken: int) -> list[str]:
+    return [f"resumed {token} {taken}"]
+
+
+class _Listener:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def connection_dropped(self) -> None:
+        self.events.append("dropped")
+
+    def connection_resumed(self) -> None:
+        self.events.append("resumed")
+
+
+async def _drop(client) -> None:
+    """The client's side goes away with no Close: what a server sees as code 1006."""
+    await client.close(CloseCode.ABNORMAL_CLOSURE)
+
+
+def test_a_token_names_its_replica_and_carries_at_least_128_random_bits():
+    token = new_token("gpu.3")
+    replica, secret = split_token(token)
+    assert replica == "gpu.3" and len(secret) * 6 >= 128
+    assert new_token("gpu.3") != token
+
+
+async def test_the_journal_keeps_its_seconds_and_a_resume_past_them_is_refused(autojump_clock):
+    client, server = memory_transport_pair(capacity=100)
+    resumable = ResumableTransport(server, "r.x", window_s=10, journal_s=2.0)
+    for second in range(5):
+        await resumable.send(f"message {second}")
+        await trio.sleep(1)
+    # Sent at t = 0..4 and now t = 5: only what was sent in the last two seconds is kept.
+    await resumable.send("message 5")
+    assert resumable.sent == 6
+    with pytest.raises(ResumeError) as refused:
+        resumable.check(2)
+    assert (refused.value.status, refused.value.code) == (410, "journal_exceeded")
+    resumable.check(3)
+    with pytest.raises(ResumeError, match="has sent 6"):
+        resumable.check(7)
+
+
+async def test_a_drop_detaches_a_resume_replays_what_was_missed_and_counts_what_was_taken(autojump_clock):
+    client, server = memory_transport_pair(capacity=100)
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    listener = _Listener()
+    resumable.listener = listener
+    await client.send("in 0")
+    await client.send("in 1")
+    assert [await resumable.receive(), await resumable.receive()] == ["in 0", "in 1"]
+    for i in range(3):
+        await resumable.send(f"out {i}")
+    assert [await client.receive() for _ in range(2)] == ["out 0", "out 1"]  # "out 2" is lost
+    await _drop(client)
+    async with trio.open_nursery() as nursery:
+        got: list[str] = []
+
+        async def read() -> None:
+            got.append(await resumable.receive())
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        assert resumable.detached and listener.events == ["dropped"]
+        await resumable.send("out 3")  # made while away: journal only
+        new_client, new_server = memory_transport_pair(capacity=100)
+        await resumable.attach(new_server, 2, "r.b", _notice)
+        assert [await new_client.receive() for _ in range(3)] == ["resumed r.b 2", "out 2", "out 3"]
+        assert listener.events == ["dropped", "resumed"] and resumable.token == "r.b"
+        await new_client.send("in 2")
+    assert got == ["in 2"] and resumable.taken == 3
+
+
+async def test_no_resume_within_the_window_ends_the_session_with_resume_expired(autojump_clock):
+    client, server = memory_transport_pair()
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await _drop(client)
+    started = trio.current_time()
+    with pytest.raises(Exception) as ended:
+        await resumable.receive()
+    assert ended.value.finish_reason is FinishReason.RESUME_EXPIRED
+    assert trio.current_time() - started == pytest.approx(10)
+    with pytest.raises(ResumeError, match="ended"):
+        resumable.check(0)
+
+
+async def test_a_clean_close_is_the_end_not_a_drop(autojump_clock):
+    client, server = memory_transport_pair()
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await client.close(CloseCode.NORMAL_CLOSURE)
+    with pytest.raises(Exception) as ended:
+        await resumable.receive()
+    assert ended.value.code == CloseCode.NORMAL_CLOSURE and ended.value.finish_reason is None
+    assert not resumable.detached
+
+
+def test_a_detached_session_counts_as_open_and_states_only_move_forward():
+    from duplexrt.core.state import rank
+
+    assert rank(SessionState.DETACHED) == rank(SessionState.OPEN)
+    order = [SessionState.OPENING, SessionState.OPEN, SessionState.STOPPING, SessionState.INPUT_ENDED,
+             SessionState.CLOSING, SessionState.CLOSED]
+    assert [rank(state) for state in order] == sorted(rank(state) for state in order)
+    assert len({rank(state) for state in order}) == len(order)
