@@ -304,7 +304,7 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         sessions_connected=len(connected),
         connection_errors=dict(sorted(errors.items())),
         drops=len(drop_at) if drop_at else None,
-        resumes=sum(t.resumes for t in resuming) if drop_at else None,
+        resumes=sum(t.resumes for t in resuming),  # a real drop resumes too, and is counted
         server_cpu_us_per_frame=server["cpu_us_per_frame"],
         load_generator_cpu_us_per_frame=(usage.cpu - usage_before.cpu) * 1e6 / max(frames_in, 1),
         server_frames_in=server["frames_in"],

@@ -178,7 +178,7 @@ def _format_url_table(report: SimulationReport) -> str:
     add("sessions connected / attempted", lambda r: f"{_optional(r.sessions_connected, 'd')} / {r.sessions}")
     add("connection errors", lambda r: ", ".join(f"{k}: {v}" for k, v in sorted(r.connection_errors.items()))
         or "none")
-    if any(r.drops for r in report.rounds):
+    if any(r.drops or r.resumes for r in report.rounds):
         add("connections cut / sessions resumed", lambda r: f"{_optional(r.drops, 'd')} / {_optional(r.resumes, 'd')}")
     add("frames in / out (clients)", lambda r: f"{r.frames_in} / {r.frames_out}")
     add("frames in / out (server)", lambda r: f"{_optional(r.server_frames_in, 'd')} / "
