@@ -23,8 +23,11 @@ from duplexrt.transport import Message, Transport, TransportClosed
 
 __all__ = ["ResumingTransport", "token_in"]
 
-#: Sent messages kept for resending: far more than a resume window of audio, and bounded.
-MAX_KEPT_BYTES = 32 << 20
+#: Sent messages kept for sending again: those of the last ``KEEP_S`` seconds, at most
+#: ``MAX_KEPT_BYTES``.  The server can only be missing what was in flight when the connection
+#: dropped (socket buffers, a few messages queued) plus what was sent while it was away.
+KEEP_S = 15.0
+MAX_KEPT_BYTES = 8 << 20
 #: The session's first messages that may carry its token (Moshi: the handshake, then metadata).
 _TOKEN_MESSAGES = 2
 #: Between two failed reconnects (the server may not have noticed the drop yet).
@@ -76,12 +79,13 @@ class ResumingTransport:
     handshake and metadata; 1 elsewhere).  ``window`` bounds how long it tries to reconnect."""
 
     def __init__(self, transport: Transport, url: str, connect: Connect, *, notices: int = 1,
-                 window: float = 10.0, max_kept_bytes: int = MAX_KEPT_BYTES) -> None:
+                 window: float = 10.0, keep_s: float = KEEP_S, max_kept_bytes: int = MAX_KEPT_BYTES) -> None:
         self._current: Transport | None = transport
         self._url = url
         self._connect = connect
         self._notices = notices
         self._window = window
+        self._keep_s = keep_s
         self._max_kept_bytes = max_kept_bytes
         self.token: str | None = None
         #: The session's messages received, over every connection (notices not counted).
@@ -89,7 +93,7 @@ class ResumingTransport:
         #: Messages sent, and the resumes served.
         self.sent = 0
         self.resumes = 0
-        self._kept: deque[Message] = deque()
+        self._kept: deque[tuple[float, Message]] = deque()
         self._kept_first = 0
         self._kept_bytes = 0
         self._ready = trio.Event()
@@ -163,11 +167,13 @@ class ResumingTransport:
 
     def _keep(self, message: Message) -> None:
         kept = self._kept
-        kept.append(message)
+        now = trio.current_time()
+        kept.append((now, message))
         self._kept_bytes += len(message)
         self.sent += 1
-        while self._kept_bytes > self._max_kept_bytes:
-            self._kept_bytes -= len(kept.popleft())
+        horizon = now - self._keep_s
+        while kept and (kept[0][0] < horizon or self._kept_bytes > self._max_kept_bytes):
+            self._kept_bytes -= len(kept.popleft()[1])
             self._kept_first += 1
 
     async def _resume_or_raise(self, transport: Transport, closed: TransportClosed) -> None:
@@ -211,7 +217,9 @@ class ResumingTransport:
         # Messages sent meanwhile are kept, not sent: this loop sends them, in order, up to the
         # last one, with no await between the last check and going live.
         while number < self.sent:
-            await transport.send(self._kept[number - self._kept_first])
+            if number < self._kept_first:
+                raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the messages to send again are no longer kept")
+            await transport.send(self._kept[number - self._kept_first][1])
             number += 1
         self._current = transport
         self.resumes += 1
