@@ -378,3 +378,29 @@ async def test_a_resumed_connection_owes_no_first_message(nursery):
             await peer.ws.aclose()
         connections.cancel_scope.cancel()
     assert end["reason"] == FinishReason.STOP and end["usage"]["frames_out"] == 1
+
+
+async def test_with_late_input_fill_the_model_keeps_its_clock_while_detached(nursery):
+    """``late_input = "fill"``: while nobody is connected the session steps silence, its output
+    goes to the journal, and the client that comes back hears all of it, once."""
+    running = await _start(nursery, 'runtime.late_input="fill"', "runtime.fill_after_ms=40")
+    peer = DuplexPeer(running.port)
+    async with trio.open_nursery() as connections:
+        await peer.start(connections)
+        for message in frames(3, seed=9):
+            await peer.send(message)
+        (session,) = running.server.runtime.sessions
+        peer.cut()
+        await wait_for(lambda: session.state.value == "detached", "the server noticing the drop")
+        filled = session.summary().frames_filled
+        await wait_for(lambda: session.summary().frames_filled >= filled + 5, "silence stepped while away")
+        await peer.resume(connections)
+        await peer.send(json.dumps({"type": "input.end"}))
+        with trio.fail_after(PATIENCE):
+            end = await peer.until_end()
+            await peer.ws.aclose()
+        connections.cancel_scope.cancel()
+    usage = end["usage"]
+    assert usage["frames_filled"] >= 5 and usage["frames_out"] == usage["frames_in"]
+    assert len(peer.heard) == usage["frames_out"] * FRAME * 4  # every output frame heard once
+    assert bytes(peer.heard[:3 * FRAME * 4]) == b"".join(frames(3, seed=9))
