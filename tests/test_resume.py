@@ -122,7 +122,11 @@ async def test_a_duplex_session_resumes_after_a_drop_with_every_frame_once_and_i
         peer.cut()
         (session,) = running.server.runtime.sessions
         await wait_for(lambda: session.state.value == "detached", "the server noticing the drop")
+        _, _, ready = await http_get(running.port, "/readyz")
+        _, _, metrics = await http_get(running.port, "/metrics")
+        assert json.loads(ready)["detached"] == 1 and b"duplexrt_sessions_detached 1.0" in metrics
         notice = await peer.resume(connections)
+        await wait_for(lambda: running.server.statistics().detached == 0, "the replay to finish")
         assert 0 < notice["received"] <= 20
         for message in audio[20:]:
             await peer.send(message)

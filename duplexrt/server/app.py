@@ -102,7 +102,8 @@ class Server:
         assert self.runtime is not None, "the server has not started"
         return ServerStatistics(replica_id=self.replica_id or "", draining=self._draining,
                                 admitted=self._admitted, pending_handshakes=self.pending_handshakes,
-                                refused=dict(sorted(self.refused.items())), runtime=self.runtime.statistics())
+                                refused=dict(sorted(self.refused.items())), runtime=self.runtime.statistics(),
+                                detached=sum(entry[0].detached for entry in self._resumable.values()))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -432,7 +433,7 @@ class Server:
                     "slots": stats.runtime.slots, "free_slots": stats.free_slots,
                     "sessions": stats.runtime.sessions_active,
                     "consecutive_step_failures": stats.runtime.scheduler.consecutive_step_failures,
-                    "replica_id": stats.replica_id, "admitted": stats.admitted,
+                    "replica_id": stats.replica_id, "admitted": stats.admitted, "detached": stats.detached,
                     "capacity": stats.runtime.capacity.as_dict()}
             return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
         if path == "/metrics":

@@ -45,6 +45,9 @@ class RuntimeCollector:
         yield replica
         yield GaugeMetricFamily("duplexrt_sessions_active", "Sessions being served now.", frames.sessions_active)
         yield CounterMetricFamily("duplexrt_sessions_opened", "Sessions opened since start.", frames.sessions_opened)
+        yield GaugeMetricFamily("duplexrt_sessions_detached",
+                                "Sessions whose connection dropped, holding their slots while they wait for a resume.",
+                                server.detached)
         yield CounterMetricFamily("duplexrt_sessions_resumed",
                                   "Sessions resumed on a new connection after a drop (runtime.resume_window_s).",
                                   frames.sessions_resumed)

@@ -28,6 +28,8 @@ class ServerStatistics:
     refused: dict[str, int]
     #: The runtime's own record.
     runtime: RuntimeStatistics
+    #: Sessions whose connection dropped, holding their slots while they wait for a resume.
+    detached: int = 0
 
     @property
     def free_slots(self) -> int:
