@@ -472,5 +472,5 @@ async def test_the_client_resumes_a_dropped_connection_and_hears_every_frame_onc
                                               tmp_path / "in.wav")
     assert proxy.cut.is_set() and proxy.connections == 2  # cut once, resumed once
     assert code == 0, stderr
-    assert "server ended the session: stop" in stdout
+    assert "server ended the session: stop; resumed after 1 dropped connection(s)" in stdout
     assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", sent, RATE)

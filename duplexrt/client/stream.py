@@ -96,10 +96,13 @@ class ClientResult:
     end: str = ""
     errors: list[str] = attrs.Factory(list)
     text: str = ""
+    #: Times the connection dropped and the session was resumed on a new one.
+    resumes: int = 0
 
     def summary(self, output_path: Path) -> str:
+        resumed = f"; resumed after {self.resumes} dropped connection(s)" if self.resumes else ""
         return (f"sent {self.seconds_sent:.3f} s, received {self.seconds_received:.3f} s "
-                f"at {self.output_rate} Hz -> {output_path} ({self.end})")
+                f"at {self.output_rate} Hz -> {output_path} ({self.end}{resumed})")
 
 
 def _read_mono(path: Path) -> tuple[np.ndarray, int]:
@@ -214,6 +217,7 @@ async def stream_file(request: ClientRequest, prepared: Prepared, *, progress: b
                 await conversation.run(len(messages), messages.__getitem__,
                                        interval=prepared.interval if request.realtime else None)
                 nursery.cancel_scope.cancel()
+            resumes = getattr(transport, "resumes", 0)
     except ConnectError as exc:
         return ClientResult(EXIT_FAILED, prepared.seconds_sent, end=exc.message), np.zeros(0, np.float32)
     audio = output.audio()
@@ -226,6 +230,7 @@ async def stream_file(request: ClientRequest, prepared: Prepared, *, progress: b
         end=conversation.describe(),
         errors=[str(e) for e in conversation.errors],
         text="".join(texts),
+        resumes=resumes,
     )
     return result, audio
 
