@@ -1,7 +1,7 @@
 """The GPU scheduler thread: the one thread that owns the model and steps every session at once.
 
 Trio tasks never touch the backend.  They lease a slot, put frames into the shared ``Inbox`` and
-receive outputs through the ``SlotOwner`` callbacks, which run on the trio thread for a whole step
+receive outputs through the ``SlotOwner`` callbacks (``core/slot_owner.py``), which run on the trio thread for a whole step
 at a time through a single ``run_sync_soon``: at most one crossing per step, and fewer when trio
 is busy, since steps that finish before trio has taken the last delivery ride along with it.
 """
@@ -13,8 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -26,7 +25,8 @@ from duplexrt.core.affinity import pin_this_thread, restore
 from duplexrt.core.capacity import CapacityEstimator
 from duplexrt.core.handoffs import HandoffKind, Handoffs
 from duplexrt.core.histogram import Histogram, Summary
-from duplexrt.core.inbox import Batch, ControlOp, Inbox, PutTicket
+from duplexrt.core.inbox import Batch, Control, ControlOp, Inbox, PutTicket
+from duplexrt.core.slot_owner import SlotOwner
 
 log = logging.getLogger("duplexrt.scheduler")
 
@@ -63,20 +63,11 @@ def new_error_id() -> str:
     return f"err_{secrets.token_hex(6)}"
 
 
-class SlotOwner(Protocol):
-    """What a session gives the scheduler: two callbacks that run on the trio thread and must
-    return quickly and never raise."""
-
-    def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None: ...
-
-    def step_failed(self, error: BaseException) -> None: ...
-
-
 @attrs.frozen
 class StepOutcome:
     """One step's results, handed to trio as one immutable object."""
 
-    owners: Sequence[Any]
+    owners: Sequence[SlotOwner]
     stamps: Sequence[int]
     outputs: np.ndarray | None
     texts: Sequence[str] | None
@@ -360,7 +351,7 @@ class Scheduler:
 
     # -- scheduler thread ------------------------------------------------------------------
 
-    def _to_trio(self, kind: HandoffKind, fn: Any, *args: Any) -> bool:
+    def _to_trio(self, kind: HandoffKind, fn: Callable[..., object], *args: object) -> bool:
         assert self._token is not None
         return self.handoffs.deliver_from_thread(self._token, kind, fn, *args)
 
@@ -412,7 +403,7 @@ class Scheduler:
             if batch.rows:
                 self._step(batch)
 
-    def _apply(self, control: Any) -> None:
+    def _apply(self, control: Control) -> None:
         try:
             if control.op is ControlOp.OPEN:
                 self.backend.open_slot(control.slot, control.payload)
