@@ -258,3 +258,26 @@ def test_buckets_are_ordered_like_values():
 
 def test_small_values_have_their_own_bucket():
     assert [_bucket_of(v) for v in range(64)] == list(range(64))
+
+
+# -- a batch of values at once -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [[5], [0, 31, 32, 33], [-4, 7], [54_000_000, 53_900_000, 110_000_000, 1]])
+def test_record_many_is_record_one_by_one(values):
+    """A writer's batch goes in with one call (the per-frame cost of stage timing); it must leave
+    exactly what recording the values one by one leaves."""
+    one_by_one = recorded(values)
+    at_once = Histogram()
+    at_once.record(40)  # on top of what was there
+    one_by_one.record(40)
+    at_once.record_many(values)
+    assert at_once._counts == one_by_one._counts
+    assert (at_once.count, at_once.total, at_once.max, at_once.min) == (
+        one_by_one.count, one_by_one.total, one_by_one.max, one_by_one.min)
+
+
+def test_record_many_of_nothing_changes_nothing():
+    histogram = Histogram()
+    histogram.record_many([])
+    assert histogram.summary() == Histogram().summary() and histogram.min == -1
