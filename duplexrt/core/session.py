@@ -103,7 +103,7 @@ class Session:
         self._model_rate = config.audio.sample_rate
         self._frame_seconds = config.audio.frame_seconds
         self._max_message_seconds = config.audio.max_message_seconds
-        self._decoder = self._new_decoder()
+        self._decoder = self._new_decoder(protocol.input_spec)
         self._encoder = make_encoder(protocol.output_spec, self._model_rate)
         self._framer = Framer(config.audio.frame_size)
         self._always_offload = config.runtime.offload == "always"
@@ -417,10 +417,10 @@ class Session:
                 await self._feed_flush()
             self._queue(event.messages)
         elif isinstance(event, Reconfigure):
-            await self._reconfigure(event.messages)
+            await self._reconfigure(event)
         elif isinstance(event, ClearInput):
             self._framer.clear()
-            self._decoder = self._new_decoder()
+            self._decoder = self._new_decoder(self._decoder.spec)
             self._queue(event.messages)
         elif isinstance(event, ClearOutput):
             dropped = len(self._outbox)
@@ -433,8 +433,8 @@ class Session:
         else:
             raise AssertionError(f"unexpected event {event!r}")
 
-    async def _reconfigure(self, messages: tuple[Message, ...]) -> None:
-        """New wire formats, announced by ``messages``.
+    async def _reconfigure(self, event: Reconfigure) -> None:
+        """New wire formats (the event's specs), announced by its ``messages``.
 
         Output: everything the client gets after the announcement is in the new format.  So the
         old encoder's tail is handed to the translator before it, audio the translator holds back
@@ -442,22 +442,22 @@ class Session:
         waiting, with the new encoder.  Input: what the old decoder still held is model audio
         already, so it goes on into the framer."""
         protocol = self._protocol
-        if protocol.output_spec != self._encoder.spec:
+        if event.output_spec != self._encoder.spec:
             while self._encoding:  # a batch on a worker thread, encoded with the old encoder
                 await self._encoded.park()
             old = self._encoder
-            new = self._encoder = make_encoder(protocol.output_spec, self._model_rate)
+            new = self._encoder = make_encoder(event.output_spec, self._model_rate)
             tail = old.flush()
             if tail:
                 self._queue(protocol.audio_out(tail, 0))
             protocol.recode_held(lambda payloads: self._recode(payloads, old.spec, new))
-        self._queue(messages)
-        if protocol.input_spec != self._decoder.spec:
+        self._queue(event.messages)
+        if event.input_spec != self._decoder.spec:
             try:
                 tail = self._decoder.flush()
             except AudioFormatError:
                 tail = np.zeros(0, dtype=np.float32)
-            self._decoder = self._new_decoder()
+            self._decoder = self._new_decoder(event.input_spec)
             for frame in self._framer.push(tail):
                 await self._submit(frame)
 
@@ -477,8 +477,8 @@ class Session:
             return [b"" for _ in payloads]
         return out
 
-    def _new_decoder(self) -> Decoder:
-        return make_decoder(self._protocol.input_spec, self._model_rate, self._max_message_seconds)
+    def _new_decoder(self, spec: AudioSpec) -> Decoder:
+        return make_decoder(spec, self._model_rate, self._max_message_seconds)
 
     def _queue(self, messages: list[Message] | tuple[Message, ...]) -> None:
         """Hand messages to the writer, behind everything made before them."""

@@ -306,7 +306,7 @@ class LiveProtocol(Translator):
         started = json.dumps({"type": "session.started", "session": {
             "id": self.session_id, "model": self.model,
             "audio": {"format": self._format_object(spec)}}})
-        return Reconfigure(messages=(started,))
+        return Reconfigure(input_spec=spec, output_spec=spec, messages=(started,))
 
     def _parse_format(self, value: object) -> AudioSpec | str:
         """``{"type": "audio/pcm", "rate": 24000}``, or an error message."""

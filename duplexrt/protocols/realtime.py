@@ -729,7 +729,7 @@ class RealtimeProtocol(Translator):
             self._gate.set_spec(new_output)
         updated = self._event("session.updated", session=self._session_object())
         if changed:
-            return Reconfigure(messages=(updated, *warnings))
+            return Reconfigure(input_spec=new_input, output_spec=new_output, messages=(updated, *warnings))
         # Same formats: the session's decoder and encoder keep their state (no resampler restart).
         return Reply((updated, *warnings))
 
