@@ -1247,3 +1247,36 @@ def test_the_vad_hears_the_same_speech_at_every_input_format(speech_24k, fmt, ra
     events = [event for start in range(0, raw.size, 997) for event in vad.feed(raw[start:start + 997].tobytes())]
     assert [kind for kind, _ in events] == ["started", "stopped"]
     assert 600 <= events[0][1] <= 800  # 1 s of silence, less the 300 ms prefix padding
+
+
+# -- the reader and the writer on their own ------------------------------------------------------------
+
+
+def test_a_session_update_is_read_whole_without_a_session():
+    """Reading a client event needs no translator: both shapes of session.update give the same
+    formats, and a bad field is refused before anything would be applied."""
+    from duplexrt.protocols.realtime_client_events import UNSET, SessionUpdate, read_session_update
+
+    name = str
+    ga = read_session_update({"type": "session.update", "session": {
+        "audio": {"input": {"format": {"type": "audio/pcmu"}}}, "tools": [{"type": "function"}]}}, MODEL_RATE, name)
+    beta = read_session_update({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}},
+                               MODEL_RATE, name)
+    assert isinstance(ga, SessionUpdate) and isinstance(beta, SessionUpdate)
+    assert ga.specs == beta.specs == {"input": AudioSpec.create("g711_ulaw", 8000, model_rate=MODEL_RATE)}
+    assert ga.turn_detection is UNSET and [field for field, _ in ga.unsupported] == ["session.tools"]
+    bad = read_session_update({"type": "session.update", "event_id": "e1",
+                               "session": {"output_audio_format": "mp3"}}, MODEL_RATE, name)
+    assert_error(bad, "unsupported_audio_format", "e1", contains="session.output_audio_format")
+
+
+@both_namings
+def test_the_writer_names_formats_and_events_in_the_client_s_naming(beta):
+    from duplexrt.protocols.realtime_server_events import ServerEvents
+
+    out = ServerEvents(beta=beta)
+    pcm = AudioSpec.create("pcm_s16le", 24000, model_rate=MODEL_RATE)
+    assert out.format_name(pcm) == ("pcm16 at 24000 Hz" if beta else "audio/pcm at 24000 Hz")
+    assert out.audio_delta == names(beta)["delta"]
+    ids = [json.loads(out.event("x"))["event_id"] for _ in range(2)]
+    assert ids == ["event_1", "event_2"]
