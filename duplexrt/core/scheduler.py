@@ -104,14 +104,18 @@ def _host_buffer(shape: tuple[int, ...], device: str) -> np.ndarray:
 class SlotLease:
     """A session's hold on one slot, used from the trio thread."""
 
-    __slots__ = ("slot", "owner", "session_id", "_scheduler", "_inbox", "_released")
+    __slots__ = ("slot", "owner", "session_id", "_scheduler", "_inbox", "_give_back", "_released")
 
-    def __init__(self, scheduler: Scheduler, slot: int, owner: SlotOwner, session_id: int) -> None:
+    def __init__(self, scheduler: Scheduler, slot: int, owner: SlotOwner, session_id: int,
+                 give_back: Callable[[int], None]) -> None:
         self.slot = slot
         self.owner = owner
         self.session_id = session_id
         self._scheduler = scheduler
         self._inbox = scheduler.inbox
+        #: Hands the slot back to the scheduler's free list: given by the scheduler, so the lease
+        #: needs nothing of the scheduler's beyond what it was handed.
+        self._give_back = give_back
         self._released = False
 
     @property
@@ -173,7 +177,7 @@ class SlotLease:
             return 0
         self._released = True
         dropped = self._inbox.close(self.slot, self.owner)
-        self._scheduler._slot_released(self.slot)
+        self._give_back(self.slot)
         return dropped
 
 
@@ -257,7 +261,7 @@ class Scheduler:
         slot = self._free_slots.pop()
         if session_id is None:
             session_id = next(self._session_ids)
-        lease = SlotLease(self, slot, owner, session_id)
+        lease = SlotLease(self, slot, owner, session_id, self._slot_released)
         self.inbox.open(slot, owner, SlotSession(session_id=session_id))
         return lease
 
