@@ -20,7 +20,6 @@ import platform
 import statistics
 import sys
 
-import attrs
 import trio
 
 from duplexrt.config import load_config
@@ -33,7 +32,7 @@ def _run(overrides: list[str], **options) -> dict:
     round_ = report.rounds[-1]
     if not round_.ok:
         raise SystemExit(f"guards failed: {round_.failures[:3]}")
-    return attrs.asdict(round_)
+    return round_.as_dict()
 
 
 def main() -> None:

@@ -205,7 +205,7 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("realtime/live VAD: InputVad.*", ("InputVad.",)),
     ("base64 audio: Base64Audio.*", ("Base64Audio.",)),
     ("Opus: _OpusEncoder.* / _OpusDecoder.*", ("_OpusEncoder.", "_OpusDecoder.")),
-    ("stage metrics: Histogram.record, Session._record_sent", ("Histogram.record", "Session._record_sent")),
+    ("stage metrics: Histogram.record, StageMeter.batch_sent", ("Histogram.record", "StageMeter.batch_sent")),
     ("attrs/dataclass __init__ (per-event objects)", ("__create_fn__.<locals>.__init__",)),
     ("logging: Logger.*", ("Logger.",)),
 ]

@@ -198,7 +198,7 @@ async def soak(args: argparse.Namespace, server: SoakServer) -> dict:
                        "seconds": round(time.monotonic() - started, 1),
                        "frames_out": round_.frames_out, "lag_p99_ms": round(lag.p99, 1) if lag else None,
                        "late_frames": round_.late_frames, "failures": len(round_.failures),
-                       "connection_errors": sum(round_.connection_errors.values())})
+                       "connection_errors": sum(round_.measured.connection_errors.values())})
         row = rounds[-1]
         print(f"{number:5d}  {rss:8.1f}  {'' if trimmed is None else f'{trimmed:8.1f}  '}{row['seconds']:6.1f}  {row['frames_out']:9d}  "
               f"{row['lag_p99_ms'] if lag else float('nan'):8.1f}  {row['late_frames'] or 0:6d}  "

@@ -181,7 +181,7 @@ async def test_realtime_turn_mode_hears_the_whole_reply_to_its_turn(nursery, tmp
     port = await _serve(nursery)
     sent = _wav(tmp_path / "in.wav", _noise(40 * FRAME, seed=3), RATE)
     # Whichever comes first, the model's answer or response.create, the whole reply is heard;
-    # each order is forced in tests/test_promises.py and tests/test_protocol_realtime.py.
+    # each order is forced in tests/test_promises.py and tests/test_realtime_sessions.py.
     code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/realtime",
                                               tmp_path / "in.wav")
     assert code == 0, stderr

@@ -8,7 +8,7 @@ import pytest
 
 from duplexrt.core.histogram import Summary
 from duplexrt.simulate.find_capacity import Verdict, find_capacity, format_search, judge
-from duplexrt.simulate.report import RoundReport
+from duplexrt.simulate.report import InProcessFigures, RoundReport
 
 FRAME_MS = 80.0
 
@@ -16,16 +16,17 @@ FRAME_MS = 80.0
 def _round(sessions: int, lags_ms: np.ndarray, *, step_ms: float = 30.0, stream_rtf: float = 1.0,
            failures: tuple[str, ...] = ()) -> RoundReport:
     """A paced round as the runner reports it, with scripted per-frame lags."""
-    none = dict.fromkeys(["cpu_us_per_frame", "voluntary_switches", "involuntary_switches",
-                          "voluntary_switches_per_frame", "involuntary_switches_per_frame",
-                          "executor_submissions", "preprocess_us", "enqueue_us", "latency_ms", "delivery_ms",
-                          "step_to_sent_ms", "frame_lag_ms", "late_frames", "real_time_factor"])
+    nothing = Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    measured = InProcessFigures(
+        cpu_us_per_frame=30.0, voluntary_switches=0, involuntary_switches=0, voluntary_switches_per_frame=0.0,
+        involuntary_switches_per_frame=0.0, executor_submissions=0, preprocess_us=nothing, enqueue_us=nothing,
+        latency_ms=nothing, delivery_ms=nothing, step_to_sent_ms=nothing,
+        step_ms=Summary(10, step_ms, step_ms, step_ms, step_ms, step_ms))
     return RoundReport(mode="paced", sessions=sessions, elapsed_s=30.0, frames_in=len(lags_ms),
                        frames_out=len(lags_ms), handoffs={}, steps=10, mean_batch=float(sessions),
-                       step_ms=Summary(10, step_ms, step_ms, step_ms, step_ms, step_ms), failures=list(failures),
+                       failures=list(failures), measured=measured,
                        lag_samples=(np.arange(len(lags_ms)) * 0.08, lags_ms), stream_rtf=stream_rtf,
-                       capacity={"limit": 36, "base_ms": 28.0, "per_session_ms": 1.3, "source": "steps"},
-                       **none)
+                       capacity={"limit": 36, "base_ms": 28.0, "per_session_ms": 1.3, "source": "steps"})
 
 
 def test_the_criterion_allows_one_frame_plus_the_step_plus_10_ms_for_99_9_percent_of_frames():

@@ -258,3 +258,45 @@ def test_buckets_are_ordered_like_values():
 
 def test_small_values_have_their_own_bucket():
     assert [_bucket_of(v) for v in range(64)] == list(range(64))
+
+
+# -- a batch of values at once -----------------------------------------------------------------------
+
+
+BATCHES = [[5], [0, 31, 32, 33], [-4, 7], [54_000_000, 53_900_000, 110_000_000, 1],
+           [2**53 - 1, 2**53, 2**53 + 1, 2**54 - 1, 2**54 - 2**40],  # where a float64 rounds up
+           [2**k - 1 for k in range(1, 54)] + [2**k for k in range(54)]]
+
+
+@pytest.mark.parametrize("values", BATCHES)
+def test_record_many_is_record_one_by_one(values):
+    """A writer's batch goes in with one call (the per-frame cost of stage timing); once read,
+    it must be exactly what recording the values one by one leaves."""
+    one_by_one = recorded(values)
+    at_once = Histogram()
+    at_once.record(40)  # on top of what was there
+    one_by_one.record(40)
+    at_once.record_many(values)
+    assert (at_once.count, at_once.total, at_once.max, at_once.min) == (
+        one_by_one.count, one_by_one.total, one_by_one.max, one_by_one.min)
+    assert at_once.snapshot()._counts == one_by_one._counts
+    assert at_once.summary() == one_by_one.summary()
+    assert at_once.cumulative([0, 40, 10**8]) == one_by_one.cumulative([0, 40, 10**8])
+
+
+def test_record_many_of_many_batches_counts_each_value_once():
+    rng = random.Random(7)
+    values = [int(rng.lognormvariate(17, 1)) for _ in range(20_000)]  # past the fold size
+    at_once = Histogram()
+    for start in range(0, len(values), 8):
+        at_once.record_many(values[start:start + 8])
+    earlier = at_once.snapshot()
+    at_once.record_many([123_456, 7])
+    assert at_once.snapshot()._counts == recorded(values + [123_456, 7])._counts
+    assert at_once.minus(earlier).count == 2
+
+
+def test_record_many_of_nothing_changes_nothing():
+    histogram = Histogram()
+    histogram.record_many([])
+    assert histogram.summary() == Histogram().summary() and histogram.min == -1

@@ -1,5 +1,5 @@
-"""The OpenAI Realtime translator: plain calls first (GA and beta naming, turn and duplex mode),
-then whole sessions through the real runtime and the echo model.
+"""The OpenAI Realtime translator with plain calls (GA and beta naming, turn and duplex mode);
+whole sessions through the real runtime and the echo model are in test_realtime_sessions.py.
 
 The translator tests drive it with a fake progress object whose counters the test sets, standing
 in for the session that would otherwise count frames in and out.
@@ -8,23 +8,13 @@ in for the session that would otherwise count frames in and out.
 from __future__ import annotations
 
 import base64
-import contextlib
-import itertools
 import json
-import threading
-from functools import partial
 
 import attrs
 import numpy as np
 import pytest
-import trio
-import trio.testing
 
-from conftest import PATIENCE, backend_info, wait_until
-from duplexrt.audio import AudioFormat, AudioSpec, make_decoder, make_encoder
-from duplexrt.backends.echo import EchoBackend
-from duplexrt.config import load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
@@ -35,13 +25,15 @@ from duplexrt.protocols.events import (
     SessionEnd,
 )
 from duplexrt.protocols.realtime import RealtimeProtocol
-from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+from realtime_helpers import (
+    MODEL_RATE,
+    SCAFFOLD,
+    b64,
+    both_namings,
+    names,
+    usage,
+)
 from realtime_schema import every_server_event_is_checked  # noqa: F401  (autouse)
-
-MODEL_RATE = 24000
-FRAME = 1920
-ULAW_FRAME_BYTES = 640  # 80 ms of 8 kHz G.711
-PCM_FRAME_BYTES = FRAME * 2
 
 
 @attrs.define
@@ -68,41 +60,9 @@ def send(protocol: RealtimeProtocol, kind: str, **fields):
     return protocol.parse(json.dumps({"type": kind, **fields}))
 
 
-#: The item and part events around a response's deltas (and a commit's item): most tests look at
-#: the deltas and the response's own events, ``lifecycle`` tests look at these.
-SCAFFOLD = frozenset({
-    "response.output_item.added", "response.output_item.done", "response.content_part.added",
-    "response.content_part.done", "conversation.item.added", "conversation.item.created",
-    "conversation.item.done",
-})
-
-
 def decoded(messages, *, everything: bool = False) -> list[dict]:
     events = [json.loads(m) for m in messages]
     return events if everything else [e for e in events if e["type"] not in SCAFFOLD]
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def names(beta: bool) -> dict[str, str]:
-    if beta:
-        return {"delta": "response.audio.delta", "done": "response.audio.done",
-                "text": "response.audio_transcript.delta", "text_done": "response.audio_transcript.done"}
-    return {"delta": "response.output_audio.delta", "done": "response.output_audio.done",
-            "text": "response.output_audio_transcript.delta",
-            "text_done": "response.output_audio_transcript.done"}
-
-
-def usage(frames_in: int, frames_out: int, text_out: int = 0) -> dict:
-    return {
-        "total_tokens": frames_in + frames_out + text_out,
-        "input_tokens": frames_in,
-        "output_tokens": frames_out + text_out,
-        "input_token_details": {"audio_tokens": frames_in, "text_tokens": 0},
-        "output_token_details": {"audio_tokens": frames_out, "text_tokens": text_out},
-    }
 
 
 def assert_error(event, code: str, event_id: str | None = None, *, contains: str = "") -> ProtocolError:
@@ -114,7 +74,6 @@ def assert_error(event, code: str, event_id: str | None = None, *, contains: str
     return event
 
 
-both_namings = pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
 
 
 # -- start ------------------------------------------------------------------------------------------
@@ -884,236 +843,7 @@ def test_end_after_a_fatal_client_error_does_not_blame_the_server():
     assert messages[0]["response"]["status_details"]["error"]["type"] == "invalid_request_error"
 
 
-# -- whole sessions through the runtime --------------------------------------------------------------
-
-
-class GatedEcho(EchoBackend):
-    """FAKE (a test hook on the real echo model): while ``gate`` is clear, ``step`` waits on it.
-
-    In turn mode the client hears only what the model outputs after ``response.create``; the echo
-    model answers within a millisecond, so without the gate how much of the answer the response
-    would carry depends on thread timing.  The test holds the model until ``response.created``
-    has come back, then lets it run: bit for bit the echo model otherwise.
-    """
-
-    def __init__(self, config) -> None:
-        super().__init__(backend_info(config, "echo"), config.backend.options)
-        self.gate = threading.Event()
-
-    def step(self, rows, inputs, outputs):
-        if not self.gate.wait(PATIENCE):
-            raise RuntimeError("test gate never opened")
-        return super().step(rows, inputs, outputs)
-
-
-@attrs.define
-class RealtimeClient:
-    """A Realtime client over the in-memory transport: sends events, files every server event."""
-
-    transport: MemoryTransport
-    events: list[dict] = attrs.Factory(list)
-    closed: TransportClosed | None = None
-    _ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
-    _lot: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
-
-    async def send(self, kind: str, **fields) -> str:
-        event_id = fields.pop("event_id", f"evt_client_{next(self._ids)}")
-        await self.transport.send(json.dumps({"type": kind, "event_id": event_id, **fields}))
-        return event_id
-
-    async def receive_all(self) -> None:
-        while True:
-            try:
-                message = await self.transport.receive()
-            except TransportClosed as closed:
-                self.closed = closed
-                self._lot.unpark_all()
-                return
-            assert isinstance(message, str), "the Realtime protocol sends only text"
-            self.events.append(json.loads(message))
-            self._lot.unpark_all()
-
-    async def wait_for(self, kind: str, count: int = 1) -> dict:
-        with trio.fail_after(PATIENCE):
-            while sum(e["type"] == kind for e in self.events) < count:
-                assert self.closed is None, f"closed while waiting for {kind}: {self.closed}"
-                await self._lot.park()
-        return [e for e in self.events if e["type"] == kind][count - 1]
-
-    async def wait_closed(self) -> TransportClosed:
-        with trio.fail_after(PATIENCE):
-            while self.closed is None:
-                await self._lot.park()
-        return self.closed
-
-    def audio(self, beta: bool = False) -> bytes:
-        kind = names(beta)["delta"]
-        return b"".join(base64.b64decode(e["delta"]) for e in self.events if e["type"] == kind)
-
-    def of_type(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == kind]
-
-
-def tones(samples: int, rate: int) -> np.ndarray:
-    t = np.arange(samples) / rate
-    return (0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * np.sin(2 * np.pi * 1250 * t)).astype(np.float32)
-
-
-def encode(signal: np.ndarray, spec: AudioSpec) -> bytes:
-    encoder = make_encoder(spec, spec.sample_rate)
-    return encoder.encode(signal) + encoder.flush()
-
-
-def best_alignment(sent: np.ndarray, heard: np.ndarray, max_lag: int) -> tuple[int, float]:
-    """The lag (samples ``heard`` runs behind ``sent``) and the correlation there."""
-    best = (0, -1.0)
-    for lag in range(max_lag):
-        a = sent[: len(heard) - lag]
-        b = heard[lag: lag + len(a)]
-        corr = float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
-        if corr > best[1]:
-            best = (lag, corr)
-    return best
-
-
-@both_namings
-async def test_turn_session_in_pcmu_echoes_the_committed_audio(beta):
-    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
-    backend = GatedEcho(config)
-    ulaw = AudioSpec.create("g711_ulaw", model_rate=MODEL_RATE)
-    frames = 6
-    sent = encode(tones(frames * ULAW_FRAME_BYTES, 8000), ulaw)
-    assert len(sent) == frames * ULAW_FRAME_BYTES
-    chunks = [sent[:1280], sent[1280:1920], sent[1920:]]  # whole frames, unevenly grouped
-    # The frames the session will have submitted when response.create arrives: the 8 -> 24 kHz
-    # resampler holds a few samples back, so the last partial frame waits in the framer.
-    decoder = make_decoder(ulaw, MODEL_RATE)
-    expected_frames = sum(len(decoder.decode(c)) for c in chunks) // FRAME
-    assert expected_frames in (frames - 1, frames)
-
-    client_end, server_end = memory_transport_pair()
-    client = RealtimeClient(client_end)
-    result = {}
-    try:
-        async with open_runtime(config, backend) as runtime:
-            async def serve() -> None:
-                result["end"] = await runtime.serve(server_end, RealtimeProtocol(beta=beta))
-
-            with trio.fail_after(PATIENCE):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(serve)
-                    nursery.start_soon(client.receive_all)
-                    await client.wait_for("session.created")
-                    format_update = ({"input_audio_format": "g711_ulaw", "output_audio_format": "g711_ulaw"}
-                                     if beta else
-                                     {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcmu"}},
-                                                                    "output": {"format": {"type": "audio/pcmu"}}}})
-                    await client.send("session.update", session=format_update)
-                    updated = await client.wait_for("session.updated")
-                    await client.send("input_audio_buffer.append", audio=b64(chunks[0]))
-                    bad = await client.send("transcription_session.update", session={})
-                    await client.send("input_audio_buffer.append", audio=b64(chunks[1]))
-                    bad_audio = await client.send("input_audio_buffer.append", audio="%%%")
-                    await client.send("input_audio_buffer.append", audio=b64(chunks[2]))
-                    await client.send("input_audio_buffer.commit")
-                    await client.send("response.create")
-                    created = await client.wait_for("response.created")
-                    backend.gate.set()
-                    done = await client.wait_for("response.done")
-                    await client_end.close()
-                    await client.wait_closed()
-    finally:
-        backend.gate.set()
-
-    if beta:
-        assert updated["session"]["input_audio_format"] == "g711_ulaw"
-    else:
-        assert updated["session"]["audio"]["input"]["format"] == {"type": "audio/pcmu"}
-    errors = client.of_type("error")
-    assert [(e["error"]["code"], e["error"]["event_id"]) for e in errors] == [
-        ("unsupported_event", bad), ("invalid_base64", bad_audio)]
-    [committed] = client.of_type("input_audio_buffer.committed")
-    assert committed["previous_item_id"] is None
-
-    response = done["response"]
-    assert response["id"] == created["response"]["id"]
-    assert response["status"] == "completed"
-    assert response["usage"] == usage(expected_frames, expected_frames)
-    assert client.of_type(names(beta)["done"])[0]["response_id"] == response["id"]
-    kinds = [e["type"] for e in client.events]
-    assert kinds.index("response.created") < kinds.index(names(beta)["delta"])
-    assert kinds[-1] == "response.done"
-
-    heard = client.audio(beta)
-    # The 24 -> 8 kHz encoder holds its filter delay back until the stream ends (tens of samples).
-    assert expected_frames * ULAW_FRAME_BYTES - 400 <= len(heard) <= expected_frames * ULAW_FRAME_BYTES
-    # Same signal, delayed by the two resamplers (a few ms) and quantised twice by mu-law.
-    sent_audio = make_decoder(ulaw, 8000).decode(sent)
-    heard_audio = make_decoder(ulaw, 8000).decode(heard)
-    lag, corr = best_alignment(sent_audio, heard_audio, 200)
-    assert lag <= 2 and corr > 0.995, (lag, corr)
-    assert result["end"].reason == "client_closed"
-    assert result["end"].frames_out == expected_frames
-
-
-async def test_duplex_session_in_pcm16_echoes_every_byte():
-    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
-    pcm = AudioSpec.create("pcm_s16le", 24000, model_rate=MODEL_RATE)
-    frames = 7
-    sent = encode(tones(frames * FRAME, MODEL_RATE), pcm)
-    cuts = [0, 1000, 5002, 9000, 13000, 20000, len(sent)]  # even, but not on frame boundaries
-    client_end, server_end = memory_transport_pair()
-    client = RealtimeClient(client_end)
-    result = {}
-    async with open_runtime(config) as runtime:
-        async def serve() -> None:
-            result["end"] = await runtime.serve(server_end, RealtimeProtocol(duplex=True))
-
-        with trio.fail_after(PATIENCE):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve)
-                nursery.start_soon(client.receive_all)
-                created = await client.wait_for("response.created")
-                for start, stop in itertools.pairwise(cuts):
-                    await client.send("input_audio_buffer.append", audio=b64(sent[start:stop]))
-                while len(client.audio()) < len(sent):
-                    await client.wait_for(names(False)["delta"], len(client.of_type(names(False)["delta"])) + 1)
-                await client.send("response.cancel")
-                done = await client.wait_for("response.done")
-                await client_end.close()
-                await client.wait_closed()
-
-    assert client.audio() == sent  # pcm16 at the model rate: exact
-    assert done["response"]["id"] == created["response"]["id"]
-    assert done["response"]["status"] == "cancelled"
-    assert done["response"]["usage"] == usage(frames, frames)
-    assert client.of_type("error") == []
-    assert result["end"].reason == "client_closed"
-
-
-async def test_a_binary_message_ends_the_session_with_1003():
-    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
-    client_end, server_end = memory_transport_pair()
-    client = RealtimeClient(client_end)
-    result = {}
-    async with open_runtime(config) as runtime:
-        async def serve() -> None:
-            result["end"] = await runtime.serve(server_end, RealtimeProtocol(duplex=True))
-
-        with trio.fail_after(PATIENCE):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve)
-                nursery.start_soon(client.receive_all)
-                await client.wait_for("response.created")
-                await client_end.send(b"\x00\x01")
-                closed = await client.wait_closed()
-
-    assert closed.code == 1003
-    kinds = [e["type"] for e in client.events if e["type"] not in SCAFFOLD]
-    assert kinds == ["session.created", "response.created", "error", "response.done"]
-    assert client.of_type("error")[0]["error"]["code"] == "binary_not_supported"
-    assert client.of_type("response.done")[0]["response"]["status"] == "failed"
-    assert result["end"].reason == "error"
+# -- held audio ---------------------------------------------------------------------------------------
 
 
 def test_turn_mode_holds_audio_that_comes_before_response_create():
@@ -1142,220 +872,6 @@ def test_output_audio_buffer_clear_drops_held_audio():
     send(protocol, "output_audio_buffer.clear")
     types = [e["type"] for e in decoded(send(protocol, "response.create").messages)]
     assert "response.output_audio.delta" not in types
-
-
-# -- hardening: cancelled answers, turn boundaries, format switches, unread replies -----------------
-
-
-@contextlib.asynccontextmanager
-async def realtime_session(config, backend=None, *, read: bool = True, **options):
-    """One Realtime session on a real runtime: yields the client, the server's session and the
-    nursery (to start the client's reader later when ``read`` is False).  Hangs up at the end."""
-    client_end, server_end = memory_transport_pair()
-    client = RealtimeClient(client_end)
-    try:
-        async with open_runtime(config, backend) as runtime:
-            with trio.fail_after(PATIENCE):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(runtime.serve, server_end, RealtimeProtocol(**options))
-                    if read:
-                        nursery.start_soon(client.receive_all)
-                    await wait_until(lambda: len(runtime.sessions) == 1, "the session started")
-                    (session,) = runtime.sessions
-                    yield client, session, nursery
-                    await client_end.close()
-                    if client.closed is None and read:
-                        await client.wait_closed()
-                    nursery.cancel_scope.cancel()
-    finally:
-        if isinstance(backend, GatedEcho):
-            backend.gate.set()
-
-
-def numbered_frames(count: int, start: int = 0) -> list[bytes]:
-    """pcm16 frames at the model rate, each a different constant: the echo model returns them
-    bit for bit, so every byte a response carries names the frame it came from."""
-    return [np.full(FRAME, 1000 * (k + 1), dtype="<i2").tobytes() for k in range(start, start + count)]
-
-
-def deltas_of(client: RealtimeClient, response_id: str) -> bytes:
-    return b"".join(base64.b64decode(e["delta"]) for e in client.of_type(names(False)["delta"])
-                    if e["response_id"] == response_id)
-
-
-async def test_a_cancelled_answer_is_never_sent_later():
-    """response.cancel: the model still produces the rest of that answer; it is dropped, not held
-    and replayed as the start of the next response (it once was)."""
-    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
-    backend = GatedEcho(config)
-    frames = numbered_frames(8)
-    async with realtime_session(config, backend) as (client, session, _):
-        for frame in frames[:6]:
-            await client.send("input_audio_buffer.append", audio=b64(frame))
-        await wait_until(lambda: session.frames_in == 6, "six frames submitted")
-        await client.send("response.create")
-        first = (await client.wait_for("response.created"))["response"]["id"]
-        await client.send("response.cancel")
-        cancelled = await client.wait_for("response.done")
-        backend.gate.set()  # the model now answers all six frames: the cancelled answer
-        await wait_until(lambda: session.frames_answered == 6, "the cancelled answer went through")
-        for frame in frames[6:]:
-            await client.send("input_audio_buffer.append", audio=b64(frame))
-        await wait_until(lambda: session.frames_answered == 8, "the next answer came out")
-        await client.send("response.create")
-        second = (await client.wait_for("response.created", 2))["response"]["id"]
-        done = await client.wait_for("response.done", 2)
-
-    assert cancelled["response"]["id"] == first
-    assert cancelled["response"]["status"] == "cancelled"
-    assert cancelled["response"]["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
-    assert deltas_of(client, first) == b""
-    assert done["response"]["id"] == second and done["response"]["status"] == "completed"
-    assert deltas_of(client, second) == frames[6] + frames[7]  # exactly its own two frames
-    assert client.audio() == frames[6] + frames[7]
-    assert done["response"]["usage"]["output_token_details"]["audio_tokens"] == 2
-
-
-async def test_a_batch_crossing_the_end_of_a_turn_is_split_between_the_responses():
-    """A client that reads late finds six frames waiting at once, three for the open response and
-    three after its end: each response gets exactly its own (the first once got all six)."""
-    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
-    backend = GatedEcho(config)
-    frames = numbered_frames(6)
-    async with realtime_session(config, backend, read=False) as (client, session, nursery):
-        for frame in frames[:3]:
-            await client.send("input_audio_buffer.append", audio=b64(frame))
-        await wait_until(lambda: session.frames_in == 3, "three frames submitted")
-        await client.send("response.create")  # target: those three frames
-        for frame in frames[3:]:
-            await client.send("input_audio_buffer.append", audio=b64(frame))
-        await client.send("input_audio_buffer.commit")  # a reply the writer blocks on: nobody reads
-        await wait_until(lambda: session.frames_in == 6, "six frames submitted")
-        backend.gate.set()
-        await wait_until(lambda: len(session._outbox) == 6, "all six outputs waiting for the writer")
-        nursery.start_soon(client.receive_all)
-        first = await client.wait_for("response.done")
-        await wait_until(lambda: session.frames_answered == 6, "the rest held for the next response")
-        await client.send("response.create")
-        second = await client.wait_for("response.done", 2)
-
-    assert first["response"]["status"] == second["response"]["status"] == "completed"
-    assert deltas_of(client, first["response"]["id"]) == b"".join(frames[:3])
-    assert deltas_of(client, second["response"]["id"]) == b"".join(frames[3:])
-    for done in (first, second):
-        assert done["response"]["usage"]["output_token_details"]["audio_tokens"] == 3
-    kinds = [e["type"] for e in client.events]
-    assert kinds.index("response.done") < kinds.index("response.created", kinds.index("response.created") + 1)
-
-
-async def test_held_audio_after_a_switch_to_pcmu_is_sent_in_pcmu():
-    """Turn mode holds the model's answer until response.create; the client switches the output
-    from pcm16 to G.711 mu-law in between: what the response carries is mu-law (it once was the
-    held pcm16 bytes)."""
-    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
-    pcm = AudioSpec.create("pcm_s16le", 24000, model_rate=MODEL_RATE)
-    frames = 3
-    sent = encode(tones(frames * FRAME, MODEL_RATE), pcm)
-    async with realtime_session(config) as (client, session, _):
-        await client.send("input_audio_buffer.append", audio=b64(sent))
-        await wait_until(lambda: session.frames_answered == frames, "the answer is held")
-        await client.send("session.update", session={
-            "type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}})
-        updated = await client.wait_for("session.updated")
-        await client.send("response.create")
-        done = await client.wait_for("response.done")
-
-    assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcmu"}
-    kinds = [e["type"] for e in client.events]
-    assert kinds.index("session.updated") < kinds.index(names(False)["delta"])
-    heard = client.audio()
-    # mu-law at 8 kHz: one byte a sample, the resampler's delay still held back.
-    assert frames * ULAW_FRAME_BYTES - 600 <= len(heard) <= frames * ULAW_FRAME_BYTES
-    lag, corr = best_alignment(tones(frames * ULAW_FRAME_BYTES, 8000), make_decoder(
-        AudioSpec.create("g711_ulaw", model_rate=MODEL_RATE), 8000).decode(heard), 200)
-    assert corr > 0.99, (lag, corr)
-    assert done["response"]["usage"]["output_token_details"]["audio_tokens"] == frames
-
-
-async def test_after_session_updated_every_delta_is_in_the_new_format():
-    """Duplex, output mu-law then pcm16: the mu-law encoder's tail goes out before session.updated,
-    and everything after it is pcm16 (the tail once came after it)."""
-    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
-    first, second = numbered_frames(3), numbered_frames(2, start=3)
-    delta = names(False)["delta"]
-    async with realtime_session(config, duplex=True) as (client, session, _):
-        await client.send("session.update", session={"audio": {"output": {"format": "audio/pcmu"}}})
-        await client.wait_for("session.updated")
-        for frame in first:
-            await client.send("input_audio_buffer.append", audio=b64(frame))
-        await wait_until(lambda: session.frames_out == 3, "three frames out in mu-law")
-        await client.send("session.update", session={"audio": {"output": {"format": "audio/pcm"}}})
-        await client.wait_for("session.updated", 2)
-        for frame in second:
-            await client.send("input_audio_buffer.append", audio=b64(frame))
-        await wait_until(lambda: session.frames_out == 5, "two frames out in pcm16")
-        await client.send("input_audio_buffer.clear")  # its reply comes after everything sent
-        await client.wait_for("input_audio_buffer.cleared")
-
-    switch = max(i for i, e in enumerate(client.events) if e["type"] == "session.updated")
-    before = [base64.b64decode(e["delta"]) for e in client.events[:switch] if e["type"] == delta]
-    after = b"".join(base64.b64decode(e["delta"]) for e in client.events[switch:] if e["type"] == delta)
-    assert after == b"".join(second)  # pcm16 at the model rate: the echo, bit for bit
-    assert sum(map(len, before)) == 3 * ULAW_FRAME_BYTES  # the tail came before the announcement
-
-
-async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_unaffected():
-    """Large control messages from a client that never reads: every reply is short (client values
-    are quoted short, ignored settings not echoed) and the queue of replies is bounded in bytes,
-    while another session is served as usual."""
-    from duplexrt.core import session as session_module
-
-    limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
-    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
-    big = "x" * 100_000
-    floods = [
-        lambda k: {"type": "session.update", "event_id": big, "session": {f"key_{k}": big, "instructions": big}},
-        lambda k: {"type": "response.cancel", "event_id": big, "response_id": big},
-        lambda k: {"type": big, "event_id": big},
-        lambda k: {"type": "session.update", "session": {"type": big}},
-        lambda k: {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm",
-                                                                                       "rate": big}}}}},
-        lambda k: {"type": "session.update", "session": {"output_audio_format": big}},
-    ]
-    flood_end, flood_server = memory_transport_pair()
-    other_end, other_server = memory_transport_pair()
-    other = RealtimeClient(other_end)
-    frames = numbered_frames(5)
-    async with open_runtime(config) as runtime:
-        with trio.fail_after(PATIENCE):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(runtime.serve, flood_server, RealtimeProtocol(), session_id=1))
-                nursery.start_soon(partial(runtime.serve, other_server, RealtimeProtocol(duplex=True), session_id=2))
-                nursery.start_soon(other.receive_all)
-                await wait_until(lambda: len(runtime.sessions) == 2, "both sessions started")
-                flooded = next(s for s in runtime.sessions if s.lease.session_id == 1)
-
-                async def flood() -> None:
-                    with contextlib.suppress(TransportClosed):
-                        for k in range(600):
-                            await flood_end.send(json.dumps(floods[k % len(floods)](k)))
-
-                nursery.start_soon(flood)
-                for frame in frames:
-                    await other.send("input_audio_buffer.append", audio=b64(frame))
-                while len(other.audio()) < len(frames) * PCM_FRAME_BYTES:
-                    await other.wait_for(names(False)["delta"], len(other.of_type(names(False)["delta"])) + 1)
-                await trio.testing.wait_all_tasks_blocked()  # the flood is stuck: nobody reads
-                queued = list(flooded._pending)
-                await flood_end.close()
-                await other_end.close()
-                await other.wait_closed()
-
-    assert len(queued) > 10  # the reader did stop on a full queue
-    assert sum(len(m) for m in queued) <= limit + 4096
-    assert max(len(m) for m in queued) < 2000
-    assert other.audio() == b"".join(frames)
-    assert other.of_type("error") == []
 
 
 # -- the response lifecycle -------------------------------------------------------------------------
@@ -1731,3 +1247,36 @@ def test_the_vad_hears_the_same_speech_at_every_input_format(speech_24k, fmt, ra
     events = [event for start in range(0, raw.size, 997) for event in vad.feed(raw[start:start + 997].tobytes())]
     assert [kind for kind, _ in events] == ["started", "stopped"]
     assert 600 <= events[0][1] <= 800  # 1 s of silence, less the 300 ms prefix padding
+
+
+# -- the reader and the writer on their own ------------------------------------------------------------
+
+
+def test_a_session_update_is_read_whole_without_a_session():
+    """Reading a client event needs no translator: both shapes of session.update give the same
+    formats, and a bad field is refused before anything would be applied."""
+    from duplexrt.protocols.realtime_client_events import UNSET, SessionUpdate, read_session_update
+
+    name = str
+    ga = read_session_update({"type": "session.update", "session": {
+        "audio": {"input": {"format": {"type": "audio/pcmu"}}}, "tools": [{"type": "function"}]}}, MODEL_RATE, name)
+    beta = read_session_update({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}},
+                               MODEL_RATE, name)
+    assert isinstance(ga, SessionUpdate) and isinstance(beta, SessionUpdate)
+    assert ga.specs == beta.specs == {"input": AudioSpec.create("g711_ulaw", 8000, model_rate=MODEL_RATE)}
+    assert ga.turn_detection is UNSET and [field for field, _ in ga.unsupported] == ["session.tools"]
+    bad = read_session_update({"type": "session.update", "event_id": "e1",
+                               "session": {"output_audio_format": "mp3"}}, MODEL_RATE, name)
+    assert_error(bad, "unsupported_audio_format", "e1", contains="session.output_audio_format")
+
+
+@both_namings
+def test_the_writer_names_formats_and_events_in_the_client_s_naming(beta):
+    from duplexrt.protocols.realtime_server_events import ServerEvents
+
+    out = ServerEvents(beta=beta)
+    pcm = AudioSpec.create("pcm_s16le", 24000, model_rate=MODEL_RATE)
+    assert out.format_name(pcm) == ("pcm16 at 24000 Hz" if beta else "audio/pcm at 24000 Hz")
+    assert out.audio_delta == names(beta)["delta"]
+    ids = [json.loads(out.event("x"))["event_id"] for _ in range(2)]
+    assert ids == ["event_1", "event_2"]

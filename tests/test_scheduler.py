@@ -566,3 +566,24 @@ async def test_the_model_loads_with_every_cpu_before_the_scheduler_thread_pins_i
     async with open_runtime(config, RecordingLoad(backend_info(config, "echo"), {})):
         pass
     assert seen["cpus"] == before
+
+
+def test_the_way_back_is_typed_by_the_slot_owner_protocol():
+    """Every structure a slot's owner travels through, from a lease to ``Scheduler._deliver``,
+    names it as a ``SlotOwner``: the way back from a step to ``Session.step_output`` can be
+    followed by reading the types."""
+    import typing
+
+    from duplexrt.core.inbox import Batch, Control
+    from duplexrt.core.scheduler import SlotLease, StepOutcome
+    from duplexrt.core.slot_owner import SlotOwner
+    from duplexrt.core.session import Session
+
+    assert typing.get_type_hints(Control)["owner"] is SlotOwner
+    assert typing.get_type_hints(Batch)["owners"] == list[SlotOwner]
+    assert typing.get_args(typing.get_type_hints(StepOutcome)["owners"]) == (SlotOwner,)
+    assert typing.get_type_hints(SlotLease.__init__)["owner"] is SlotOwner
+    for name in ("step_output", "step_failed"):  # the session is one, by its shape
+        assert callable(getattr(Session, name))
+        assert (list(typing.get_type_hints(getattr(Session, name)))
+                == list(typing.get_type_hints(getattr(SlotOwner, name))))

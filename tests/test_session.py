@@ -478,3 +478,33 @@ async def test_a_client_that_sends_but_never_reads_cannot_grow_the_reply_queue()
             (session,) = runtime.sessions
             assert len(session._pending) <= MAX_PENDING_MESSAGES + 1
             await client.close(1000, "bye")
+
+
+async def test_a_reconfigure_event_carries_the_new_formats_to_the_session():
+    """The session takes the new wire formats from the event, not by reading the translator
+    back: a translator that announces PCM s16 output while its own fields still say f32 gets
+    s16 audio from then on."""
+    from duplexrt.protocols.events import Reconfigure
+    from duplexrt.protocols.raw import RawProtocol
+
+    f32, s16 = spec("pcm_f32le"), spec("pcm_s16le")
+
+    class Switching(RawProtocol):
+        def parse(self, message):
+            if message == "switch":
+                return Reconfigure(input_spec=f32, output_spec=s16, messages=("switched",))
+            return super().parse(message)
+
+    config = make_config("runtime.slots=1", "backend.name=echo", "backend.options.delay_frames=0")
+    frame = noise(FRAME, seed=3)
+    async with open_runtime(config) as runtime:
+        client, server = memory_transport_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runtime.serve, server, Switching(f32, f32))
+            await client.send("switch")
+            assert await client.receive() == "switched"
+            await client.send(frame.astype("<f4").tobytes())
+            out = await client.receive()
+            await client.close()
+    assert len(out) == FRAME * 2  # two bytes a sample: encoded as the event said
+    assert np.abs(np.frombuffer(out, "<i2") / 32768 - frame).max() < 1e-3

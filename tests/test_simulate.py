@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -113,5 +114,23 @@ async def test_offload_always_counts_a_hop_per_conversion_and_submit():
     handoffs = report.rounds[0].handoffs
     assert handoffs["submit_offload"] == 12
     assert handoffs["convert_offload"] >= 6 + 2  # every input message and every output write
-    assert report.rounds[0].executor_submissions == handoffs["submit_offload"] + handoffs["convert_offload"]
+    assert report.rounds[0].measured.executor_submissions == handoffs["submit_offload"] + handoffs["convert_offload"]
     assert report.ok
+
+
+async def test_an_in_process_round_carries_its_own_figures_and_none_of_a_server_s():
+    """The figures only one path measures live in that path's part: an in-process round has
+    every runtime figure, and no server figures to leave empty.  Its JSON row still names every
+    figure of both paths, the other path's as null, as it always has."""
+    from duplexrt.simulate.report import InProcessFigures
+
+    report = await run_simulation(_config(), SimulateOptions(concurrency=2, frames=4))
+    (round_,) = report.rounds
+    assert isinstance(round_.measured, InProcessFigures) and round_.in_process
+    assert round_.target == "in-process"
+    assert all(value is not None for value in attrs.asdict(round_.measured).values())
+    row = round_.as_dict()
+    assert row["cpu_us_per_frame"] == round_.measured.cpu_us_per_frame
+    assert row["server_cpu_us_per_frame"] is None and row["sessions_connected"] is None
+    assert row["connection_errors"] == {} and row["notes"] == [] and row["target"] == "in-process"
+    assert "measured" not in row and "lag_samples" not in row

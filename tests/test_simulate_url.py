@@ -48,15 +48,16 @@ async def test_every_route_passes_the_guards_with_server_figures(nursery, route,
     report = await _simulate(base + route, format=ROUTES[route], mode=mode,
                              message_ms=80 if mode == "paced" else 160)
     (round_,) = report.rounds
+    server = round_.measured
     assert round_.failures == [] and report.ok
-    assert round_.sessions_connected == 4 and round_.connection_errors == {}
+    assert server.sessions_connected == 4 and server.connection_errors == {}
     # Client side: every frame sent and heard.  Server side, from /metrics: the same frames.
     assert round_.frames_in == round_.frames_out == 40
-    assert round_.server_frames_in == round_.server_frames_out == 40
-    assert round_.server_cpu_us_per_frame > 0 and round_.load_generator_cpu_us_per_frame > 0
+    assert server.server_frames_in == server.server_frames_out == 40
+    assert server.server_cpu_us_per_frame > 0 and server.load_generator_cpu_us_per_frame > 0
     assert round_.steps > 0 and 1 <= round_.mean_batch <= 4
     assert round_.mean_batch == pytest.approx(40 / round_.steps)
-    assert round_.server_step_ms_mean is not None
+    assert server.server_step_ms_mean is not None
     if route == "/api/chat":
         assert round_.handoffs["decode_offload"] > 0  # Opus is decoded on a worker thread
     if mode == "paced":
@@ -111,12 +112,12 @@ async def test_fewer_slots_than_sessions_are_counted_connection_errors_and_fail(
     report = await _simulate(base + "/v1/duplex")
     (round_,) = report.rounds
     assert not report.ok
-    assert round_.connection_errors == {"http_503": 2}
-    assert round_.sessions_connected == 2
+    assert round_.measured.connection_errors == {"http_503": 2}
+    assert round_.measured.sessions_connected == 2
     assert round_.failures[0] == "connection errors: 2 http_503"
     assert sum("HTTP 503" in f and "session slots are in use" in f for f in round_.failures) == 2
     # The two sessions that got in were served and checked as usual.
-    assert round_.frames_in == round_.frames_out == round_.server_frames_in == 20
+    assert round_.frames_in == round_.frames_out == round_.measured.server_frames_in == 20
     assert "http_503: 2" in format_table(report)
 
 
@@ -143,6 +144,6 @@ async def test_drop_rate_cuts_connections_and_every_session_resumes_with_no_fram
                              drop_rate=1.0)
     (round_,) = report.rounds
     assert round_.failures == [] and report.ok  # the guards: every frame heard once, in order
-    assert (round_.drops, round_.resumes) == (8, 8)
+    assert (round_.measured.drops, round_.measured.resumes) == (8, 8)
     assert round_.frames_in == round_.frames_out == 8 * 30
     assert "connections cut / sessions resumed" in format_table(report)

@@ -10,7 +10,7 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from http import HTTPStatus
+from http.client import responses
 from urllib.parse import urlsplit
 
 import trio
@@ -45,7 +45,7 @@ def host_and_port(url: str) -> tuple[str, int]:
 
 def _describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
     status = exc.status_code
-    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
+    phrase = responses.get(status, "")
     body = (exc.body or b"").decode("utf-8", "replace").strip()
     text = f"the server refused the WebSocket connection: HTTP {status}" + (f" {phrase}" if phrase else "")
     return text + (f": {body[:300]}" if body else "")

@@ -20,9 +20,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
-
 import attrs
+import numpy as np
+
+from duplexrt.backends.base import SlotSession
+from duplexrt.core.slot_owner import SlotOwner
 
 
 class _State(enum.Enum):
@@ -42,8 +44,9 @@ class Control:
 
     op: ControlOp
     slot: int
-    owner: Any
-    payload: Any = None
+    owner: SlotOwner
+    #: OPEN: what the backend is told about the session.
+    payload: SlotSession | None = None
 
 
 class PutTicket:
@@ -68,8 +71,8 @@ class Batch:
 
     controls: list[Control]
     rows: list[int]
-    owners: list[Any]
-    frames: list[Any]
+    owners: list[SlotOwner]
+    frames: list[np.ndarray]
     stamps: list[int]
 
 
@@ -82,8 +85,8 @@ class Inbox:
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
         self._has_space = threading.Condition(self._lock)
-        self._queues: list[deque[tuple[Any, int]]] = [deque() for _ in range(slots)]
-        self._owners: list[Any] = [None] * slots
+        self._queues: list[deque[tuple[np.ndarray, int]]] = [deque() for _ in range(slots)]
+        self._owners: list[SlotOwner | None] = [None] * slots
         self._accepting = [False] * slots
         self._open_slots: list[int] = []  # ascending
         self._controls: list[Control] = []
@@ -95,7 +98,7 @@ class Inbox:
 
     # -- trio side ---------------------------------------------------------------------------
 
-    def open(self, slot: int, owner: Any, payload: Any) -> None:
+    def open(self, slot: int, owner: SlotOwner, payload: SlotSession) -> None:
         with self._lock:
             if self._owners[slot] is not None:
                 raise RuntimeError(f"slot {slot} is already open")
@@ -107,7 +110,7 @@ class Inbox:
             if self._state is _State.IDLE:
                 self._signal()
 
-    def end_input(self, slot: int, owner: Any) -> None:
+    def end_input(self, slot: int, owner: SlotOwner) -> None:
         """The session will send nothing more: stop waiting for it when gathering."""
         with self._lock:
             if self._owners[slot] is not owner or not self._accepting[slot]:
@@ -117,7 +120,7 @@ class Inbox:
                 self._starved -= 1
                 self._wake_gatherer()
 
-    def close(self, slot: int, owner: Any) -> int:
+    def close(self, slot: int, owner: SlotOwner) -> int:
         """Free the slot and drop whatever it still had queued.  Returns the frames dropped."""
         with self._lock:
             if self._owners[slot] is not owner:
@@ -141,7 +144,7 @@ class Inbox:
                 self._wake_gatherer()
             return dropped
 
-    def put_nowait(self, slot: int, owner: Any, frame: Any, stamp: int) -> bool:
+    def put_nowait(self, slot: int, owner: SlotOwner, frame: np.ndarray, stamp: int) -> bool:
         """Queue a frame if there is room.  False when the slot's queue is full."""
         with self._lock:
             if self._owners[slot] is not owner or not self._accepting[slot]:
@@ -154,7 +157,7 @@ class Inbox:
 
     # -- worker thread (a submit that found its queue full) ----------------------------------
 
-    def put_blocking(self, slot: int, owner: Any, frame: Any, stamp: int,
+    def put_blocking(self, slot: int, owner: SlotOwner, frame: np.ndarray, stamp: int,
                      ticket: PutTicket | None = None) -> bool:
         """Wait for room, then queue.  False if the slot was closed, the inbox stopped or the
         ``ticket`` was withdrawn first."""
@@ -186,7 +189,7 @@ class Inbox:
                 self._has_space.notify_all()
             return False
 
-    def _append(self, queue: deque[tuple[Any, int]], frame: Any, stamp: int) -> None:
+    def _append(self, queue: deque[tuple[np.ndarray, int]], frame: np.ndarray, stamp: int) -> None:
         # Lock held.  The wake rule lives here, so every kind of put obeys it.
         queue.append((frame, stamp))
         if len(queue) == 1:
@@ -237,8 +240,8 @@ class Inbox:
             self._state = _State.BUSY
             controls, self._controls = self._controls, []
             rows: list[int] = []
-            owners: list[Any] = []
-            frames: list[Any] = []
+            owners: list[SlotOwner] = []
+            frames: list[np.ndarray] = []
             stamps: list[int] = []
             queues = self._queues
             for slot in self._open_slots:

@@ -1,7 +1,7 @@
 """The GPU scheduler thread: the one thread that owns the model and steps every session at once.
 
 Trio tasks never touch the backend.  They lease a slot, put frames into the shared ``Inbox`` and
-receive outputs through the ``SlotOwner`` callbacks, which run on the trio thread for a whole step
+receive outputs through the ``SlotOwner`` callbacks (``core/slot_owner.py``), which run on the trio thread for a whole step
 at a time through a single ``run_sync_soon``: at most one crossing per step, and fewer when trio
 is busy, since steps that finish before trio has taken the last delivery ride along with it.
 """
@@ -13,8 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -26,7 +25,8 @@ from duplexrt.core.affinity import pin_this_thread, restore
 from duplexrt.core.capacity import CapacityEstimator
 from duplexrt.core.handoffs import HandoffKind, Handoffs
 from duplexrt.core.histogram import Histogram, Summary
-from duplexrt.core.inbox import Batch, ControlOp, Inbox, PutTicket
+from duplexrt.core.inbox import Batch, Control, ControlOp, Inbox, PutTicket
+from duplexrt.core.slot_owner import SlotOwner
 
 log = logging.getLogger("duplexrt.scheduler")
 
@@ -63,20 +63,11 @@ def new_error_id() -> str:
     return f"err_{secrets.token_hex(6)}"
 
 
-class SlotOwner(Protocol):
-    """What a session gives the scheduler: two callbacks that run on the trio thread and must
-    return quickly and never raise."""
-
-    def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None: ...
-
-    def step_failed(self, error: BaseException) -> None: ...
-
-
 @attrs.frozen
 class StepOutcome:
     """One step's results, handed to trio as one immutable object."""
 
-    owners: Sequence[Any]
+    owners: Sequence[SlotOwner]
     stamps: Sequence[int]
     outputs: np.ndarray | None
     texts: Sequence[str] | None
@@ -113,14 +104,18 @@ def _host_buffer(shape: tuple[int, ...], device: str) -> np.ndarray:
 class SlotLease:
     """A session's hold on one slot, used from the trio thread."""
 
-    __slots__ = ("slot", "owner", "session_id", "_scheduler", "_inbox", "_released")
+    __slots__ = ("slot", "owner", "session_id", "_scheduler", "_inbox", "_give_back", "_released")
 
-    def __init__(self, scheduler: Scheduler, slot: int, owner: SlotOwner, session_id: int) -> None:
+    def __init__(self, scheduler: Scheduler, slot: int, owner: SlotOwner, session_id: int,
+                 give_back: Callable[[int], None]) -> None:
         self.slot = slot
         self.owner = owner
         self.session_id = session_id
         self._scheduler = scheduler
         self._inbox = scheduler.inbox
+        #: Hands the slot back to the scheduler's free list: given by the scheduler, so the lease
+        #: needs nothing of the scheduler's beyond what it was handed.
+        self._give_back = give_back
         self._released = False
 
     @property
@@ -182,7 +177,7 @@ class SlotLease:
             return 0
         self._released = True
         dropped = self._inbox.close(self.slot, self.owner)
-        self._scheduler._slot_released(self.slot)
+        self._give_back(self.slot)
         return dropped
 
 
@@ -266,7 +261,7 @@ class Scheduler:
         slot = self._free_slots.pop()
         if session_id is None:
             session_id = next(self._session_ids)
-        lease = SlotLease(self, slot, owner, session_id)
+        lease = SlotLease(self, slot, owner, session_id, self._slot_released)
         self.inbox.open(slot, owner, SlotSession(session_id=session_id))
         return lease
 
@@ -360,7 +355,7 @@ class Scheduler:
 
     # -- scheduler thread ------------------------------------------------------------------
 
-    def _to_trio(self, kind: HandoffKind, fn: Any, *args: Any) -> bool:
+    def _to_trio(self, kind: HandoffKind, fn: Callable[..., object], *args: object) -> bool:
         assert self._token is not None
         return self.handoffs.deliver_from_thread(self._token, kind, fn, *args)
 
@@ -412,7 +407,7 @@ class Scheduler:
             if batch.rows:
                 self._step(batch)
 
-    def _apply(self, control: Any) -> None:
+    def _apply(self, control: Control) -> None:
         try:
             if control.op is ControlOp.OPEN:
                 self.backend.open_slot(control.slot, control.payload)

@@ -43,6 +43,7 @@ from duplexrt.core.handoffs import HandoffKind, Handoffs
 from duplexrt.core.metrics import FrameMetrics
 from duplexrt.core.resume import ResumableTransport
 from duplexrt.core.scheduler import BackendStepError, Scheduler, SlotClosedError, new_error_id
+from duplexrt.core.stage_meter import StageMeter
 from duplexrt.core.state import SessionState, rank
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (
@@ -104,7 +105,7 @@ class Session:
         self._model_rate = config.audio.sample_rate
         self._frame_seconds = config.audio.frame_seconds
         self._max_message_seconds = config.audio.max_message_seconds
-        self._decoder = self._new_decoder()
+        self._decoder = self._new_decoder(protocol.input_spec)
         self._encoder = make_encoder(protocol.output_spec, self._model_rate)
         self._framer = Framer(config.audio.frame_size)
         self._always_offload = config.runtime.offload == "always"
@@ -153,17 +154,11 @@ class Session:
         self.lease = None
         # Usage: always exact, whatever is collected besides.
         self._text_pieces = 0
-        self._opened_ns = 0
         self._first_submit_ns = 0
         self._last_sent_ns = 0
-        # Stage timing, only when asked for: a per-session summary kept in constant space.
-        self._collect = config.metrics.collect_stage_metrics
-        self._messages = 0
-        self._latency_sum_ns = 0
-        self._latency_max_ns = 0
-        self._late = 0
-        self._late_ns = int(self._frame_seconds * 1e9)
-        self._first_audio_ns = 0
+        # Stage timing, only when asked for (None: no clock read, nothing recorded for it).
+        self._meter = (StageMeter(services.metrics, self._frame_seconds)
+                       if config.metrics.collect_stage_metrics else None)
         limits = [services.max_session_frames]
         if config.runtime.max_session_seconds > 0:
             limits.append(int(config.runtime.max_session_seconds / self._frame_seconds + 1e-9))
@@ -217,7 +212,8 @@ class Session:
         metrics.sessions_opened += 1
         metrics.sessions_active += 1
         services.registry.add(self)
-        self._opened_ns = time.perf_counter_ns()
+        if self._meter is not None:
+            self._meter.opened()
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel_scope = nursery.cancel_scope
@@ -250,12 +246,7 @@ class Session:
         return end
 
     def _log_end(self, end: SessionEnd) -> None:
-        timing = ""
-        if self._collect and end.frames_out:
-            mean_ms = self._latency_sum_ns / end.frames_out / 1e6
-            first = (self._first_audio_ns - self._opened_ns) / 1e6 if self._first_audio_ns else float("nan")
-            timing = (f"; first audio after {first:.1f} ms, frame latency mean {mean_ms:.1f} ms "
-                      f"max {self._latency_max_ns / 1e6:.1f} ms, {self._late} late")
+        timing = self._meter.describe(end.frames_out) if self._meter is not None else ""
         log.info("session %s ended: %s, %d frames in (%.2f s), %d out (%.2f s), %d text pieces, "
                  "%.2f s generating%s%s", self.lease.session_id, end.reason, end.frames_in, end.seconds_in,
                  end.frames_out, end.seconds_out, end.text_tokens_out, end.generation_seconds,
@@ -453,10 +444,10 @@ class Session:
                 await self._feed_flush()
             self._queue(event.messages)
         elif isinstance(event, Reconfigure):
-            await self._reconfigure(event.messages)
+            await self._reconfigure(event)
         elif isinstance(event, ClearInput):
             self._framer.clear()
-            self._decoder = self._new_decoder()
+            self._decoder = self._new_decoder(self._decoder.spec)
             self._queue(event.messages)
         elif isinstance(event, ClearOutput):
             dropped = len(self._outbox)
@@ -469,8 +460,8 @@ class Session:
         else:
             raise AssertionError(f"unexpected event {event!r}")
 
-    async def _reconfigure(self, messages: tuple[Message, ...]) -> None:
-        """New wire formats, announced by ``messages``.
+    async def _reconfigure(self, event: Reconfigure) -> None:
+        """New wire formats (the event's specs), announced by its ``messages``.
 
         Output: everything the client gets after the announcement is in the new format.  So the
         old encoder's tail is handed to the translator before it, audio the translator holds back
@@ -478,22 +469,22 @@ class Session:
         waiting, with the new encoder.  Input: what the old decoder still held is model audio
         already, so it goes on into the framer."""
         protocol = self._protocol
-        if protocol.output_spec != self._encoder.spec:
+        if event.output_spec != self._encoder.spec:
             while self._encoding:  # a batch on a worker thread, encoded with the old encoder
                 await self._encoded.park()
             old = self._encoder
-            new = self._encoder = make_encoder(protocol.output_spec, self._model_rate)
+            new = self._encoder = make_encoder(event.output_spec, self._model_rate)
             tail = old.flush()
             if tail:
                 self._queue(protocol.audio_out(tail, 0))
             protocol.recode_held(lambda payloads: self._recode(payloads, old.spec, new))
-        self._queue(messages)
-        if protocol.input_spec != self._decoder.spec:
+        self._queue(event.messages)
+        if event.input_spec != self._decoder.spec:
             try:
                 tail = self._decoder.flush()
             except AudioFormatError:
                 tail = np.zeros(0, dtype=np.float32)
-            self._decoder = self._new_decoder()
+            self._decoder = self._new_decoder(event.input_spec)
             for frame in self._framer.push(tail):
                 await self._submit(frame)
 
@@ -513,8 +504,8 @@ class Session:
             return [b"" for _ in payloads]
         return out
 
-    def _new_decoder(self) -> Decoder:
-        return make_decoder(self._protocol.input_spec, self._model_rate, self._max_message_seconds)
+    def _new_decoder(self, spec: AudioSpec) -> Decoder:
+        return make_decoder(spec, self._model_rate, self._max_message_seconds)
 
     def _queue(self, messages: list[Message] | tuple[Message, ...]) -> None:
         """Hand messages to the writer, behind everything made before them."""
@@ -541,11 +532,8 @@ class Session:
         self._between_messages = False
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
-        # Decoding and framing cost the same message after message: one message in four is
-        # timed, which is plenty for its percentiles and a quarter of the clock reads.
-        self._messages += 1
-        timed = self._collect and not self._messages & 3
-        started = time.perf_counter_ns() if timed else 0
+        meter = self._meter
+        started = meter.message_started() if meter is not None else 0
         decoder = self._decoder
         try:
             if decoder.is_encoded:
@@ -572,8 +560,8 @@ class Session:
             self._reject(ProtocolError("invalid_audio", str(exc)))
             return
         frames = self._framer.push(samples)
-        if timed:
-            self._metrics.preprocess.record(time.perf_counter_ns() - started)
+        if started:
+            meter.message_framed(started)
         for frame in frames:
             if self._fill_debt:  # this time was already filled with silence
                 self._fill_debt -= 1
@@ -635,12 +623,9 @@ class Session:
                 self._clock_start = trio.current_time()
                 self._clock_started.set()
         self._submitted += 1
-        metrics = self._metrics
-        metrics.frames_in += 1
-        if self._collect and not self._submitted & 7:
-            # One frame in eight: the cost of a submit is the same every time, and its median
-            # needs no more; the clock read and the record are what collection costs per frame.
-            metrics.enqueue.record(time.perf_counter_ns() - started)
+        self._metrics.frames_in += 1
+        if self._meter is not None:
+            self._meter.frame_submitted(self._submitted, started)
 
     async def _end_input(self) -> None:
         """Submit what the decoder and framer still hold, then let the writer finish."""
@@ -697,34 +682,12 @@ class Session:
         if self._credit:
             self._credit.unpark_all()  # a reader waiting for room in the queue
 
-    def _record_sent(self, items: list[tuple[np.ndarray, str | None, int, int]], now: int,
-                     metrics: FrameMetrics) -> None:
-        """Stage timing for a batch just sent: a few integer operations per frame."""
-        latency = metrics.latency
-        late_ns = self._late_ns
-        # Once per batch: the frames of one batch were stepped together or just before.
-        metrics.step_to_sent.record(now - items[0][3])
-        for item in items:
-            value = now - item[2]
-            latency.record(value)
-            self._latency_sum_ns += value
-            if value > self._latency_max_ns:
-                self._latency_max_ns = value
-            if value > late_ns:
-                self._late += 1
-                metrics.late_frames += 1
-        if self._first_audio_ns:
-            # Jitter: how far this send strays from one frame period after the previous one.
-            metrics.jitter.record(abs(now - self._last_sent_ns - late_ns * len(items)))
-        else:
-            self._first_audio_ns = now
-            metrics.first_audio.record(now - self._opened_ns)
-
     async def _write_loop(self) -> None:
         outbox = self._outbox
         pending = self._pending
         protocol = self._protocol
         metrics = self._metrics
+        meter = self._meter
         try:
             while True:
                 if pending:
@@ -780,8 +743,8 @@ class Session:
                 self._sent += count
                 metrics.frames_out += count
                 now = time.perf_counter_ns()
-                if self._collect:
-                    self._record_sent(items, now, metrics)
+                if meter is not None:
+                    meter.batch_sent(items, now, self._last_sent_ns)
                 self._last_sent_ns = now
                 self._in_flight -= count
                 if self._credit:

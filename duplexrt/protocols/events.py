@@ -57,9 +57,12 @@ class Reply:
 
 @attrs.frozen
 class Reconfigure:
-    """The client changed formats: the session rebuilds its decoder and encoder from the
-    translator's ``input_spec`` and ``output_spec``, then sends ``messages``."""
+    """The client changed formats: the session rebuilds its decoder and encoder for the formats
+    this event carries (the ones the translator now speaks), then sends ``messages``.  The event
+    carries them forward so that the session never reads the translator's state back."""
 
+    input_spec: AudioSpec
+    output_spec: AudioSpec
     messages: tuple[Message, ...] = ()
 
 

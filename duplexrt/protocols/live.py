@@ -310,7 +310,7 @@ class LiveProtocol(Translator):
         if self.resume_token is not None:
             body["resume_token"] = self.resume_token
         started = json.dumps(body)
-        return Reconfigure(messages=(started,))
+        return Reconfigure(input_spec=spec, output_spec=spec, messages=(started,))
 
     def _parse_format(self, value: object) -> AudioSpec | str:
         """``{"type": "audio/pcm", "rate": 24000}``, or an error message."""

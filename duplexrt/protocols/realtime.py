@@ -38,6 +38,10 @@ instructions) are simply not in force, and ``session.updated`` shows only what i
 
 One "token" of usage is one model frame (80 ms).
 
+This module is the state machine (responses, held audio, turns); reading the client's events is in
+``realtime_client_events`` and writing the server's, in either naming, in
+``realtime_server_events``.
+
 Nothing the client sends is echoed back at full length: values quoted in errors and client event ids
 are cut to about 100 characters, so a client that sends huge values and never reads cannot make
 each queued reply huge.
@@ -46,13 +50,11 @@ each queued reply huge.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-from binascii import b2a_base64
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.protocols.b64audio import Base64Audio
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (
@@ -65,67 +67,27 @@ from duplexrt.protocols.events import (
     Reconfigure,
     Reply,
     SessionEnd,
-    clip,
     json_object,
     quote,
 )
+from duplexrt.protocols.realtime_client_events import (
+    BINARY,
+    PCM_RATE,
+    UNSET,
+    UNSUPPORTED,
+    bad_type,
+    client_event_id,
+    read_session_update,
+    response_fields,
+)
 from duplexrt.protocols.realtime_items import Items, client_item, message_item
-from duplexrt.protocols.realtime_session import parse_turn_detection, render_turn_detection, unsupported_settings
+from duplexrt.protocols.realtime_server_events import END_CODES, END_STATUS, Response, ServerEvents, usage
+from duplexrt.protocols.realtime_session import render_turn_detection
 from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
-from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.reasons import FinishReason
 from duplexrt.transport import Message
 
 __all__ = ["RealtimeProtocol"]
-
-#: The rates the protocol means when a format names none.
-_PCM_RATE = 24000
-_G711_RATE = 8000
-
-#: Wire format names, GA and beta alike, as the AudioFormat they mean.
-_FORMATS: dict[str, AudioFormat] = {
-    "audio/pcm": AudioFormat.PCM_S16LE,
-    "audio/pcmu": AudioFormat.G711_ULAW,
-    "audio/pcma": AudioFormat.G711_ALAW,
-    "pcm16": AudioFormat.PCM_S16LE,
-    "g711_ulaw": AudioFormat.G711_ULAW,
-    "g711_alaw": AudioFormat.G711_ALAW,
-}
-_FORMAT_NAMES = "audio/pcm, audio/pcmu, audio/pcma (beta: pcm16, g711_ulaw, g711_alaw)"
-_GA_NAMES = {
-    AudioFormat.PCM_S16LE: "audio/pcm",
-    AudioFormat.G711_ULAW: "audio/pcmu",
-    AudioFormat.G711_ALAW: "audio/pcma",
-}
-_BETA_NAMES = {
-    AudioFormat.PCM_S16LE: "pcm16",
-    AudioFormat.G711_ULAW: "g711_ulaw",
-    AudioFormat.G711_ALAW: "g711_alaw",
-}
-
-#: Client events of the protocol that this server does not implement.
-_UNSUPPORTED = (
-    "transcription_session.update",
-    "input_audio_buffer.dtmf",
-)
-
-#: SessionEnd.reason -> (response status, status_details reason).  The protocol's reasons are a
-#: closed list; any other ending is an ``incomplete`` response whose ``status_details.error.code``
-#: names it (``server_shutdown``, ``idle_timeout``, ...).
-_END_STATUS: dict[str, tuple[str, str | None]] = {
-    FinishReason.STOP: ("completed", None),
-    FinishReason.CLIENT_CLOSED: ("cancelled", "client_cancelled"),
-    FinishReason.LENGTH: ("incomplete", "max_output_tokens"),
-    FinishReason.ERROR: ("failed", None),
-}
-_END_CODES: dict[str, str] = {FinishReason.SHUTDOWN: "server_shutdown"}
-
-_BINARY = ProtocolError(
-    "binary_not_supported",
-    "binary messages are not part of the Realtime protocol; send audio as base64 in "
-    "input_audio_buffer.append events",
-    close_code=CloseCode.UNSUPPORTED_DATA,
-    fatal=True,
-)
 
 _session_ids = itertools.count(1)
 
@@ -134,57 +96,12 @@ _session_ids = itertools.count(1)
 MAX_HELD_BYTES = 16 << 20
 
 
-_UNSET = object()
-
-
 class _ZeroProgress:
     """Counters for a translator no session has attached yet."""
 
     frames_in = 0
     frames_out = 0
     frames_answered = 0
-
-
-class _Response:
-    """The state of one response."""
-
-    __slots__ = ("id", "item_id", "target", "frames", "audio_sent", "transcript",
-                 "audio_prefix", "text_prefix", "fields")
-
-    def __init__(self, response_id: str, item_id: str, target: int | None,
-                 audio_type: str, text_type: str, fields: dict[str, Any] | None = None) -> None:
-        self.id = response_id
-        self.item_id = item_id
-        #: What the client set in response.create that is echoed back (``metadata``).
-        self.fields = fields or {}
-        #: Turn mode: the response completes once this many frames of output have been sent.
-        #: None: open-ended (duplex mode).
-        self.target = target
-        self.frames = 0  # model frames of output sent in this response
-        self.audio_sent = False
-        self.transcript: list[str] = []
-        # Deltas are formatted by hand: the ids are ours and base64 needs no escaping, so the
-        # per-frame path skips json.dumps scanning tens of kilobytes of payload.
-        tail = (f'"response_id":"{response_id}","item_id":"{item_id}",'
-                f'"output_index":0,"content_index":0,"delta":')
-        self.audio_prefix = (f'{{"type":"{audio_type}",', tail)
-        self.text_prefix = (f'{{"type":"{text_type}",', tail)
-
-
-def _client_event_id(data: dict[str, Any]) -> str | None:
-    event_id = data.get("event_id")
-    return clip(event_id) if isinstance(event_id, str) else None
-
-
-def _usage(frames_in: int, frames_out: int, text_out: int = 0) -> dict[str, Any]:
-    """One audio token per model frame, one text token per piece of model text."""
-    return {
-        "total_tokens": frames_in + frames_out + text_out,
-        "input_tokens": frames_in,
-        "output_tokens": frames_out + text_out,
-        "input_token_details": {"audio_tokens": frames_in, "text_tokens": 0},
-        "output_token_details": {"audio_tokens": frames_out, "text_tokens": text_out},
-    }
 
 
 class RealtimeProtocol(Translator):
@@ -200,16 +117,16 @@ class RealtimeProtocol(Translator):
         self.duplex = duplex
         self.model = model
         self.session_id = session_id or f"sess_{next(_session_ids)}"
-        self.input_spec = AudioSpec.create(AudioFormat.PCM_S16LE, _PCM_RATE, model_rate=model_rate)
+        self.input_spec = AudioSpec.create(AudioFormat.PCM_S16LE, PCM_RATE, model_rate=model_rate)
         self.output_spec = self.input_spec
         self.progress = _ZeroProgress()
         #: Audio one append may carry (``audio.max_message_seconds``), checked on the base64 text.
         self.max_message_seconds = max_message_seconds
+        self._out = ServerEvents(beta=beta)  # how this session's events are written
         self._audio = self._audio_rules()
-        self._event_ids = itertools.count(1)
         self._item_ids = itertools.count(1)
         self._response_ids = itertools.count(1)
-        self._response: _Response | None = None
+        self._response: Response | None = None
         self._last_response_id: str | None = None
         self._last_item_id: str | None = None
         self._pending_input = False  # audio appended since the last commit or clear
@@ -233,16 +150,6 @@ class RealtimeProtocol(Translator):
         self._hangover = max(1, math.ceil(duplex_hangover_ms / 1000 / frame_seconds - 1e-9))
         self._quiet = 0  # frames under the gate since the last loud one
         self._muted = False  # duplex: the client cancelled this burst; drop it until a pause
-        if beta:
-            self._audio_delta = "response.audio.delta"
-            self._audio_done = "response.audio.done"
-            self._text_delta = "response.audio_transcript.delta"
-            self._text_done = "response.audio_transcript.done"
-        else:
-            self._audio_delta = "response.output_audio.delta"
-            self._audio_done = "response.output_audio.done"
-            self._text_delta = "response.output_audio_transcript.delta"
-            self._text_done = "response.output_audio_transcript.done"
         handlers: dict[str, Callable[[dict[str, Any]], Event]] = {
             "input_audio_buffer.append": self._append,
             "input_audio_buffer.commit": self._commit,
@@ -256,7 +163,7 @@ class RealtimeProtocol(Translator):
             "conversation.item.delete": self._item_delete,
             "conversation.item.retrieve": self._item_retrieve,
         }
-        for name in _UNSUPPORTED:
+        for name in UNSUPPORTED:
             handlers[name] = self._unsupported
         self._handlers = handlers
 
@@ -264,7 +171,7 @@ class RealtimeProtocol(Translator):
 
     def start(self) -> list[Message]:
         extra = {} if self.resume_token is None else {"resume_token": self.resume_token}
-        messages = [self._event("session.created", session=self._session_object(), **extra)]
+        messages = [self._out.event("session.created", session=self._session_object(), **extra)]
         if self.duplex and self._gate is None:
             messages += self._open_response(None)
         return messages
@@ -316,12 +223,9 @@ class RealtimeProtocol(Translator):
             messages += self._close_response("completed", None)
         return messages
 
-    def _delta_message(self, response: _Response, payload: bytes) -> str:
-        """One audio delta, formatted by hand (see ``_Response``)."""
+    def _delta_message(self, response: Response, payload: bytes) -> str:
         response.audio_sent = True
-        head, tail = response.audio_prefix
-        return (f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
-                f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
+        return self._out.audio(response, payload)
 
     def next_boundary(self) -> int | None:
         """Where the output changes hands: the end of the cancelled response being dropped, or
@@ -371,13 +275,12 @@ class RealtimeProtocol(Translator):
         if self._discard_below and self.progress.frames_answered < self._discard_below:
             return []  # the cancelled answer's text, not the new response's
         response.transcript.append(text)
-        head, tail = response.text_prefix
-        return [f'{head}"event_id":"event_{next(self._event_ids)}",{tail}{json.dumps(text)}}}']
+        return [self._out.text(response, text)]
 
     def error(self, error: ProtocolError) -> list[Message]:
         if error.fatal:
             self._fatal_sent = True
-        return [self._event("error", error={
+        return [self._out.event("error", error={
             "type": "invalid_request_error",
             "code": error.code,
             "message": error.message,
@@ -389,15 +292,15 @@ class RealtimeProtocol(Translator):
         if self._response is None:
             if end.reason == FinishReason.ERROR and not self._fatal_sent:
                 # No response to fail, but the client still hears why the session ends.
-                return [self._event("error", error={
+                return [self._out.event("error", error={
                     "type": "server_error", "code": "server_error", "param": None, "event_id": None,
                     "message": end.error or "internal server error"})]
             return []
-        status, reason = _END_STATUS.get(end.reason, ("incomplete", None))
+        status, reason = END_STATUS.get(end.reason, ("incomplete", None))
         messages: list[Message] = []
         error = None
-        if end.reason not in _END_STATUS:
-            code = _END_CODES.get(end.reason, end.reason)
+        if end.reason not in END_STATUS:
+            code = END_CODES.get(end.reason, end.reason)
             error = {"type": "server_error", "code": code, "message": f"the session ended: {code}"}
         if end.reason == FinishReason.ERROR:
             if self._fatal_sent:  # the client's own error was already sent as such
@@ -405,37 +308,29 @@ class RealtimeProtocol(Translator):
             else:
                 message = end.error or "internal server error"
                 error = {"type": "server_error", "code": "server_error", "message": message}
-                messages.append(self._event("error", error={**error, "param": None, "event_id": None}))
+                messages.append(self._out.event("error", error={**error, "param": None, "event_id": None}))
         details: dict[str, Any] = {"type": status, "reason": reason}
         if error is not None:
             details["error"] = error
-        usage = _usage(end.frames_in, end.frames_out, end.text_tokens_out)
-        messages += self._close_response(status, details, usage)
+        messages += self._close_response(status, details, usage(end.frames_in, end.frames_out, end.text_tokens_out))
         return messages
 
     # -- client -> server ----------------------------------------------------------------------
 
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):
-            return _BINARY
+            return BINARY
         data = json_object(message)
         if isinstance(data, ProtocolError):
             return data
         kind = data.get("type")
         handler = self._handlers.get(kind) if type(kind) is str else None
         if handler is None:
-            return self._bad_type(data, kind)
+            return bad_type(data, kind)
         return handler(data)
 
-    def _bad_type(self, data: dict[str, Any], kind: object) -> ProtocolError:
-        if not isinstance(kind, str):
-            return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"',
-                                 event_id=_client_event_id(data))
-        return ProtocolError("unknown_event", f"unknown event type {quote(kind)}",
-                             event_id=_client_event_id(data))
-
     def _append(self, data: dict[str, Any]) -> Event:
-        raw = self._audio.decode(data.get("audio"), _client_event_id(data))
+        raw = self._audio.decode(data.get("audio"), client_event_id(data))
         if isinstance(raw, ProtocolError):
             return raw
         self._pending_input = True
@@ -448,7 +343,7 @@ class RealtimeProtocol(Translator):
         bounds the base64 text before it is decoded)."""
         spec = self.input_spec
         return Base64Audio("input_audio_buffer.append", spec.format.bytes_per_sample or 1, spec.sample_rate,
-                           self._format_name(spec), self.max_message_seconds)
+                           self._out.format_name(spec), self.max_message_seconds)
 
     def _detect(self, raw: bytes) -> tuple[Message, ...]:
         """Server VAD over one append: speech start (barge-in) and stop (commit, and in turn mode
@@ -459,7 +354,7 @@ class RealtimeProtocol(Translator):
         for what, ms in vad.feed(raw):
             if what == "started":
                 self._speech_item = self._new_item_id()
-                messages.append(self._event("input_audio_buffer.speech_started", audio_start_ms=ms,
+                messages.append(self._out.event("input_audio_buffer.speech_started", audio_start_ms=ms,
                                             item_id=self._speech_item))
                 response = self._response
                 if response is not None and vad.settings.interrupt_response and not self.duplex:
@@ -467,7 +362,7 @@ class RealtimeProtocol(Translator):
                 continue
             item_id = self._speech_item or self._new_item_id()
             self._speech_item = None
-            messages.append(self._event("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id))
+            messages.append(self._out.event("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id))
             messages += self._commit_item(item_id)
             if vad.settings.create_response and not self.duplex and self._response is None:
                 messages += self._turn_response(None)
@@ -479,20 +374,14 @@ class RealtimeProtocol(Translator):
         item = message_item(item_id, "user", [{"type": "input_audio", "transcript": None}], beta=self.beta)
         previous = self._items.add(item)
         self._last_item_id = item_id
-        messages: list[Message] = [self._event("input_audio_buffer.committed", previous_item_id=previous,
-                                               item_id=item_id)]
-        if self.beta:
-            messages.append(self._event("conversation.item.created", previous_item_id=previous, item=item))
-        else:
-            messages.append(self._event("conversation.item.added", previous_item_id=previous, item=item))
-            messages.append(self._event("conversation.item.done", previous_item_id=previous, item=item))
-        return messages
+        return [self._out.event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id),
+                *self._out.item_added(previous, item)]
 
     def _commit(self, data: dict[str, Any]) -> Event:
         if not self._pending_input:
             return ProtocolError("input_audio_buffer_commit_empty",
                                  "nothing to commit: no audio was appended since the last commit or clear",
-                                 event_id=_client_event_id(data))
+                                 event_id=client_event_id(data))
         item_id = self._speech_item or self._new_item_id()
         self._speech_item = None
         messages = tuple(self._commit_item(item_id))
@@ -502,7 +391,7 @@ class RealtimeProtocol(Translator):
 
     def _clear_input(self, data: dict[str, Any]) -> Event:
         self._pending_input = False
-        return ClearInput(messages=(self._event("input_audio_buffer.cleared"),))
+        return ClearInput(messages=(self._out.event("input_audio_buffer.cleared"),))
 
     def _clear_output(self, data: dict[str, Any]) -> Event:
         response = self._response
@@ -513,7 +402,7 @@ class RealtimeProtocol(Translator):
             # its target: clearing what it was saying cancels it.
             messages += self._cancel(response)
         response_id = response.id if response is not None else self._last_response_id or ""
-        messages.append(self._event("output_audio_buffer.cleared", response_id=response_id))
+        messages.append(self._out.event("output_audio_buffer.cleared", response_id=response_id))
         return ClearOutput(messages=tuple(messages))
 
     def _response_create(self, data: dict[str, Any]) -> Event:
@@ -521,8 +410,8 @@ class RealtimeProtocol(Translator):
             return ProtocolError("conversation_already_has_active_response",
                                  f"response {self._response.id} is still in progress; "
                                  "cancel it or wait for its response.done",
-                                 event_id=_client_event_id(data))
-        fields = self._response_fields(data)
+                                 event_id=client_event_id(data))
+        fields = response_fields(data)
         if isinstance(fields, ProtocolError):
             return fields
         if self.duplex:
@@ -540,34 +429,16 @@ class RealtimeProtocol(Translator):
             return [*created, *deltas]
         return [*created, *deltas, *self._close_response("completed", None)]
 
-    def _response_fields(self, data: dict[str, Any]) -> dict[str, Any] | ProtocolError:
-        """The ``response`` a client set that the server echoes: ``metadata`` (clients match a
-        reply to their request by it).  Instructions, voice and the like change nothing in a
-        speech-to-speech model, so they are not echoed as if in force."""
-        body = data.get("response")
-        if body is None:
-            return {}
-        if type(body) is not dict:
-            return ProtocolError("invalid_type", "'response' must be an object", event_id=_client_event_id(data))
-        metadata = body.get("metadata")
-        if metadata is None:
-            return {}
-        if type(metadata) is not dict or len(metadata) > 16 or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            return ProtocolError("invalid_value", "response.metadata must be an object of at most 16 "
-                                 f"string values, got {quote(metadata)}", event_id=_client_event_id(data))
-        return {"metadata": {clip(k, 64): clip(v, 512) for k, v in metadata.items()}}
-
     def _response_cancel(self, data: dict[str, Any]) -> Event:
         response = self._response
         wanted = data.get("response_id")
         if response is None or (isinstance(wanted, str) and wanted and wanted != response.id):
             what = f"response {quote(wanted)} is not" if isinstance(wanted, str) and wanted else "no response is"
             return ProtocolError("response_cancel_not_active", f"{what} in progress",
-                                 event_id=_client_event_id(data))
+                                 event_id=client_event_id(data))
         return Reply(tuple(self._cancel(response)))
 
-    def _cancel(self, response: _Response, reason: str = "client_cancelled") -> list[Message]:
+    def _cancel(self, response: Response, reason: str = "client_cancelled") -> list[Message]:
         """End ``response`` as cancelled.  In turn mode the model is still producing the rest of
         its answer (up to the target): that output is dropped as it comes, so that it is neither
         sent now nor held and replayed as the start of the next response."""
@@ -582,7 +453,7 @@ class RealtimeProtocol(Translator):
     def _item_create(self, data: dict[str, Any]) -> Event:
         """An item from the client.  Audio in it is fed to the model like appended audio; text
         is acknowledged but cannot reach a speech-only model (the README says so)."""
-        event_id = _client_event_id(data)
+        event_id = client_event_id(data)
         item = data.get("item")
         if type(item) is not dict:
             return ProtocolError("invalid_type" if item is not None else "missing_required_parameter",
@@ -610,18 +481,13 @@ class RealtimeProtocol(Translator):
         rendered = client_item(item_id, item, beta=self.beta)
         previous = self._items.add(rendered)
         self._last_item_id = item_id
-        if self.beta:
-            messages: tuple[Message, ...] = (
-                self._event("conversation.item.created", previous_item_id=previous, item=rendered),)
-        else:
-            messages = (self._event("conversation.item.added", previous_item_id=previous, item=rendered),
-                        self._event("conversation.item.done", previous_item_id=previous, item=rendered))
+        messages = tuple(self._out.item_added(previous, rendered))
         return AudioIn(raw, (*heard, *messages)) if raw else Reply(messages)
 
     def _item_truncate(self, data: dict[str, Any]) -> Event:
         """The client stopped playing an item: if it is the response still speaking, that
         response ends now and the rest of its audio is dropped (unsent audio included)."""
-        event_id = _client_event_id(data)
+        event_id = client_event_id(data)
         item_id, audio_end_ms = data.get("item_id"), data.get("audio_end_ms")
         if not isinstance(item_id, str) or not item_id:
             return ProtocolError("missing_required_parameter", "conversation.item.truncate needs 'item_id'",
@@ -632,7 +498,7 @@ class RealtimeProtocol(Translator):
         if self._items.get(item_id) is None:
             return ProtocolError("item_not_found", f"no item {quote(item_id)} in this conversation",
                                  event_id=event_id)
-        truncated = self._event("conversation.item.truncated", item_id=item_id, content_index=0,
+        truncated = self._out.event("conversation.item.truncated", item_id=item_id, content_index=0,
                                 audio_end_ms=audio_end_ms)
         response = self._response
         if response is None or response.item_id != item_id:
@@ -643,80 +509,34 @@ class RealtimeProtocol(Translator):
         item_id = data.get("item_id")
         if not isinstance(item_id, str) or not self._items.delete(item_id):
             return ProtocolError("item_not_found", f"no item {quote(item_id)} in this conversation",
-                                 event_id=_client_event_id(data))
-        return Reply((self._event("conversation.item.deleted", item_id=item_id),))
+                                 event_id=client_event_id(data))
+        return Reply((self._out.event("conversation.item.deleted", item_id=item_id),))
 
     def _item_retrieve(self, data: dict[str, Any]) -> Event:
         item_id = data.get("item_id")
         item = self._items.get(item_id) if isinstance(item_id, str) else None
         if item is None:
             return ProtocolError("item_not_found", f"no item {quote(item_id)} in this conversation",
-                                 event_id=_client_event_id(data))
-        return Reply((self._event("conversation.item.retrieved", item=item),))
+                                 event_id=client_event_id(data))
+        return Reply((self._out.event("conversation.item.retrieved", item=item),))
 
     def _unsupported(self, data: dict[str, Any]) -> Event:
         return ProtocolError("unsupported_event",
                              f"{data['type']} is not supported by this server; the session goes on",
-                             event_id=_client_event_id(data))
+                             event_id=client_event_id(data))
 
     # -- session.update ---------------------------------------------------------------------------
 
     def _session_update(self, data: dict[str, Any]) -> Event:
-        event_id = _client_event_id(data)
-
-        def invalid(code: str, message: str) -> ProtocolError:
-            return ProtocolError(code, message, event_id=event_id)
-
-        session = data.get("session")
-        if session is None:
-            return invalid("missing_required_parameter", "session.update needs a 'session' object")
-        if type(session) is not dict:
-            return invalid("invalid_type", "'session' must be an object")
-        kind = session.get("type")
-        if kind is not None and kind != "realtime":
-            return invalid("invalid_value", f"session.type must be 'realtime', got {quote(kind)}")
-        specs: dict[str, AudioSpec] = {}
-        audio = session.get("audio")
-        if audio is not None:
-            if type(audio) is not dict:
-                return invalid("invalid_type", "session.audio must be an object")
-            for direction in ("input", "output"):
-                part = audio.get(direction)
-                if part is None:
-                    continue
-                if type(part) is not dict:
-                    return invalid("invalid_type", f"session.audio.{direction} must be an object")
-                if part.get("format") is not None:
-                    spec = self._parse_format(part["format"], f"session.audio.{direction}.format", event_id)
-                    if isinstance(spec, ProtocolError):
-                        return spec
-                    specs[direction] = spec
-        for direction in ("input", "output"):
-            field = f"{direction}_audio_format"
-            value = session.get(field)
-            if value is None:
-                continue
-            spec = self._parse_format(value, f"session.{field}", event_id)
-            if isinstance(spec, ProtocolError):
-                return spec
-            if direction in specs and specs[direction] != spec:
-                return invalid("invalid_value",
-                               f"session.audio.{direction}.format ({self._format_name(specs[direction])}) "
-                               f"and session.{field} ({self._format_name(spec)}) disagree")
-            specs[direction] = spec
-        audio_input = audio.get("input") if type(audio) is dict else None
-        audio_input = audio_input if type(audio_input) is dict else {}
-        detection: object = _UNSET
-        for field, value in (("session.audio.input.turn_detection", audio_input.get("turn_detection", _UNSET)),
-                             ("session.turn_detection", session.get("turn_detection", _UNSET))):
-            if value is not _UNSET:
-                detection = parse_turn_detection(value, field)
-                if isinstance(detection, str):
-                    return invalid("invalid_value", detection)
-        warnings = [self._warning(field, why, event_id) for field, why in unsupported_settings(session, audio_input)]
+        update = read_session_update(data, self.model_rate, self._out.format_name)
+        if isinstance(update, ProtocolError):
+            return update
+        event_id = client_event_id(data)
+        specs, detection = update.specs, update.turn_detection
+        warnings = [self._warning(field, why, event_id) for field, why in update.unsupported]
         # Everything checked: apply.  Other fields (instructions, voice, ...) change nothing here,
         # so they are neither kept nor echoed: session.updated shows what is in effect.
-        if detection is not _UNSET:
+        if detection is not UNSET:
             self._set_turn_detection(detection)  # type: ignore[arg-type]
         new_input = specs.get("input", self.input_spec)
         new_output = specs.get("output", self.output_spec)
@@ -728,9 +548,9 @@ class RealtimeProtocol(Translator):
             self._vad.set_spec(new_input)
         if self._gate is not None:
             self._gate.set_spec(new_output)
-        updated = self._event("session.updated", session=self._session_object())
+        updated = self._out.event("session.updated", session=self._session_object())
         if changed:
-            return Reconfigure(messages=(updated, *warnings))
+            return Reconfigure(input_spec=new_input, output_spec=new_output, messages=(updated, *warnings))
         # Same formats: the session's decoder and encoder keep their state (no resampler restart).
         return Reply((updated, *warnings))
 
@@ -748,169 +568,46 @@ class RealtimeProtocol(Translator):
         return self.error(ProtocolError("unsupported_setting", f"{field}: {why}; the rest of the "
                                         "session.update is applied and the session goes on", event_id=event_id))[0]
 
-    def _parse_format(self, value: object, field: str, event_id: str | None) -> AudioSpec | ProtocolError:
-        """A GA format object ({"type": "audio/pcm", "rate": 24000}) or a format name (GA or beta)."""
-        if isinstance(value, str):
-            name, rate = value, None
-        elif type(value) is dict:
-            name, rate = value.get("type"), value.get("rate")
-            field += ".type"
-            if not isinstance(name, str):
-                return ProtocolError("invalid_value", f"{field} must be one of {_FORMAT_NAMES}; got {quote(name)}",
-                                     event_id=event_id)
-        else:
-            return ProtocolError("invalid_type", f"{field} must be a format object or name, got {quote(value)}",
-                                 event_id=event_id)
-        fmt = _FORMATS.get(name.strip().lower())
-        if fmt is None:
-            return ProtocolError("unsupported_audio_format",
-                                 f"{field}: unsupported audio format {quote(name)}; allowed: {_FORMAT_NAMES}",
-                                 event_id=event_id)
-        rate_field = field.removesuffix(".type") + ".rate"
-        if rate is None:
-            rate = _PCM_RATE if fmt is AudioFormat.PCM_S16LE else _G711_RATE
-        elif isinstance(rate, float) and rate.is_integer():
-            rate = int(rate)
-        elif not isinstance(rate, int):  # named here, quoted short: not by AudioSpec, whole
-            return ProtocolError("invalid_value", f"{rate_field}: sample rate must be a positive integer "
-                                 f"number of Hz, got {quote(rate)}", event_id=event_id)
-        try:
-            return AudioSpec.create(fmt, rate, model_rate=self.model_rate)
-        except AudioFormatError as exc:
-            return ProtocolError("invalid_value", f"{rate_field}: {clip(str(exc), 200)}", event_id=event_id)
-
     # -- helpers ------------------------------------------------------------------------------------
 
     def resumed(self, token: str, received: int) -> list[Message]:
         """A duplexrt event (no OpenAI client sends a resume): the next token, and how many client
         events the session took."""
-        return [self._event("session.resumed", resume_token=token, received=received)]
-
-    def _event(self, kind: str, **fields: Any) -> str:
-        return json.dumps({"type": kind, "event_id": f"event_{next(self._event_ids)}", **fields})
+        return [self._out.event("session.resumed", resume_token=token, received=received)]
 
     def _new_item_id(self) -> str:
         return f"item_{next(self._item_ids)}"
-
-    def _format_name(self, spec: AudioSpec) -> str:
-        names = _BETA_NAMES if self.beta else _GA_NAMES
-        name = names.get(spec.format, spec.format.value)
-        return f"{name} at {spec.sample_rate} Hz"
-
-    def _format_object(self, spec: AudioSpec) -> dict[str, Any]:
-        body: dict[str, Any] = {"type": _GA_NAMES.get(spec.format, spec.format.value)}
-        if spec.format is AudioFormat.PCM_S16LE or spec.sample_rate != _G711_RATE:
-            body["rate"] = spec.sample_rate
-        return body
 
     def _turn_detection_object(self) -> dict[str, Any] | None:
         return None if self._vad is None else render_turn_detection(self._vad.settings, duplex=self.duplex)
 
     def _session_object(self) -> dict[str, Any]:
-        if self.beta:
-            session: dict[str, Any] = {
-                "id": self.session_id,
-                "object": "realtime.session",
-                "model": self.model,
-                "modalities": ["audio", "text"],
-                "input_audio_format": _BETA_NAMES.get(self.input_spec.format, self.input_spec.format.value),
-                "output_audio_format": _BETA_NAMES.get(self.output_spec.format, self.output_spec.format.value),
-                "turn_detection": self._turn_detection_object(),
-            }
-            # pcm16 means 24 kHz in the beta protocol; say so when the client chose another rate.
-            for direction, spec in (("input", self.input_spec), ("output", self.output_spec)):
-                if spec.format is AudioFormat.PCM_S16LE and spec.sample_rate != _PCM_RATE:
-                    session[f"{direction}_audio_sample_rate"] = spec.sample_rate
-        else:
-            session = {
-                "id": self.session_id,
-                "object": "realtime.session",
-                "type": "realtime",
-                "model": self.model,
-                "output_modalities": ["audio"],
-                "audio": {
-                    "input": {"format": self._format_object(self.input_spec),
-                              "turn_detection": self._turn_detection_object()},
-                    "output": {"format": self._format_object(self.output_spec)},
-                },
-            }
-        return session
-
-    def _response_object(self, response: _Response, status: str, details: dict[str, Any] | None,
-                         usage: dict[str, Any] | None, output: list[dict[str, Any]]) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": response.id,
-            "object": "realtime.response",
-            "status": status,
-            "status_details": details,
-            "output": output,
-            "usage": usage,
-            "metadata": response.fields.get("metadata"),
-        }
-        if self.beta:
-            body["modalities"] = ["audio", "text"]
-        else:
-            body["output_modalities"] = ["audio"]
-        return body
+        return self._out.session_object(self.session_id, self.model, self.input_spec, self.output_spec,
+                                        self._turn_detection_object())
 
     def _open_response(self, target: int | None, fields: dict[str, Any] | None = None) -> list[Message]:
-        """A new response and its one output item (an assistant message with one audio part),
-        announced in the order the protocol gives: clients create the per-item state they play
-        audio from on these events, so they all come before the first delta."""
-        response = _Response(f"resp_{next(self._response_ids)}", self._new_item_id(), target,
-                             self._audio_delta, self._text_delta, fields)
+        """A new response and its one output item, announced before any of its deltas."""
+        response = self._out.new_response(f"resp_{next(self._response_ids)}", self._new_item_id(), target, fields)
         self._response = response
         self._last_response_id = response.id
         self._quiet = 0
-        item = self._assistant_item(response, "in_progress", None)
+        item = self._out.assistant_item(response, "in_progress", None)
         previous = self._items.add(item)
         self._last_item_id = response.item_id
-        return [
-            self._event("response.created",
-                        response=self._response_object(response, "in_progress", None, None, [])),
-            self._event("response.output_item.added", response_id=response.id, output_index=0, item=item),
-            self._event("conversation.item.created" if self.beta else "conversation.item.added",
-                        previous_item_id=previous, item=item),
-            self._event("response.content_part.added", **self._where(response),
-                        part={"type": "audio", "transcript": ""}),
-        ]
-
-    def _assistant_item(self, response: _Response, status: str, transcript: str | None) -> dict[str, Any]:
-        content = [] if transcript is None else [
-            {"type": "audio" if self.beta else "output_audio", "transcript": transcript}]
-        return message_item(response.item_id, "assistant", content, beta=self.beta, status=status)
-
-    @staticmethod
-    def _where(response: _Response) -> dict[str, Any]:
-        return {"response_id": response.id, "item_id": response.item_id, "output_index": 0, "content_index": 0}
+        return self._out.response_opened(response, item, previous)
 
     def _close_response(self, status: str, details: dict[str, Any] | None,
-                        usage: dict[str, Any] | None = None) -> list[Message]:
-        """The events that end the active response, which is then closed: its part, its item,
-        then the response itself."""
+                        usage_: dict[str, Any] | None = None) -> list[Message]:
+        """The events that end the active response, which is then closed."""
         response = self._response
         assert response is not None
         self._response = None
-        where = self._where(response)
         transcript = "".join(response.transcript)
-        item = self._assistant_item(response, "completed" if status == "completed" else "incomplete",
-                                    transcript)
+        item = self._out.assistant_item(response, "completed" if status == "completed" else "incomplete",
+                                        transcript)
         if self._items.get(response.item_id) is not None:
             self._items.add(item)  # replaces the in-progress rendering, in place
-        messages: list[Message] = []
-        if response.audio_sent:
-            messages.append(self._event(self._audio_done, **where))
-        if transcript:
-            messages.append(self._event(self._text_done, **where, transcript=transcript))
-        messages += [
-            self._event("response.content_part.done", **where, part={"type": "audio", "transcript": transcript}),
-            self._event("response.output_item.done", response_id=response.id, output_index=0, item=item),
-        ]
-        if not self.beta:
-            messages.append(self._event("conversation.item.done", item=item))
-        if usage is None:
+        if usage_ is None:
             frames_in = response.target if response.target is not None else self.progress.frames_in
-            usage = _usage(frames_in, response.frames, len(response.transcript))
-        messages.append(self._event("response.done",
-                                    response=self._response_object(response, status, details, usage, [item])))
-        return messages
+            usage_ = usage(frames_in, response.frames, len(response.transcript))
+        return self._out.response_closed(response, item, transcript, status, details, usage_)

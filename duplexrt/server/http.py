@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from http import HTTPStatus
+from http.client import responses
 from urllib.parse import parse_qs, urlsplit
 
 import attrs
@@ -80,6 +80,6 @@ def response_bytes(status: int, body: bytes, content_type: str = "text/plain; ch
     writer.next_event()
     headers = [("content-type", content_type), ("content-length", str(len(body))), ("connection", "close"),
                *(extra_headers or [])]
-    phrase = HTTPStatus(status).phrase.encode() if status in HTTPStatus._value2member_map_ else b""
+    phrase = responses.get(status, "").encode()
     return (writer.send(h11.Response(status_code=status, headers=headers, reason=phrase))
             + writer.send(h11.Data(data=body)) + writer.send(h11.EndOfMessage()))

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import numpy as np
 
-from duplexrt.simulate.report import RoundReport
+from duplexrt.simulate.report import InProcessFigures, RoundReport
 
 MIN_SECONDS = 30.0
 ON_TIME_SHARE = 0.999
@@ -53,9 +53,10 @@ class Verdict:
 
 def round_step_ms(report: RoundReport) -> float | None:
     """The step time at the round's batch: the in-process median, or the server's mean."""
-    if report.step_ms is not None and report.step_ms.count:
-        return report.step_ms.p50
-    return report.server_step_ms_mean
+    measured = report.measured
+    if isinstance(measured, InProcessFigures):
+        return measured.step_ms.p50 if measured.step_ms.count else None
+    return measured.server_step_ms_mean
 
 
 def judge(report: RoundReport, frame_ms: float) -> Verdict:

@@ -20,7 +20,7 @@ from duplexrt.reasons import CloseCode
 from duplexrt.simulate.checker import Checker
 from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict, find_capacity, judge
 from duplexrt.simulate.options import SimulateOptions, Usage, search_options
-from duplexrt.simulate.report import RoundReport, SimulationReport
+from duplexrt.simulate.report import InProcessFigures, RoundReport, SimulationReport
 from duplexrt.simulate.virtual_client import (
     LagMeter,
     VirtualClient,
@@ -126,25 +126,27 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
         elapsed_s=elapsed,
         frames_in=frames_in,
         frames_out=after.frames.frames_out - before.frames.frames_out,
-        cpu_us_per_frame=(usage.cpu - usage_before.cpu) * 1e6 / per_frame,
-        voluntary_switches=usage.voluntary - usage_before.voluntary,
-        involuntary_switches=usage.involuntary - usage_before.involuntary,
-        voluntary_switches_per_frame=(usage.voluntary - usage_before.voluntary) / per_frame,
-        involuntary_switches_per_frame=(usage.involuntary - usage_before.involuntary) / per_frame,
         handoffs={k: after.handoffs.by_kind[k] - before.handoffs.by_kind[k] for k in after.handoffs.by_kind},
-        executor_submissions=after.handoffs.offloads - before.handoffs.offloads,
-        preprocess_us=interval("preprocess").scaled(1e3),
-        enqueue_us=interval("enqueue").scaled(1e3),
-        latency_ms=interval("latency").scaled(1e6),
-        delivery_ms=interval("delivery").scaled(1e6),
-        step_to_sent_ms=interval("step_to_sent").scaled(1e6),
         steps=steps,
         mean_batch=step_frames / steps if steps else 0.0,
-        step_ms=interval("step_time").scaled(1e6),
         frame_lag_ms=lag_summary,
         late_frames=late,
         real_time_factor=rtf,
         failures=failures,
+        measured=InProcessFigures(
+            cpu_us_per_frame=(usage.cpu - usage_before.cpu) * 1e6 / per_frame,
+            voluntary_switches=usage.voluntary - usage_before.voluntary,
+            involuntary_switches=usage.involuntary - usage_before.involuntary,
+            voluntary_switches_per_frame=(usage.voluntary - usage_before.voluntary) / per_frame,
+            involuntary_switches_per_frame=(usage.involuntary - usage_before.involuntary) / per_frame,
+            executor_submissions=after.handoffs.offloads - before.handoffs.offloads,
+            preprocess_us=interval("preprocess").scaled(1e3),
+            enqueue_us=interval("enqueue").scaled(1e3),
+            latency_ms=interval("latency").scaled(1e6),
+            delivery_ms=interval("delivery").scaled(1e6),
+            step_to_sent_ms=interval("step_to_sent").scaled(1e6),
+            step_ms=interval("step_time").scaled(1e6),
+        ),
         lag_samples=meter.samples(started) if meter is not None else None,
         stream_rtf=stream_real_time_factor(clients, workload) if paced else None,
         capacity=after.capacity.as_dict(),

@@ -35,7 +35,7 @@ from duplexrt.progress import show_progress
 from duplexrt.simulate.checker import Checker, OutputRecord
 from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict, find_capacity, judge
 from duplexrt.simulate.options import ROUTE_FORMATS, SimulateOptions, Usage, search_options
-from duplexrt.simulate.report import RoundReport, SimulationReport
+from duplexrt.simulate.report import RoundReport, ServerFigures, SimulationReport
 from duplexrt.simulate.virtual_client import (
     LagMeter,
     OpusFrames,
@@ -278,21 +278,9 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         elapsed_s=elapsed,
         frames_in=frames_in,
         frames_out=frames_out_heard,
-        cpu_us_per_frame=None,
-        voluntary_switches=None,
-        involuntary_switches=None,
-        voluntary_switches_per_frame=None,
-        involuntary_switches_per_frame=None,
         handoffs=server["handoffs"],
-        executor_submissions=None,
-        preprocess_us=None,
-        enqueue_us=None,
-        latency_ms=None,
-        delivery_ms=None,
-        step_to_sent_ms=None,
         steps=server["steps"],
         mean_batch=server["mean_batch"],
-        step_ms=None,
         frame_lag_ms=lag_summary,
         late_frames=late,
         real_time_factor=rtf,
@@ -300,18 +288,20 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
         lag_samples=meter.samples(started) if meter is not None and started is not None else None,
         stream_rtf=stream_real_time_factor(clients, workload) if paced else None,
         capacity=await _server_capacity(target.url),
-        target=target.url,
-        sessions_connected=len(connected),
-        connection_errors=dict(sorted(errors.items())),
-        drops=len(drop_at) if drop_at else None,
-        resumes=sum(t.resumes for t in resuming),  # a real drop resumes too, and is counted
-        server_cpu_us_per_frame=server["cpu_us_per_frame"],
-        load_generator_cpu_us_per_frame=(usage.cpu - usage_before.cpu) * 1e6 / max(frames_in, 1),
-        server_frames_in=server["frames_in"],
-        server_frames_out=server["frames_out"],
-        server_step_ms_mean=server["step_ms_mean"],
-        server_latency_ms_mean=server["latency_ms_mean"],
-        notes=notes,
+        measured=ServerFigures(
+            url=target.url,
+            sessions_connected=len(connected),
+            connection_errors=dict(sorted(errors.items())),
+            load_generator_cpu_us_per_frame=(usage.cpu - usage_before.cpu) * 1e6 / max(frames_in, 1),
+            drops=len(drop_at) if drop_at else None,
+            resumes=sum(t.resumes for t in resuming),  # a real drop resumes too, and is counted
+            server_cpu_us_per_frame=server["cpu_us_per_frame"],
+            server_frames_in=server["frames_in"],
+            server_frames_out=server["frames_out"],
+            server_step_ms_mean=server["step_ms_mean"],
+            server_latency_ms_mean=server["latency_ms_mean"],
+            notes=notes,
+        ),
     )
 
 

@@ -11,16 +11,73 @@ from duplexrt.core.histogram import Summary
 
 
 @attrs.frozen
+class InProcessFigures:
+    """What only a round in this process can measure: the runtime's own counters and histograms,
+    and the kernel's account of the whole process (scheduler thread and load generator
+    included, so nothing the runtime costs can hide)."""
+
+    cpu_us_per_frame: float
+    voluntary_switches: int
+    involuntary_switches: int
+    voluntary_switches_per_frame: float
+    involuntary_switches_per_frame: float
+    #: Worker-thread runs (``HandoffStatistics.offloads``).
+    executor_submissions: int
+    preprocess_us: Summary
+    enqueue_us: Summary
+    latency_ms: Summary
+    delivery_ms: Summary
+    step_to_sent_ms: Summary
+    step_ms: Summary
+
+
+@attrs.frozen
+class ServerFigures:
+    """What a round against a running server (``--url``) measures beyond the common figures:
+    the connections, the differences between two scrapes of the server's ``/metrics``, and this
+    process's own CPU as the load generator's.  A figure is None only where a scrape failed
+    (``notes`` says why) or the server does not collect it."""
+
+    #: The WebSocket URL the clients connected to.
+    url: str
+    #: Sessions whose connection opened (and whose server greeted them).
+    sessions_connected: int
+    #: Connections that failed, by kind (refused, http_503, closed_early, idle_timeout, ...).
+    connection_errors: dict[str, int]
+    #: This process's own CPU per frame sent: what generating the load cost.
+    load_generator_cpu_us_per_frame: float
+    #: ``--drop-rate``: connections cut mid-stream (None without it), and sessions resumed after
+    #: a drop, injected or real.
+    drops: int | None = None
+    resumes: int = 0
+    #: The server process's CPU (process_cpu_seconds_total, 10 ms ticks) per frame it took in.
+    server_cpu_us_per_frame: float | None = None
+    server_frames_in: int | None = None
+    server_frames_out: int | None = None
+    #: Mean model step time and mean frame latency (submitted to sent), from the server's
+    #: histograms' sums and counts.
+    server_step_ms_mean: float | None = None
+    server_latency_ms_mean: float | None = None
+    #: What could not be measured, and why (a failed scrape of /metrics).
+    notes: list[str] = attrs.Factory(list)
+
+
+#: A round's JSON row names every figure of both paths, as it always has: the other path's are null.
+_JSON_FIELDS = ("cpu_us_per_frame", "voluntary_switches", "involuntary_switches", "voluntary_switches_per_frame",
+                "involuntary_switches_per_frame", "executor_submissions", "preprocess_us", "enqueue_us",
+                "latency_ms", "delivery_ms", "step_to_sent_ms", "step_ms", "sessions_connected",
+                "server_cpu_us_per_frame", "load_generator_cpu_us_per_frame", "server_frames_in",
+                "server_frames_out", "server_step_ms_mean", "server_latency_ms_mean", "drops", "resumes")
+
+
+@attrs.frozen
 class RoundReport:
     """One measured round: every figure is for this round alone.
 
-    In process (``target == "in-process"``) every figure is this process's: the runtime's counters
-    and the kernel's account of the whole process.  Against a running server (``--url``), the
+    The figures both paths measure are here; ``measured`` holds the rest, which differ by path:
+    ``InProcessFigures`` in process, ``ServerFigures`` against a running server (``--url``).  The
     client-side figures (elapsed, frames in and out, frame lag, late frames, real-time factor,
-    guards) come from the virtual clients; the server-side ones (``server_*``, handoffs, steps,
-    mean batch) from the differences between two scrapes of its ``/metrics``; the figures only
-    the in-process runtime has are None, and ``cpu_us_per_frame`` gives way to
-    ``server_cpu_us_per_frame`` and ``load_generator_cpu_us_per_frame``.
+    guards) come from the virtual clients either way.
     """
 
     mode: str
@@ -28,46 +85,17 @@ class RoundReport:
     elapsed_s: float
     frames_in: int
     frames_out: int
-    cpu_us_per_frame: float | None
-    voluntary_switches: int | None
-    involuntary_switches: int | None
-    voluntary_switches_per_frame: float | None
-    involuntary_switches_per_frame: float | None
+    #: Thread handoffs by kind (the server's, against a server).
     handoffs: dict[str, int]
-    executor_submissions: int | None
-    preprocess_us: Summary | None
-    enqueue_us: Summary | None
-    latency_ms: Summary | None
-    delivery_ms: Summary | None
-    step_to_sent_ms: Summary | None
+    #: Scheduler steps and the mean batch (None only when a server's /metrics could not be read).
     steps: int | None
     mean_batch: float | None
-    step_ms: Summary | None
-    frame_lag_ms: Summary | None
-    late_frames: int | None
-    real_time_factor: float | None
     failures: list[str]
-    #: ``in-process``, or the WebSocket URL the clients connected to.
-    target: str = "in-process"
-    #: --url: sessions whose connection opened (and whose server greeted them).
-    sessions_connected: int | None = None
-    #: --url: connections that failed, by kind (refused, http_503, closed_early, idle_timeout, ...).
-    connection_errors: dict[str, int] = attrs.Factory(dict)
-    #: ``--drop-rate``: connections cut mid-stream, and sessions resumed after their cut.
-    drops: int | None = None
-    resumes: int | None = None
-    #: --url: the server process's CPU (process_cpu_seconds_total, 10 ms ticks) per frame it took in.
-    server_cpu_us_per_frame: float | None = None
-    #: --url: this process's own CPU per frame sent: what generating the load cost.
-    load_generator_cpu_us_per_frame: float | None = None
-    server_frames_in: int | None = None
-    server_frames_out: int | None = None
-    #: --url: mean model step time and mean frame latency (submitted to sent), from the server's
-    #: histograms' sums and counts (None where it does not collect them).
-    server_step_ms_mean: float | None = None
-    server_latency_ms_mean: float | None = None
-    #: --url: what could not be measured, and why (a failed scrape of /metrics).
-    notes: list[str] = attrs.Factory(list)
+    measured: InProcessFigures | ServerFigures
+    #: Paced rounds, and burst rounds that keep their samples: each output frame's lag.
+    frame_lag_ms: Summary | None = None
+    late_frames: int | None = None
+    real_time_factor: float | None = None
     #: Paced: the output stream's duration over the input's (``stream_real_time_factor``): what
     #: the real-time criterion of ``--find-capacity`` reads, unlike ``real_time_factor``, which
     #: includes the last frame's lag.
@@ -80,11 +108,26 @@ class RoundReport:
 
     @property
     def in_process(self) -> bool:
-        return self.target == "in-process"
+        return isinstance(self.measured, InProcessFigures)
+
+    @property
+    def target(self) -> str:
+        """``in-process``, or the WebSocket URL the clients connected to."""
+        return self.measured.url if isinstance(self.measured, ServerFigures) else "in-process"
 
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    def as_dict(self) -> dict[str, Any]:
+        """The round as one flat record (its JSON row): every figure of either path by name."""
+        row = attrs.asdict(self, recurse=True, filter=lambda a, _v: a.name not in ("lag_samples", "measured"))
+        measured = attrs.asdict(self.measured)
+        row.update({name: measured.get(name) for name in _JSON_FIELDS})
+        row["target"] = self.target
+        row["connection_errors"] = measured.get("connection_errors", {})
+        row["notes"] = measured.get("notes", [])
+        return row
 
 
 @attrs.frozen
@@ -97,7 +140,7 @@ class SimulationReport:
         return all(r.ok for r in self.rounds)
 
     def to_json(self) -> str:
-        rounds = [attrs.asdict(r, filter=lambda a, _v: a.name != "lag_samples") for r in self.rounds]
+        rounds = [r.as_dict() for r in self.rounds]
         return json.dumps({"settings": self.settings, "ok": self.ok, "rounds": rounds}, indent=2)
 
 
@@ -116,21 +159,21 @@ def format_table(report: SimulationReport) -> str:
 
     add("elapsed (s)", lambda r: f"{r.elapsed_s:.3f}")
     add("frames in / out", lambda r: f"{r.frames_in} / {r.frames_out}")
-    add("host CPU per frame (µs)", lambda r: f"{r.cpu_us_per_frame:.2f}")
-    add("voluntary ctx switches / frame", lambda r: f"{r.voluntary_switches_per_frame:.3f}")
-    add("involuntary ctx switches / frame", lambda r: f"{r.involuntary_switches_per_frame:.3f}")
+    add("host CPU per frame (µs)", lambda r: f"{r.measured.cpu_us_per_frame:.2f}")
+    add("voluntary ctx switches / frame", lambda r: f"{r.measured.voluntary_switches_per_frame:.3f}")
+    add("involuntary ctx switches / frame", lambda r: f"{r.measured.involuntary_switches_per_frame:.3f}")
     kinds = sorted({k for r in report.rounds for k in r.handoffs})
     for kind in kinds:
         add(f"handoffs: {kind}", lambda r, k=kind: str(r.handoffs.get(k, 0)))
-    add("executor submissions", lambda r: str(r.executor_submissions))
-    add("preprocess per message p50 (µs)", lambda r: f"{r.preprocess_us.p50:.1f}")
-    add("enqueue per frame p50 (µs)", lambda r: f"{r.enqueue_us.p50:.1f}")
-    add("latency p50/p99/max (ms)", lambda r: _summary(r.latency_ms))
-    add("step→delivered p50/p99/max (ms)", lambda r: _summary(r.delivery_ms, 3))
-    add("step→sent p50/p99/max (ms)", lambda r: _summary(r.step_to_sent_ms, 3))
+    add("executor submissions", lambda r: str(r.measured.executor_submissions))
+    add("preprocess per message p50 (µs)", lambda r: f"{r.measured.preprocess_us.p50:.1f}")
+    add("enqueue per frame p50 (µs)", lambda r: f"{r.measured.enqueue_us.p50:.1f}")
+    add("latency p50/p99/max (ms)", lambda r: _summary(r.measured.latency_ms))
+    add("step→delivered p50/p99/max (ms)", lambda r: _summary(r.measured.delivery_ms, 3))
+    add("step→sent p50/p99/max (ms)", lambda r: _summary(r.measured.step_to_sent_ms, 3))
     add("scheduler steps", lambda r: str(r.steps))
     add("mean batch", lambda r: f"{r.mean_batch:.1f}")
-    add("step time p50/p99 (ms)", lambda r: f"{r.step_ms.p50:.3f} / {r.step_ms.p99:.3f}")
+    add("step time p50/p99 (ms)", lambda r: f"{r.measured.step_ms.p50:.3f} / {r.measured.step_ms.p99:.3f}")
     _add_pacing_and_guards(report, add)
     return _render(report, rows)
 
@@ -175,24 +218,25 @@ def _format_url_table(report: SimulationReport) -> str:
         rows.append((name, [fn(r) for r in report.rounds]))
 
     add("elapsed (s)", lambda r: f"{r.elapsed_s:.3f}")
-    add("sessions connected / attempted", lambda r: f"{_optional(r.sessions_connected, 'd')} / {r.sessions}")
-    add("connection errors", lambda r: ", ".join(f"{k}: {v}" for k, v in sorted(r.connection_errors.items()))
+    add("sessions connected / attempted", lambda r: f"{r.measured.sessions_connected} / {r.sessions}")
+    add("connection errors", lambda r: ", ".join(f"{k}: {v}" for k, v in sorted(r.measured.connection_errors.items()))
         or "none")
-    if any(r.drops or r.resumes for r in report.rounds):
-        add("connections cut / sessions resumed", lambda r: f"{_optional(r.drops, 'd')} / {_optional(r.resumes, 'd')}")
+    if any(r.measured.drops or r.measured.resumes for r in report.rounds):
+        add("connections cut / sessions resumed",
+            lambda r: f"{_optional(r.measured.drops, 'd')} / {r.measured.resumes}")
     add("frames in / out (clients)", lambda r: f"{r.frames_in} / {r.frames_out}")
-    add("frames in / out (server)", lambda r: f"{_optional(r.server_frames_in, 'd')} / "
-                                              f"{_optional(r.server_frames_out, 'd')}")
-    add("server CPU per frame (µs)", lambda r: _optional(r.server_cpu_us_per_frame, ".2f"))
-    add("load-generator CPU per frame (µs)", lambda r: _optional(r.load_generator_cpu_us_per_frame, ".2f"))
+    add("frames in / out (server)", lambda r: f"{_optional(r.measured.server_frames_in, 'd')} / "
+                                              f"{_optional(r.measured.server_frames_out, 'd')}")
+    add("server CPU per frame (µs)", lambda r: _optional(r.measured.server_cpu_us_per_frame, ".2f"))
+    add("load-generator CPU per frame (µs)", lambda r: _optional(r.measured.load_generator_cpu_us_per_frame, ".2f"))
     kinds = sorted({k for r in report.rounds for k in r.handoffs})
     for kind in kinds:
         add(f"server handoffs: {kind}", lambda r, k=kind: str(r.handoffs.get(k, 0)))
     add("server scheduler steps", lambda r: _optional(r.steps, "d"))
     add("server mean batch", lambda r: _optional(r.mean_batch, ".1f"))
-    add("server step time mean (ms)", lambda r: _optional(r.server_step_ms_mean, ".3f"))
-    add("server frame latency mean (ms)", lambda r: _optional(r.server_latency_ms_mean, ".2f"))
+    add("server step time mean (ms)", lambda r: _optional(r.measured.server_step_ms_mean, ".3f"))
+    add("server frame latency mean (ms)", lambda r: _optional(r.measured.server_latency_ms_mean, ".2f"))
     _add_pacing_and_guards(report, add)
     targets = sorted({r.target for r in report.rounds})
-    notes = [*report.settings.get("notes", []), *(n for r in report.rounds for n in r.notes)]
+    notes = [*report.settings.get("notes", []), *(n for r in report.rounds for n in r.measured.notes)]
     return "\n".join([f"server: {', '.join(targets)}", _render(report, rows), *(f"note: {n}" for n in notes)])

@@ -23,6 +23,8 @@ import dataclasses
 import logging
 from typing import Any
 
+from duplexrt.backends.moshi.internals import streaming_state
+
 log = logging.getLogger("duplexrt.backends.moshi")
 
 #: State fields the package restores itself on reset, or that hold no per-session data.
@@ -48,7 +50,7 @@ class RowWiper:
         seen: set[int] = set()
         for root in roots:
             for name, module in root.named_modules():
-                state = getattr(module, "_streaming_state", None)
+                state = streaming_state(module)
                 if not isinstance(module, StreamingModule) or state is None or id(state) in seen:
                     continue
                 seen.add(id(state))

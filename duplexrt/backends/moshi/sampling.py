@@ -145,7 +145,7 @@ def install() -> None:
     global _original
     import moshi.models.lm as lm_module
 
-    if getattr(lm_module.sample_token, "_duplexrt_row_sampler", False):
+    if getattr(lm_module.sample_token, "duplexrt_row_sampler", False):
         return
     _original = lm_module.sample_token
 
@@ -159,7 +159,7 @@ def install() -> None:
             return _original(logits, use_sampling, temp, top_k, top_p)
         return sampler.sample(logits, temp, top_k)
 
-    _sample_token._duplexrt_row_sampler = True  # type: ignore[attr-defined]
+    _sample_token.duplexrt_row_sampler = True  # type: ignore[attr-defined]
     lm_module.sample_token = _sample_token
 
 

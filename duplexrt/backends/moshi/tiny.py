@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from duplexrt.backends.moshi.env import import_moshi
+from duplexrt.backends.moshi.internals import mark_codebook_initialised
 
 #: Mimi at toy size: the real frame (1920 samples at 24 kHz, 12.5 Hz) and the real strides.
 TINY_MIMI: dict[str, Any] = {
@@ -116,8 +117,7 @@ def _randomise_codebooks(mimi: Any, generator: Any) -> None:
             if isinstance(module, EuclideanCodebook):
                 module.embedding_sum.copy_(torch.randn(module.embedding_sum.shape, generator=generator))
                 module.cluster_usage.fill_(1.0)
-                module._initialized.fill_(1.0)
-                module.register_buffer("_embedding", None, persistent=False)
+                mark_codebook_initialised(module)
 
 
 def build_tiny(seed: int = 0, *, device: str = "cpu", dtype: Any = None,

@@ -1,0 +1,31 @@
+"""Every read or write of the ``moshi`` package's private state, in one place, on purpose.
+
+moshi 0.2.13 offers no public way to do these, and the backend needs them:
+
+* a row reset must restore each streaming module's state for that row only, which means walking
+  the modules' ``_streaming_state`` (``rows.RowWiper``);
+* a tiny random model must look like a trained one to Mimi's quantizer: its codebooks are marked
+  initialised (``_initialized``) and their cached ``_embedding`` dropped so it is recomputed from
+  the random centroids (``tiny``).
+
+Nothing else in duplexrt touches a name of moshi's that starts with an underscore.  A new moshi
+version is checked here first: each function says what it relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def streaming_state(module: Any) -> Any | None:
+    """A ``StreamingModule``'s state dataclass while it streams (``module._streaming_state``),
+    or None when it is not streaming."""
+    return getattr(module, "_streaming_state", None)
+
+
+def mark_codebook_initialised(codebook: Any) -> None:
+    """Tell a ``EuclideanCodebook`` whose centroids were just set that it needs no k-means
+    initialisation (``_initialized``), and drop its cached embedding (``_embedding``) so that the
+    next use recomputes it from the new centroids."""
+    codebook._initialized.fill_(1.0)
+    codebook.register_buffer("_embedding", None, persistent=False)

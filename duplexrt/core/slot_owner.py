@@ -1,0 +1,27 @@
+"""The way back from the scheduler thread to a session, as a type.
+
+A frame goes in through a ``SlotLease``; its output comes back to whoever leased the slot, a
+whole step at a time, on the trio thread (``Scheduler._deliver``).  Every structure the owner
+travels through on the way (the inbox's queues, a ``Batch``, a ``StepOutcome``) names it by this
+protocol, so a reader or a type checker can follow a step's output from the scheduler to
+``Session.step_output`` without guessing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class SlotOwner(Protocol):
+    """What a session gives the scheduler: two callbacks that run on the trio thread and must
+    return quickly and never raise (a raise in a ``run_sync_soon`` callback takes trio down; the
+    scheduler logs and swallows one anyway)."""
+
+    def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
+        """One row of a step: the model's audio for the frame submitted at ``submitted_ns``
+        (perf_counter_ns), its text piece if any, and when the step finished."""
+
+    def step_failed(self, error: BaseException) -> None:
+        """The step this owner's frame was in failed (or its slot could not be opened)."""
