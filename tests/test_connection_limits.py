@@ -35,9 +35,20 @@ PATIENCE = 10.0
 INPUT_END = json.dumps({"type": "input.end"})
 
 
+#: Every limit here holds on both WebSocket paths (``server.websocket_impl``); set per test below.
+_IMPL = ["native"]
+
+
+@pytest.fixture(autouse=True, params=["native", "trio-websocket"])
+def websocket_impl(request):
+    _IMPL[0] = request.param
+    yield request.param
+    _IMPL[0] = "native"
+
+
 def _config(*overrides: str):
     return load_config(None, ["server.port=0", "runtime.slots=2", "backend.options.delay_frames=0",
-                              "metrics.log_stats=false", *overrides])
+                              "metrics.log_stats=false", f"server.websocket_impl={_IMPL[0]}", *overrides])
 
 
 async def _start(nursery: trio.Nursery, *overrides: str) -> Server:

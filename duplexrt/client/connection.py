@@ -15,10 +15,12 @@ import trio
 import trio_websocket
 
 from duplexrt.client.protocols import ClientProtocol, Opened
-from duplexrt.transport import TransportClosed
+from duplexrt.transport import Transport, TransportClosed
 from duplexrt.websocket import WebSocketTransport
+from duplexrt.wshandshake import HandshakeRefused, Rejected, client_handshake
+from duplexrt.wsnative import NativeWebSocket
 
-__all__ = ["ConnectError", "WebSocketTransport", "open_connection", "host_and_port"]
+__all__ = ["ConnectError", "NativeWebSocket", "WebSocketTransport", "open_connection", "host_and_port"]
 
 #: Largest message the client accepts (server audio messages are a few kB; this is generous).
 MAX_MESSAGE_BYTES = 16 << 20
@@ -40,19 +42,22 @@ def host_and_port(url: str) -> tuple[str, int]:
     return parts.hostname or "localhost", port
 
 
-def _describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
-    status = exc.status_code
+def _describe_rejection(status: int, body: bytes | None) -> str:
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
-    body = (exc.body or b"").decode("utf-8", "replace").strip()
-    text = f"the server refused the WebSocket connection: HTTP {status}" + (f" {phrase}" if phrase else "")
-    return text + (f": {body[:300]}" if body else "")
+    text = (body or b"").decode("utf-8", "replace").strip()
+    described = f"the server refused the WebSocket connection: HTTP {status}" + (f" {phrase}" if phrase else "")
+    return described + (f": {text[:300]}" if text else "")
 
 
 def _classify(exc: BaseException, url: str) -> ConnectError:
     host, port = host_and_port(url)
     where = f"{host}:{port}"
     if isinstance(exc, trio_websocket.ConnectionRejected):
-        return ConnectError(f"http_{exc.status_code}", _describe_rejection(exc), exc.status_code)
+        return ConnectError(f"http_{exc.status_code}", _describe_rejection(exc.status_code, exc.body), exc.status_code)
+    if isinstance(exc, Rejected):
+        return ConnectError(f"http_{exc.status}", _describe_rejection(exc.status, exc.body), exc.status)
+    if isinstance(exc, trio.TooSlowError):
+        return ConnectError("timeout", f"timed out opening a WebSocket to {where}")
     if isinstance(exc, trio_websocket.ConnectionTimeout):
         return ConnectError("timeout", f"timed out opening a WebSocket to {where}")
     cause: BaseException | None = exc
@@ -77,11 +82,45 @@ def _classify(exc: BaseException, url: str) -> ConnectError:
 
 
 @asynccontextmanager
-async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | None = None,
-                          timeout: float = 10.0) -> AsyncIterator[tuple[WebSocketTransport, Opened | None]]:
+async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | None = None, timeout: float = 10.0,
+                          impl: str = "native") -> AsyncIterator[tuple[Transport, Opened | None]]:
     """Open a WebSocket to ``url`` (already carrying the protocol's query) and, where the protocol's
     server speaks first, wait for its greeting.  Yields the transport and the greeting; raises
-    ConnectError if either fails.  The connection is closed when the block ends."""
+    ConnectError if either fails.  The connection is closed when the block ends.
+
+    ``impl``: ``native`` (duplexrt.wsnative: the load generator's frames cost what the server's
+    do) or ``trio-websocket``; ``wss://`` URLs always take trio-websocket, which does TLS."""
+    if impl == "trio-websocket" or url.startswith("wss:"):
+        async with _open_trio_websocket(url, protocol, api_key=api_key, timeout=timeout) as opened:
+            yield opened
+        return
+    host, port = host_and_port(url)
+    headers = [("Authorization", f"Bearer {api_key}")] if api_key else []
+    try:
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(host, port)
+            try:
+                _, rest = await client_handshake(stream, url, headers)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+    except (OSError, Rejected, HandshakeRefused, trio.TooSlowError, trio.BrokenResourceError) as exc:
+        raise _classify(exc, url) from None
+    transport = NativeWebSocket(stream, client=True, max_message=MAX_MESSAGE_BYTES, received=rest,
+                                queue_limit=16, close_timeout=5.0)
+    try:
+        for message in protocol.hello():
+            await transport.send(message)
+        opened = await _greeting(transport, protocol, timeout) if protocol.greets else None
+        yield transport, opened
+    finally:
+        with trio.CancelScope(shield=True):  # bounded by close_timeout
+            await transport.close()
+
+
+@asynccontextmanager
+async def _open_trio_websocket(url: str, protocol: ClientProtocol, *, api_key: str | None,
+                               timeout: float) -> AsyncIterator[tuple[Transport, Opened | None]]:
     headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else None
     try:
         context = trio_websocket.open_websocket_url(
@@ -108,7 +147,7 @@ async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | 
             pass  # the conversation is over; a peer slow to finish the close changes nothing
 
 
-async def _greeting(transport: WebSocketTransport, protocol: ClientProtocol, timeout: float) -> Opened:
+async def _greeting(transport: Transport, protocol: ClientProtocol, timeout: float) -> Opened:
     """The server's first message, which must be its greeting."""
     with trio.move_on_after(timeout) as scope:
         try:

@@ -32,6 +32,8 @@ from duplexrt.server.stats_log import log_stats
 from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.web import static_answer, stats_json
 from duplexrt.websocket import WebSocketTransport
+from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
+from duplexrt.wsnative import NativeWebSocket
 
 log = logging.getLogger("duplexrt.server")
 #: The start-up line: printed at the default level (warning) without turning every info log on.
@@ -67,7 +69,7 @@ class Server:
         self._overflow = 0
         #: Every open socket and WebSocket, so a second signal can drop them all at once.
         self._streams: set[trio.SocketStream] = set()
-        self._transports: set[WebSocketTransport] = set()
+        self._transports: set[WebSocketTransport | NativeWebSocket] = set()
         self._all_closed = trio.lowlevel.ParkingLot()
         self._draining = False
         self._drain_requested = trio.Event()
@@ -253,7 +255,7 @@ class Server:
             return
         self._admitted += 1  # no await since the check above: admission cannot be raced
         try:
-            await self._serve_websocket(stream, received, route.max_message_bytes(self.config), translator,
+            await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config), translator,
                                         deadline)
         finally:
             self._admitted -= 1
@@ -265,10 +267,13 @@ class Server:
         await self._respond(stream, 503, f"more than {self.config.server.max_pending_handshakes} connections "
                                          "are waiting to be served; try again later", [("retry-after", "1")])
 
-    async def _serve_websocket(self, stream: trio.SocketStream, received: bytes, max_message: int,
+    async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
                                translator, deadline: float) -> None:
         assert self.runtime is not None
         settings = self.config.server
+        if settings.websocket_impl == "native":
+            await self._serve_native(stream, head, received, max_message, translator)
+            return
         async with trio.open_nursery() as nursery:
             transport: WebSocketTransport | None = None
             try:
@@ -300,6 +305,38 @@ class Server:
                     self._transports.discard(transport)
             finally:
                 nursery.cancel_scope.cancel()
+
+    async def _serve_native(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
+                            translator) -> None:
+        """The fast path: answer the upgrade here and let the session drive its frames (wsnative)."""
+        assert self.runtime is not None
+        settings = self.config.server
+        try:
+            key = check_request(head.method, head.headers)
+        except HandshakeRefused as exc:
+            self.refused["bad_handshake"] += 1
+            await self._respond(stream, 400, str(exc))
+            return
+        subprotocol = _companion_subprotocol(proposed_subprotocols(head.headers))
+        await self._send(stream, accept_response(key, subprotocol, [("x-duplexrt-replica", self.replica_id or "")]))
+        transport = NativeWebSocket(stream, max_message=max_message, first_message_timeout=settings.first_message_timeout_s,
+                                    close_timeout=settings.close_timeout_s, received=after_head(received),
+                                    subprotocol=subprotocol)
+        self._transports.add(transport)
+        try:
+            if self._draining:  # shutdown began while this client's handshake was under way
+                return
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(transport.watch, settings.ping_interval_s, settings.ping_timeout_s,
+                                   settings.idle_timeout_s)
+                try:
+                    await self.runtime.serve(transport, translator)
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):  # bounded by close_timeout_s
+                await transport.close(CloseCode.GOING_AWAY if self._draining else CloseCode.NORMAL_CLOSURE)
+            self._transports.discard(transport)
 
     def _authorized(self, head: RequestHead) -> bool:
         expected = self.config.server.api_key
