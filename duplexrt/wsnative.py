@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections import deque
 
 import trio
@@ -31,6 +32,8 @@ DEFAULT_CLOSE_TIMEOUT = 3.0
 _IDLE_CHECKS = 8
 #: One read takes this much at most: several queued messages, parsed in one wake-up.
 _RECEIVE_SIZE = 1 << 16
+#: A read that finds data waiting does not yield; every this many in a row, one does.
+_YIELD_EVERY = 8
 
 
 class NativeWebSocket:
@@ -45,13 +48,18 @@ class NativeWebSocket:
         self._parser = FrameParser(masked=not client, max_message=max_message)
         if received:
             self._parser.feed(received)
+        self._unparsed = bool(received)
         self._queue_limit = queue_limit
         #: The subprotocol the handshake settled on, if any.
         self.subprotocol = subprotocol
         self._messages: deque[Message] = deque()
         self._reading = False
         self._read_lot = trio.lowlevel.ParkingLot()
-        self._read_scope: trio.CancelScope | None = None
+        self._sock = stream.socket
+        self._reads_without_wait = 0
+        #: The idle watch shut the read side: the end of the stream is no hang-up then.
+        self._read_shut = False
+        self._eof = False
         self._sending = False
         self._send_lot = trio.lowlevel.ParkingLot()
         self._first_deadline = trio.current_time() + first_message_timeout
@@ -131,7 +139,7 @@ class NativeWebSocket:
             with trio.move_on_at(self._close_deadline) as self._close_scope:
                 await self._send_close(code, reason)
                 # After a broken frame no Close of the peer's can be found: hang up at once.
-                while self._peer_close is None and self._gone is None and not self._parser_failed:
+                while self._peer_close is None and self._gone is None and not (self._parser_failed or self._eof):
                     await self._read_more(limit=False)
         finally:
             self._drop_stream()
@@ -161,7 +169,7 @@ class NativeWebSocket:
                 if not await self._write(frame(Opcode.PING, b"duplexrt", masked=self._client)):
                     return
                 while self._pongs == pongs:
-                    if self._gone is not None or self._ended is not None or self._close_sent:
+                    if self._gone is not None or self._ended is not None or self._close_sent or self._eof:
                         return
                     await self._read_more(limit=True)
             if waited.cancelled_caught and timeout > 0:
@@ -184,8 +192,13 @@ class NativeWebSocket:
                           f"no message from the client for {limit:g} s")
                 # The session's input ends with that reason; the connection stays open so the
                 # session can still send its end and close with its usage.
-                if self._read_scope is not None:
-                    self._read_scope.cancel()
+                # Shutting the read side wakes a waiting read with the end of the stream (no
+                # cancel scope around every read for this rare case); sends still go out.
+                self._read_shut = True
+                try:
+                    self._sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
                 self._read_lot.unpark_all()
                 return
 
@@ -198,6 +211,12 @@ class NativeWebSocket:
                 raise self._ended
             if self._gone is not None:
                 raise self._gone
+            if self._eof:
+                raise TransportClosed(CloseCode.GOING_AWAY, "the connection went away")
+            if self._unparsed:  # frames that came with the handshake
+                self._unparsed = False
+                await self._parse()
+                continue
             await self._read_more(limit=False)
 
     async def _read_more(self, *, limit: bool) -> None:
@@ -207,26 +226,49 @@ class NativeWebSocket:
             await self._read_lot.park()
             return
         self._reading = True
-        data = b""
         try:
-            with trio.CancelScope() as self._read_scope:
-                data = await self._stream.receive_some(_RECEIVE_SIZE)
-            if self._read_scope.cancelled_caught:
-                return
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            data = b""
+            data = await self._receive_some()
         finally:
             self._reading = False
-            self._read_scope = None
             if self._read_lot:
                 self._read_lot.unpark_all()
         if not data:
-            self._lost()
+            if self._read_shut:
+                self._eof = True  # this end stopped reading (idle): sending still works
+            else:
+                self._lost()
             return
         if self._parser_failed:
             return  # after a broken frame, only the end of the connection matters
         self._parser.feed(data)
         await self._parse()
+
+    async def _receive_some(self) -> bytes:
+        """What the socket holds (b"" at its end).  trio's ``receive_some`` costs a syscall that
+        fails, a wait, the syscall again and a yield after it; here the read is tried first and
+        only a read that finds nothing waits, so a session that has fallen behind catches up
+        without a wake-up per read (with a yield every ``_YIELD_EVERY`` reads, to stay fair)."""
+        sock = self._sock
+        while True:
+            fd = sock.fileno()
+            if fd < 0:
+                return b""
+            try:
+                data = os.read(fd, _RECEIVE_SIZE)
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except (trio.ClosedResourceError, trio.BusyResourceError):
+                    return b""
+                self._reads_without_wait = 0
+                continue
+            except OSError:  # reset by the peer
+                return b""
+            self._reads_without_wait += 1
+            if self._reads_without_wait >= _YIELD_EVERY:
+                self._reads_without_wait = 0
+                await trio.lowlevel.cancel_shielded_checkpoint()  # never loses what was read
+            return data
 
     async def _parse(self) -> None:
         parser = self._parser
@@ -279,14 +321,31 @@ class NativeWebSocket:
     # -- writing ---------------------------------------------------------------------------------
 
     async def _write(self, data: bytes) -> bool:
-        """Send ``data`` whole, one writer at a time; False once the connection is gone."""
+        """Send ``data`` whole, one writer at a time; False once the connection is gone.  The
+        write is tried at once: it waits (and yields) only when the socket's buffer is full."""
         while self._sending:
             await self._send_lot.park()
         self._sending = True
+        sock = self._sock
         try:
-            await self._stream.send_all(data)
-            return True
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            view: bytes | memoryview = data
+            while True:
+                fd = sock.fileno()
+                if fd < 0:
+                    self._lost()
+                    return False
+                try:
+                    sent = os.write(fd, view)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+                    continue
+                except OSError:  # reset, or a broken pipe
+                    self._lost()
+                    return False
+                if sent == len(view):
+                    return True
+                view = memoryview(view)[sent:]
+        except (trio.ClosedResourceError, trio.BusyResourceError):
             self._lost()
             return False
         finally:
