@@ -87,6 +87,22 @@ def unmask(data: bytes | bytearray | memoryview, mask: bytes) -> bytes:
     return out
 
 
+def _unmask_in_place(buffer: bytearray, start: int, end: int, mask: bytearray) -> bytes:
+    """Unmask ``buffer[start:end]`` where it lies (the parser's own buffer, parsed once) and
+    return it as bytes: one copy, no temporary array."""
+    size = end - start
+    if size < _NUMPY_FROM:
+        return unmask(memoryview(buffer)[start:end], bytes(mask))
+    words = size >> 2
+    view = np.frombuffer(buffer, np.uint32, words, start)
+    np.bitwise_xor(view, int.from_bytes(mask, "little"), out=view)
+    del view  # the buffer may be resized again once no array points into it
+    for i in range(start + (words << 2), end):
+        buffer[i] ^= mask[(i - start) & 3]
+    with memoryview(buffer) as whole:
+        return bytes(whole[start:end])
+
+
 def frame_header(opcode: int, size: int, mask: bytes | None = None) -> bytes:
     """The header of one final frame of ``size`` bytes (with ``mask`` appended when given)."""
     first = 0x80 | opcode
@@ -193,8 +209,7 @@ class FrameParser:
                 end = start + 4 + size
                 if len(buffer) < end:
                     return self._compact()
-                mask = bytes(buffer[start:start + 4])
-                payload = unmask(memoryview(buffer)[start + 4:end], mask)
+                payload = _unmask_in_place(buffer, start + 4, end, buffer[start:start + 4])
             else:
                 end = start + size
                 if len(buffer) < end:

@@ -123,8 +123,10 @@ class NativeWebSocket:
         if self._client:
             mask = os.urandom(4)
             data = frame_header(opcode, len(payload), mask) + unmask(payload, mask)
-        else:
-            data = frame_header(opcode, len(payload)) + payload
+        else:  # header and payload in one writev: one syscall, and the payload is not copied
+            if not await self._write(frame_header(opcode, len(payload)), payload):
+                raise self._ended or self._gone or TransportClosed(CloseCode.GOING_AWAY, "the connection went away")
+            return
         if not await self._write(data):
             raise self._ended or self._gone or TransportClosed(CloseCode.GOING_AWAY, "the connection went away")
 
@@ -330,15 +332,30 @@ class NativeWebSocket:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    async def _write(self, data: bytes) -> bool:
-        """Send ``data`` whole, one writer at a time; False once the connection is gone.  The
-        write is tried at once: it waits (and yields) only when the socket's buffer is full."""
+    async def _write(self, data: bytes, tail: bytes = b"") -> bool:
+        """Send ``data`` and then ``tail`` whole, one writer at a time; False once the connection
+        is gone.  The write is tried at once: it waits (and yields) only when the socket's buffer
+        is full."""
         while self._sending:
             await self._send_lot.park()
         self._sending = True
         sock = self._sock
         try:
             view: bytes | memoryview = data
+            if tail:
+                fd = sock.fileno()
+                try:
+                    sent = os.writev(fd, (data, tail)) if fd >= 0 else -1
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    sent = -1
+                if sent < 0:
+                    self._lost()
+                    return False
+                if sent == len(data) + len(tail):
+                    return True
+                view = memoryview(data + tail)[sent:]  # rare: the socket's buffer is full
             while True:
                 fd = sock.fileno()
                 if fd < 0:

@@ -14,10 +14,10 @@ from duplexrt.wsframes import Close, FrameParser, Opcode, Pong, frame
 from duplexrt.wsnative import NativeWebSocket
 
 
-def _pair(**server_options) -> tuple[NativeWebSocket, NativeWebSocket]:
+def _pair(client_max_message: int = 1 << 20) -> tuple[NativeWebSocket, NativeWebSocket]:
     a, b = trio.socket.socketpair()
-    server = NativeWebSocket(trio.SocketStream(a), **server_options)
-    client = NativeWebSocket(trio.SocketStream(b), client=True)
+    server = NativeWebSocket(trio.SocketStream(a))
+    client = NativeWebSocket(trio.SocketStream(b), client=True, max_message=client_max_message)
     return server, client
 
 
@@ -152,3 +152,12 @@ async def test_frames_that_came_with_the_handshake_are_received_without_more_byt
     with trio.fail_after(5):
         assert await client.receive() == "hello"
     b.close()
+
+
+async def test_a_message_larger_than_the_socket_buffer_goes_out_whole_across_partial_writes():
+    payload = bytes(range(256)) * 12288  # 3 MiB: several socket buffers, so writev comes back short
+    server, client = _pair(client_max_message=len(payload))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.send, payload)
+        with trio.fail_after(10):
+            assert await client.receive() == payload
