@@ -417,3 +417,25 @@ def test_live_client_starts_appends_closes_and_maps_session_closed():
     assert client.parse(json.dumps(error)) == ServerError("unsupported_event", "no")
     ulaw = client_for_url("ws://h:1/v1/live/sessions", input_format="g711_ulaw")
     assert json.loads(ulaw.hello()[0])["session"]["audio"]["format"] == {"type": "audio/pcmu", "rate": 8000}
+
+
+# -- the connection itself, on both WebSocket paths --------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["native", "trio-websocket"])
+async def test_open_connection_greets_echoes_and_names_a_refusal_on_either_path(nursery, impl):
+    from duplexrt.client.connection import ConnectError, open_connection
+    from duplexrt.client.protocols import client_for_url
+
+    port = await _serve(nursery, "runtime.slots=1", "backend.options.delay_frames=0")
+    url = f"ws://127.0.0.1:{port}/v1/duplex"
+    frame = _noise(FRAME, seed=11).tobytes()
+    with trio.fail_after(PATIENCE):
+        async with open_connection(url, client_for_url(url), impl=impl) as (transport, opened):
+            assert opened is not None  # session.created, parsed by the protocol
+            await transport.send(frame)
+            assert await transport.receive() == frame
+            with pytest.raises(ConnectError) as refused:  # the only slot is this connection's
+                async with open_connection(url, client_for_url(url), impl=impl):
+                    pass
+    assert refused.value.kind == "http_503" and "all 1 session slots are in use" in refused.value.message
