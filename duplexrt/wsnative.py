@@ -381,7 +381,7 @@ class NativeWebSocket:
                 self._send_lot.unpark()
 
     async def _send_close(self, code: int, reason: str) -> None:
-        if self._close_sent or self._gone is not None and self._peer_close is None:
+        if self._close_sent or (self._gone is not None and self._peer_close is None):  # sent, or no one to tell
             return
         self._close_sent = True
         await self._write(frame(Opcode.CLOSE, close_payload(code, reason), masked=self._client))

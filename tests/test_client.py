@@ -439,3 +439,30 @@ async def test_open_connection_greets_echoes_and_names_a_refusal_on_either_path(
                 async with open_connection(url, client_for_url(url), impl=impl):
                     pass
     assert refused.value.kind == "http_503" and "all 1 session slots are in use" in refused.value.message
+
+
+async def test_a_conversation_whose_server_goes_quiet_after_the_input_ends_idles_out(autojump_clock):
+    from duplexrt.client.conversation import IDLE, Conversation
+    from duplexrt.client.protocols import DuplexClient
+    from duplexrt.transport import TransportClosed, memory_transport_pair
+
+    client_end, server_end = memory_transport_pair(capacity=16)
+    spec = AudioSpec("pcm_f32le", RATE)
+    heard: list = []
+    conversation = Conversation(client_end, DuplexClient(spec, greets=False), on_audio=lambda item, now: heard.append(item),
+                                idle_timeout=2.0)
+    frame = _noise(FRAME, seed=12).tobytes()
+
+    async def server() -> None:  # answers the first message, then says nothing more
+        await server_end.send(await server_end.receive())
+        with pytest.raises(TransportClosed):  # until the client, tired of waiting, closes
+            while True:
+                await server_end.receive()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server)
+        started = trio.current_time()
+        await conversation.run(3, lambda i: frame, interval=0.08)
+        nursery.cancel_scope.cancel()
+    assert conversation.outcome == IDLE and len(heard) == 1
+    assert trio.current_time() - started >= 2.0 + 3 * 0.08  # the idle time counts from the input's end
