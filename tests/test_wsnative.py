@@ -126,8 +126,9 @@ async def test_keepalive_reads_pongs_itself_while_the_session_is_not_receiving()
                     await client.receive()
 
         nursery.start_soon(client_reads)
-        with trio.move_on_after(0.5):
-            await server.watch(ping_interval=0.05, ping_timeout=0.2, idle_timeout=0)
+        # Three pong deadlines long: a watch that never read the pongs would have ended it.
+        with trio.move_on_after(1.5):
+            await server.watch(ping_interval=0.05, ping_timeout=0.5, idle_timeout=0)
         with pytest.raises(trio.WouldBlock):  # not ended: a peer that answers every ping is alive
             server.receive_nowait()
         await server.send(b"still open")
