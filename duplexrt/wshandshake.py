@@ -22,7 +22,12 @@ _MAX_HEAD = 64 * 1024
 
 
 class HandshakeRefused(Exception):
-    """The peer's request or answer is not a WebSocket handshake we can complete."""
+    """The peer's request or answer is not a WebSocket handshake we can complete; a server
+    answers ``status`` (426 for a version it does not speak, RFC 6455 4.4; else 400)."""
+
+    def __init__(self, reason: str, status: int = 400) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 class Rejected(Exception):
@@ -47,7 +52,7 @@ def check_request(method: str, headers: dict[str, str]) -> str:
     if "upgrade" not in {token.strip().lower() for token in headers.get("connection", "").split(",")}:
         raise HandshakeRefused("missing Connection: Upgrade")
     if headers.get("sec-websocket-version", "").strip() != "13":
-        raise HandshakeRefused("only Sec-WebSocket-Version 13 is supported")
+        raise HandshakeRefused("only Sec-WebSocket-Version 13 is supported", 426)
     key = headers.get("sec-websocket-key", "").strip()
     try:
         valid = len(base64.b64decode(key, validate=True)) == 16

@@ -315,7 +315,8 @@ class Server:
             key = check_request(head.method, head.headers)
         except HandshakeRefused as exc:
             self.refused["bad_handshake"] += 1
-            await self._respond(stream, 400, str(exc))
+            await self._respond(stream, exc.status, str(exc),
+                                [("sec-websocket-version", "13")] if exc.status == 426 else None)
             return
         subprotocol = _companion_subprotocol(proposed_subprotocols(head.headers))
         await self._send(stream, accept_response(key, subprotocol, [("x-duplexrt-replica", self.replica_id or "")]))
