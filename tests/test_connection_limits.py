@@ -347,6 +347,22 @@ async def test_an_upgrade_in_a_version_the_server_does_not_speak_is_refused_and_
     await _new_session_is_admitted(server)
 
 
+async def test_permessage_deflate_offered_is_not_negotiated_and_plain_frames_follow(nursery):
+    server = await _start(nursery)
+    stream = await trio.open_tcp_stream("127.0.0.1", server.ports[0])
+    async with stream:
+        await stream.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+                              b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n"
+                              b"sec-websocket-extensions: permessage-deflate; client_max_window_bits\r\n\r\n")
+        data = b""
+        with trio.fail_after(PATIENCE):
+            while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < 2:
+                data += await stream.receive_some(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.lower().startswith(b"http/1.1 101") and b"sec-websocket-extensions" not in head.lower()
+    assert rest[0] == 0x81, "the greeting is a plain final text frame: RSV1 (compressed) clear"
+
+
 # -- the API key ------------------------------------------------------------------------------------
 
 
