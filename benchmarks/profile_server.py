@@ -77,7 +77,7 @@ PY_SPY = BIN / "py-spy"
 RULES: list[tuple[str, re.Pattern[str]]] = [
     ("socket I/O", re.compile(r"^(trio/_socket\.py|trio/_highlevel_socket\.py|trio/_core/_io_epoll\.py"
                               r"|selectors\.py|socket\.py)$")),
-    ("WebSocket framing", re.compile(r"^wsproto/")),
+    ("WebSocket framing", re.compile(r"^wsproto/|^duplexrt/ws(frames|native|handshake)\.py$")),
     ("trio-websocket", re.compile(r"^trio_websocket/")),
     ("trio scheduling", re.compile(r"^trio/")),
     ("translator", re.compile(r"^duplexrt/protocols/")),

@@ -1,13 +1,18 @@
-"""The server's benchmark (issue: `duplexrt serve` targets), server and load in separate processes.
+"""The server's benchmark (issue 12: `duplexrt serve` targets), server and load in separate processes.
 
-1. Server CPU per frame (in and out) over loopback, 96 paced sessions, for each route in
-   ``--routes``: ``duplexrt serve`` (echo model) in one process, ``duplexrt simulate --url`` in
-   another; the server's CPU comes from its own /metrics (process_cpu_seconds_total).
+1. Server and load-generator CPU per frame over loopback, paced sessions (``--sessions``, 96 and
+   256 by default), for each route in ``--routes``: ``duplexrt serve`` (echo model) in one process,
+   ``duplexrt simulate --url`` in another; the server's CPU comes from its own /metrics
+   (process_cpu_seconds_total).  Each (route, sessions) is run once per variant, the variants
+   alternated so that they share the machine's load: ``native`` and ``trio-websocket`` (this
+   checkout's server with ``server.websocket_impl`` set to each; this checkout's load generator)
+   and, with ``--before-bin``, ``before`` (another checkout's ``duplexrt``, server and load).
 2. Capacity: the largest number of paced sessions one server process keeps real-time (p99 frame
    lag under 80 ms, no late frames beyond 1 %, no connection errors) on ``/v1/duplex``, trying
-   each of ``--capacity`` in turn.  The load generator shares the machine: the figure is a floor.
+   each of ``--capacity`` in turn (this checkout, native).  The load generator shares the machine:
+   the figure is a floor.
 
-Usage: python benchmarks/server.py [--frames 100] [--json out.json]
+Usage: python benchmarks/server.py [--frames 100] [--before-bin /work/main/.venv/bin/duplexrt] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,15 +24,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 BIN = Path(sys.executable).parent / "duplexrt"
 
 
 class RunningServer:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, bin: Path = BIN) -> None:
         self.proc = subprocess.Popen(
-            [str(BIN), "serve", "--port", "0", "--log-level", "info", "--slots", "1024", "--no-log-stats", *args],
+            [str(bin), "serve", "--port", "0", "--log-level", "info", "--slots", "1024", "--no-log-stats", *args],
             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         for line in self.proc.stderr:
             if "port(s)" in line:
@@ -35,18 +41,21 @@ class RunningServer:
                 break
         else:
             raise SystemExit("the server did not start")
+        # Keep reading its log: a full pipe would stall the server mid-run.
+        self._drain = threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True)
+        self._drain.start()
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(timeout=60)
-        self.proc.stderr.close()
+        self._drain.join(timeout=5)
         return code
 
 
-def simulate(url: str, concurrency: int, frames: int) -> dict:
+def simulate(url: str, concurrency: int, frames: int, bin: Path = BIN) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
-    proc = subprocess.run([str(BIN), "simulate", "--url", url, "--mode", "paced", "--concurrency", str(concurrency),
+    proc = subprocess.run([str(bin), "simulate", "--url", url, "--mode", "paced", "--concurrency", str(concurrency),
                            "--frames", str(frames), "--json", out, "--no-progress"],
                           capture_output=True, text=True, timeout=600)
     data = json.loads(Path(out).read_text())
@@ -56,57 +65,81 @@ def simulate(url: str, concurrency: int, frames: int) -> dict:
     return round_
 
 
+def run_once(bin: Path, serve_args: list[str], url_path: str, concurrency: int, frames: int) -> tuple[dict, int]:
+    server = RunningServer(*serve_args, bin=bin)
+    try:
+        round_ = simulate(f"ws://127.0.0.1:{server.port}{url_path}", concurrency, frames, bin)
+    finally:
+        code = server.stop()
+    return round_, code
+
+
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=100)
-    parser.add_argument("--routes", default="/v1/duplex,/v1/realtime,/v1/live/sessions")
-    parser.add_argument("--capacity", default="96,192,288,384,512")
+    parser.add_argument("--routes", default="/v1/duplex,/v1/realtime?duplex=1&continuous=1,/v1/live/sessions")
+    parser.add_argument("--sessions", default="96,256")
+    parser.add_argument("--variants", default="native,trio-websocket",
+                        help="which of native, trio-websocket to run (before is added by --before-bin)")
+    parser.add_argument("--before-bin", type=Path, default=None,
+                        help="another checkout's duplexrt (e.g. main's .venv/bin/duplexrt): server and load generator")
+    parser.add_argument("--capacity", default="256,512,768,1024", help="'' to skip")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results: dict = {"cpu": {}, "capacity": []}
+    variants: list[tuple[str, Path, list[str]]] = [
+        (name, BIN, ["--set", f"server.websocket_impl={name}"]) for name in args.variants.split(",") if name]
+    if args.before_bin is not None:
+        variants.insert(0, ("before", args.before_bin, []))
+    results: dict = {"cpu": [], "capacity": [], "load_average_before": _loadavg()}
 
-    print(f"1. server CPU per frame, 96 paced sessions x {args.frames} frames, echo", file=sys.stderr)
+    print(f"1. CPU per frame, paced sessions x {args.frames} frames, echo; load average {_loadavg()}", file=sys.stderr)
     for route in args.routes.split(","):
-        server = RunningServer()
-        try:
-            round_ = simulate(f"ws://127.0.0.1:{server.port}{route}", 96, args.frames)
-        finally:
-            code = server.stop()
-        results["cpu"][route] = {
-            "server_cpu_us_per_frame": round_["server_cpu_us_per_frame"],
-            "load_generator_cpu_us_per_frame": round_["load_generator_cpu_us_per_frame"],
-            "frame_lag_ms": round_["frame_lag_ms"], "late_frames": round_["late_frames"],
-            "guards_ok": not round_["failures"], "server_exit_code": code,
-        }
-        print(f"   {route}: server {round_['server_cpu_us_per_frame']:.1f} us/frame, load generator "
-              f"{round_['load_generator_cpu_us_per_frame']:.1f} us/frame, lag p99 "
-              f"{round_['frame_lag_ms']['p99']:.1f} ms, late {round_['late_frames']}, "
-              f"guards {'ok' if not round_['failures'] else round_['failures'][:2]}", file=sys.stderr)
+        for concurrency in (int(n) for n in args.sessions.split(",")):
+            for name, bin, serve_args in variants:
+                round_, code = run_once(bin, serve_args, route, concurrency, args.frames)
+                lag = round_["frame_lag_ms"] or {"p99": float("nan")}
+                row = {"route": route, "sessions": concurrency, "variant": name,
+                       "server_cpu_us_per_frame": round_["server_cpu_us_per_frame"],
+                       "load_generator_cpu_us_per_frame": round_["load_generator_cpu_us_per_frame"],
+                       "frame_lag_p99_ms": lag["p99"], "late_frames": round_["late_frames"],
+                       "guards_ok": not round_["failures"], "server_exit_code": code}
+                results["cpu"].append(row)
+                print(f"   {route} x{concurrency} {name:>14}: server {row['server_cpu_us_per_frame']:.1f} us/frame, "
+                      f"load generator {row['load_generator_cpu_us_per_frame']:.1f} us/frame, lag p99 "
+                      f"{lag['p99']:.1f} ms, late {round_['late_frames']}, "
+                      f"guards {'ok' if not round_['failures'] else round_['failures'][:2]}", file=sys.stderr)
 
-    print("2. capacity on /v1/duplex (p99 lag < 80 ms, late <= 1 %, no connection errors)", file=sys.stderr)
+    steps = [int(n) for n in args.capacity.split(",") if n]
+    if steps:
+        print("2. capacity on /v1/duplex, native (p99 lag < 80 ms, late <= 1 %, no connection errors)", file=sys.stderr)
     best = 0
-    for concurrency in (int(n) for n in args.capacity.split(",")):
-        server = RunningServer()
-        try:
-            round_ = simulate(f"ws://127.0.0.1:{server.port}/v1/duplex", concurrency, args.frames)
-        finally:
-            server.stop()
+    for concurrency in steps:
+        round_, _ = run_once(BIN, [], "/v1/duplex", concurrency, args.frames)
         lag = round_["frame_lag_ms"] or {"p99": float("inf")}
         total = concurrency * args.frames
         realtime = (lag["p99"] < 80 and (round_["late_frames"] or 0) <= 0.01 * total
                     and not round_["connection_errors"] and not round_["failures"])
         results["capacity"].append({"sessions": concurrency, "p99_lag_ms": lag["p99"], "late_frames": round_["late_frames"],
                                     "server_cpu_us_per_frame": round_["server_cpu_us_per_frame"],
+                                    "load_generator_cpu_us_per_frame": round_["load_generator_cpu_us_per_frame"],
                                     "connection_errors": round_["connection_errors"], "real_time": realtime})
         print(f"   {concurrency:4d} sessions: lag p99 {lag['p99']:.1f} ms, late {round_['late_frames']}, "
-              f"server {round_['server_cpu_us_per_frame']:.1f} us/frame -> {'real-time' if realtime else 'NOT real-time'}",
+              f"server {round_['server_cpu_us_per_frame']:.1f} us/frame, load generator "
+              f"{round_['load_generator_cpu_us_per_frame']:.1f} -> {'real-time' if realtime else 'NOT real-time'}",
               file=sys.stderr)
         if not realtime:
             break
         best = concurrency
     results["largest_real_time"] = best
-    print(json.dumps({"cpu": {k: v["server_cpu_us_per_frame"] for k, v in results["cpu"].items()},
-                      "largest_real_time_sessions": best}, indent=2))
+    results["load_average_after"] = _loadavg()
+    print(json.dumps({"cpu": [(r["route"], r["sessions"], r["variant"], r["server_cpu_us_per_frame"],
+                               r["load_generator_cpu_us_per_frame"]) for r in results["cpu"]],
+                      "largest_real_time_sessions": best, "load_average": [results["load_average_before"],
+                                                                           results["load_average_after"]]}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -243,6 +243,10 @@ class ServerConfig:
     #: This replica's name behind a load balancer, shown in /readyz, /metrics and the log.
     #: Empty: the host name and the bound port (``gpu-node-3:8000``).
     replica_id: str = attrs.field(default="", converter=_stripped, validator=_is_replica_id("server.replica_id"))
+    #: "native": sessions read and write their own WebSocket frames (duplexrt.wsnative), the fast
+    #: path; "trio-websocket": the library's connection with its reader task (the fallback).
+    websocket_impl: str = attrs.field(
+        default="native", validator=_one_of("server.websocket_impl", ("native", "trio-websocket")))
 
 
 @attrs.frozen(kw_only=True)

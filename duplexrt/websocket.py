@@ -13,7 +13,6 @@ import math
 
 import trio
 import trio_websocket
-from wsproto.connection import ConnectionState
 
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, TransportClosed
@@ -47,36 +46,33 @@ class WebSocketTransport:
         self._closing: trio.Event | None = None
         self._close_deadline = math.inf
         self._close_scope: trio.CancelScope | None = None
+        self._receive_scope: trio.CancelScope | None = None
 
     async def receive(self) -> Message:
-        try:
-            if self.received:
+        if self._ended is not None:
+            raise self._ended
+        # The scope lets the idle watch end a waiting receive without closing the connection.
+        with trio.CancelScope(deadline=math.inf if self.received else self._first_deadline) as scope:
+            self._receive_scope = scope
+            try:
                 message = await self.ws.get_message()
-                self.received += 1
-                return message
-            with trio.move_on_at(self._first_deadline):
-                message = await self.ws.get_message()
-                self.received += 1
-                return message
-        except trio_websocket.ConnectionClosed as exc:
-            raise self._closed(exc) from None
+            except trio_websocket.ConnectionClosed as exc:
+                raise self._closed(exc) from None
+            finally:
+                self._receive_scope = None
+            self.received += 1
+            return message
+        if self._ended is not None:
+            raise self._ended
         reason = "no message arrived in time after the connection opened"
         ended = self._end(FinishReason.FIRST_MESSAGE_TIMEOUT, CloseCode.POLICY_VIOLATION, reason)
         await self.close(CloseCode.POLICY_VIOLATION, reason)
         raise ended
 
     def receive_nowait(self) -> Message:
-        # trio-websocket queues parsed messages in a memory channel; taking one that is already
-        # there needs no wait.  (A private attribute: if it ever goes away, say so here.)
-        channel = getattr(self.ws, "_recv_channel", None)
-        if channel is None:
-            raise trio.WouldBlock
-        try:
-            message = channel.receive_nowait()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise self._closed(trio_websocket.ConnectionClosed(self.ws.closed)) from None
-        self.received += 1
-        return message
+        # trio-websocket has no public way to take an already-parsed message without a wait;
+        # this fallback pays one wake-up per message (wsnative takes a backlog in one).
+        raise trio.WouldBlock
 
     async def send(self, message: Message) -> None:
         if not isinstance(message, str | bytes):
@@ -164,18 +160,16 @@ class WebSocketTransport:
 
     def _interrupt(self, finish_reason: FinishReason, code: int, reason: str) -> None:
         """End the session's input with ``finish_reason`` but leave the connection open, so the
-        session can still send its end and close with its usage: closing trio-websocket's queue
-        of received messages wakes a waiting receive, which then raises the recorded end."""
+        session can still send its end and close with its usage: a waiting receive is cancelled
+        and raises the recorded end, and so does every later one."""
         self._end(finish_reason, code, reason)
-        channel = getattr(self.ws, "_recv_channel", None)
-        if channel is None:  # see receive_nowait: without it, end the connection outright
-            self.abort()
-        else:
-            channel.close()
+        if self._receive_scope is not None:
+            self._receive_scope.cancel()
 
     def _backlog(self) -> bool:
-        channel = getattr(self.ws, "_recv_channel", None)
-        return channel is not None and channel.statistics().current_buffer_used > 0
+        # Without a public view of trio-websocket's queue, a session that is not waiting for a
+        # message (busy, or waiting for room) is taken to be behind, not its client idle.
+        return self._receive_scope is None
 
     def _drop_stream(self) -> None:
         if self._stream is not None:
@@ -190,12 +184,10 @@ class WebSocketTransport:
         if reason is None:
             return TransportClosed(CloseCode.GOING_AWAY, "the connection went away")
         # trio-websocket ends a connection itself on a message over the size limit (it sends
-        # Close 1009) and on a frame it cannot parse (1002, or 1007 for bad UTF-8); the peer
-        # never sent a Close then, which is how those are told from a client's own close.
-        state = getattr(getattr(self.ws, "_wsproto", None), "state", None)
-        local = (reason.code not in (CloseCode.NORMAL_CLOSURE, CloseCode.ABNORMAL_CLOSURE)
-                 and state in (ConnectionState.OPEN, ConnectionState.LOCAL_CLOSING))
-        if local:
+        # Close 1009) and on a frame it cannot parse (1002, or 1007 for bad UTF-8).  Its public
+        # surface does not say which end closed, so those codes are taken as this end's: a
+        # client has no reason to close with them (wsnative knows, and says so exactly).
+        if reason.code in (CloseCode.MESSAGE_TOO_BIG, CloseCode.PROTOCOL_ERROR, CloseCode.INVALID_PAYLOAD):
             finish = (FinishReason.MESSAGE_TOO_BIG if reason.code == CloseCode.MESSAGE_TOO_BIG
                       else FinishReason.PROTOCOL_ERROR)
             return TransportClosed(reason.code, reason.reason or "", finish)

@@ -474,3 +474,52 @@ async def test_the_client_resumes_a_dropped_connection_and_hears_every_frame_onc
     assert code == 0, stderr
     assert "server ended the session: stop; resumed after 1 dropped connection(s)" in stdout
     assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", sent, RATE)
+
+
+# -- the connection itself, on both WebSocket paths --------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["native", "trio-websocket"])
+async def test_open_connection_greets_echoes_and_names_a_refusal_on_either_path(nursery, impl):
+    from duplexrt.client.connection import ConnectError, open_connection
+    from duplexrt.client.protocols import client_for_url
+
+    port = await _serve(nursery, "runtime.slots=1", "backend.options.delay_frames=0")
+    url = f"ws://127.0.0.1:{port}/v1/duplex"
+    frame = _noise(FRAME, seed=11).tobytes()
+    with trio.fail_after(PATIENCE):
+        async with open_connection(url, client_for_url(url), impl=impl) as (transport, opened):
+            assert opened is not None  # session.created, parsed by the protocol
+            await transport.send(frame)
+            assert await transport.receive() == frame
+            with pytest.raises(ConnectError) as refused:  # the only slot is this connection's
+                async with open_connection(url, client_for_url(url), impl=impl):
+                    pass
+    assert refused.value.kind == "http_503" and "all 1 session slots are in use" in refused.value.message
+
+
+async def test_a_conversation_whose_server_goes_quiet_after_the_input_ends_idles_out(autojump_clock):
+    from duplexrt.client.conversation import IDLE, Conversation
+    from duplexrt.client.protocols import DuplexClient
+    from duplexrt.transport import TransportClosed, memory_transport_pair
+
+    client_end, server_end = memory_transport_pair(capacity=16)
+    spec = AudioSpec("pcm_f32le", RATE)
+    heard: list = []
+    conversation = Conversation(client_end, DuplexClient(spec, greets=False), on_audio=lambda item, now: heard.append(item),
+                                idle_timeout=2.0)
+    frame = _noise(FRAME, seed=12).tobytes()
+
+    async def server() -> None:  # answers the first message, then says nothing more
+        await server_end.send(await server_end.receive())
+        with pytest.raises(TransportClosed):  # until the client, tired of waiting, closes
+            while True:
+                await server_end.receive()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server)
+        started = trio.current_time()
+        await conversation.run(3, lambda i: frame, interval=0.08)
+        nursery.cancel_scope.cancel()
+    assert conversation.outcome == IDLE and len(heard) == 1
+    assert trio.current_time() - started >= 2.0 + 3 * 0.08  # the idle time counts from the input's end

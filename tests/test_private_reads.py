@@ -15,13 +15,10 @@ import duplexrt
 
 LIBRARY = Path(duplexrt.__file__).parent
 
-#: Where a private read is the point, or is somebody else's work in progress.
+#: Where a private read is the point.
 ALLOWED = {
     # The one place that touches the moshi package's private state, and says so.
     "backends/moshi/internals.py",
-    # trio-websocket's receive channel and wsproto state: the server's hot path is being
-    # rewritten to drive the socket itself, which removes these reads.
-    "websocket.py",
 }
 #: Underscore names that are public API by their owners' convention (namedtuple's).
 PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make"}

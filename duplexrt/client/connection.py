@@ -17,11 +17,13 @@ import trio
 import trio_websocket
 
 from duplexrt.client.protocols import ClientProtocol, Opened
-from duplexrt.client.resume import ResumingTransport
+from duplexrt.client.resume import Connect, ResumingTransport
 from duplexrt.transport import Transport, TransportClosed
 from duplexrt.websocket import WebSocketTransport
+from duplexrt.wshandshake import HandshakeRefused, Rejected, client_handshake
+from duplexrt.wsnative import NativeWebSocket
 
-__all__ = ["ConnectError", "WebSocketTransport", "open_connection", "host_and_port"]
+__all__ = ["ConnectError", "NativeWebSocket", "WebSocketTransport", "open_connection", "host_and_port"]
 
 #: Largest message the client accepts (server audio messages are a few kB; this is generous).
 MAX_MESSAGE_BYTES = 16 << 20
@@ -43,19 +45,22 @@ def host_and_port(url: str) -> tuple[str, int]:
     return parts.hostname or "localhost", port
 
 
-def _describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
-    status = exc.status_code
+def _describe_rejection(status: int, body: bytes | None) -> str:
     phrase = responses.get(status, "")
-    body = (exc.body or b"").decode("utf-8", "replace").strip()
-    text = f"the server refused the WebSocket connection: HTTP {status}" + (f" {phrase}" if phrase else "")
-    return text + (f": {body[:300]}" if body else "")
+    text = (body or b"").decode("utf-8", "replace").strip()
+    described = f"the server refused the WebSocket connection: HTTP {status}" + (f" {phrase}" if phrase else "")
+    return described + (f": {text[:300]}" if text else "")
 
 
 def _classify(exc: BaseException, url: str) -> ConnectError:
     host, port = host_and_port(url)
     where = f"{host}:{port}"
     if isinstance(exc, trio_websocket.ConnectionRejected):
-        return ConnectError(f"http_{exc.status_code}", _describe_rejection(exc), exc.status_code)
+        return ConnectError(f"http_{exc.status_code}", _describe_rejection(exc.status_code, exc.body), exc.status_code)
+    if isinstance(exc, Rejected):
+        return ConnectError(f"http_{exc.status}", _describe_rejection(exc.status, exc.body), exc.status)
+    if isinstance(exc, trio.TooSlowError):
+        return ConnectError("timeout", f"timed out opening a WebSocket to {where}")
     if isinstance(exc, trio_websocket.ConnectionTimeout):
         return ConnectError("timeout", f"timed out opening a WebSocket to {where}")
     cause: BaseException | None = exc
@@ -81,18 +86,24 @@ def _classify(exc: BaseException, url: str) -> ConnectError:
 
 @asynccontextmanager
 async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | None = None,
-                          timeout: float = 10.0, resume: bool = False,
-                          resume_window: float = 10.0) -> AsyncIterator[tuple[Transport, Opened | None]]:
+                          timeout: float = 10.0, resume: bool = False, resume_window: float = 10.0,
+                          impl: str = "native") -> AsyncIterator[tuple[Transport, Opened | None]]:
     """Open a WebSocket to ``url`` (already carrying the protocol's query) and, where the protocol's
     server speaks first, wait for its greeting.  Yields the transport and the greeting; raises
     ConnectError if either fails.  The connection is closed when the block ends.
 
     ``resume``: the transport is a ``ResumingTransport``, which resumes the session on a new
-    connection (for up to ``resume_window`` seconds) when this one drops."""
-    headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else None
+    connection (for up to ``resume_window`` seconds) when this one drops.
+
+    ``impl``: ``native`` (duplexrt.wsnative: the load generator's frames cost what the server's
+    do) or ``trio-websocket``; ``wss://`` URLs always take trio-websocket, which does TLS."""
+    native = impl != "trio-websocket" and not url.startswith("wss:")
     try:
         async with trio.open_nursery() as nursery:
-            connect = partial(_connect, nursery, headers=headers, timeout=timeout)
+            if native:
+                connect: Connect = partial(_connect_native, api_key=api_key, timeout=timeout)
+            else:
+                connect = partial(_connect, nursery, api_key=api_key, timeout=timeout)
             transport: Transport = await connect(url)
             if resume:
                 transport = ResumingTransport(transport, url, connect, window=resume_window,
@@ -103,7 +114,7 @@ async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | 
                 opened = await _greeting(transport, protocol, timeout) if protocol.greets else None
                 yield transport, opened
             finally:
-                with trio.move_on_after(5):
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
                     await transport.close()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -113,10 +124,29 @@ async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | 
         raise
 
 
-async def _connect(nursery: trio.Nursery, url: str, *, headers: list[tuple[bytes, bytes]] | None,
-                   timeout: float) -> WebSocketTransport:
-    """One WebSocket to ``url`` in a task of ``nursery`` that lasts as long as the connection;
-    raises ConnectError if it cannot be opened."""
+async def _connect_native(url: str, *, api_key: str | None, timeout: float) -> NativeWebSocket:
+    """One WebSocket to ``url`` on the native path: the conversation's own tasks read and write
+    it, so it needs no task of its own; raises ConnectError if it cannot be opened."""
+    host, port = host_and_port(url)
+    headers = [("Authorization", f"Bearer {api_key}")] if api_key else []
+    try:
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(host, port)
+            try:
+                _, rest = await client_handshake(stream, url, headers)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+    except (OSError, Rejected, HandshakeRefused, trio.TooSlowError, trio.BrokenResourceError) as exc:
+        raise _classify(exc, url) from None
+    return NativeWebSocket(stream, client=True, max_message=MAX_MESSAGE_BYTES, received=rest,
+                           queue_limit=16, close_timeout=5.0)
+
+
+async def _connect(nursery: trio.Nursery, url: str, *, api_key: str | None, timeout: float) -> WebSocketTransport:
+    """One trio-websocket connection to ``url`` in a task of ``nursery`` that lasts as long as the
+    connection; raises ConnectError if it cannot be opened."""
+    headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else None
     return await nursery.start(partial(_run_connection, url, headers=headers, timeout=timeout))
 
 

@@ -108,30 +108,46 @@ class Conversation:
     # -- receiving ------------------------------------------------------------------------------
 
     async def _receive(self) -> None:
+        # One cancel scope for the whole conversation, not one per message (a scope costs about
+        # as much as framing the message): it has no deadline until the input is all sent; from
+        # then on each message pushes it idle_timeout further (the sender sets the first one).
+        with trio.CancelScope() as scope:
+            if self.idle_timeout is not None:
+                self._idle_scope = scope
+                if self.input_done:
+                    scope.deadline = trio.current_time() + self.idle_timeout
+            close = False
+            try:
+                close = await self._receive_loop(scope)
+            finally:
+                self._idle_scope = None
+        if scope.cancelled_caught:  # a wait for a message outlasted idle_timeout after the input ended
+            self.outcome = IDLE
+            close = True
+        if close:  # outside the scope: the idle deadline bounds waiting for messages, not the close
+            await self._close()
+
+    async def _receive_loop(self, scope: trio.CancelScope) -> bool:
+        """Receive until the conversation is over; True when this end should close."""
         transport = self.transport
         protocol = self.protocol
         parse = protocol.parse
         on_audio = self.on_audio
         caught_up = self.caught_up if protocol.needs_catch_up else None
-        idle = self.idle_timeout is not None
+        idle_timeout = self.idle_timeout
         while True:
             try:
                 try:
                     message = transport.receive_nowait()
                 except trio.WouldBlock:
-                    if idle:
-                        message = await self._receive_unless_idle()
-                        if message is None:
-                            self.outcome = IDLE
-                            await self._close()
-                            return
-                    else:
-                        message = await transport.receive()
+                    message = await transport.receive()
             except TransportClosed as closed:
                 self.closed = closed
                 if self.outcome is None:
                     self.outcome = CLOSED
-                return
+                return False
+            if idle_timeout is not None and self.input_done:
+                scope.deadline = trio.current_time() + idle_timeout
             now = time.perf_counter()
             item = parse(message)
             if isinstance(item, AUDIO_TYPES):
@@ -142,8 +158,7 @@ class Conversation:
                     messages = protocol.finish()
                     if not messages:
                         self.outcome = COMPLETE
-                        await self._close()
-                        return
+                        return True
                     await self._send_quietly(messages)  # then read on, up to the end event
                 continue
             kind = type(item)
@@ -151,8 +166,7 @@ class Conversation:
                 self.end = item
                 self.outcome = ENDED
                 if not protocol.server_closes:
-                    await self._close()
-                    return
+                    return True
             elif kind is ServerError:
                 self.errors.append(item)
             elif kind is Text:
@@ -160,19 +174,6 @@ class Conversation:
                     self.on_text(item.text)
             elif kind is Opened:
                 protocol.opened(item)
-
-    async def _receive_unless_idle(self) -> Message | None:
-        """The next message, or None once the input is all sent and nothing came for
-        ``idle_timeout`` seconds."""
-        with trio.CancelScope() as scope:
-            if self.input_done:
-                scope.deadline = trio.current_time() + self.idle_timeout
-            self._idle_scope = scope
-            try:
-                return await self.transport.receive()
-            finally:
-                self._idle_scope = None
-        return None
 
     async def _send_quietly(self, messages: list[Message]) -> None:
         try:

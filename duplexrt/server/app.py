@@ -36,8 +36,10 @@ from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
 from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.web import static_answer, stats_json
-from duplexrt.transport import TransportClosed
+from duplexrt.transport import Transport, TransportClosed
 from duplexrt.websocket import WebSocketTransport
+from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
+from duplexrt.wsnative import NativeWebSocket
 
 log = logging.getLogger("duplexrt.server")
 #: The start-up line: printed at the default level (warning) without turning every info log on.
@@ -73,7 +75,7 @@ class Server:
         self._overflow = 0
         #: Every open socket and WebSocket, so a second signal can drop them all at once.
         self._streams: set[trio.SocketStream] = set()
-        self._transports: set[WebSocketTransport] = set()
+        self._transports: set[WebSocketTransport | NativeWebSocket] = set()
         self._all_closed = trio.lowlevel.ParkingLot()
         self._draining = False
         self._drain_requested = trio.Event()
@@ -265,7 +267,7 @@ class Server:
             return
         self._admitted += 1  # no await since the check above: admission cannot be raced
         try:
-            await self._serve_websocket(stream, received, route.max_message_bytes(self.config),
+            await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config),
                                         partial(self._run_session, translator=translator, path=head.path),
                                         deadline)
         finally:
@@ -278,11 +280,14 @@ class Server:
         await self._respond(stream, 503, f"more than {self.config.server.max_pending_handshakes} connections "
                                          "are waiting to be served; try again later", [("retry-after", "1")])
 
-    async def _serve_websocket(self, stream: trio.SocketStream, received: bytes, max_message: int,
-                               serve: Callable[[WebSocketTransport], Awaitable[None]], deadline: float,
+    async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
+                               serve: Callable[[Transport], Awaitable[None]], deadline: float,
                                *, resuming: bool = False) -> None:
         assert self.runtime is not None
         settings = self.config.server
+        if settings.websocket_impl == "native":
+            await self._serve_native(stream, head, received, max_message, serve, resuming=resuming)
+            return
         async with trio.open_nursery() as nursery:
             transport: WebSocketTransport | None = None
             try:
@@ -318,9 +323,45 @@ class Server:
             finally:
                 nursery.cancel_scope.cancel()
 
+    async def _serve_native(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
+                            serve: Callable[[Transport], Awaitable[None]], *, resuming: bool = False) -> None:
+        """The fast path: answer the upgrade here and let the session drive its frames (wsnative)."""
+        assert self.runtime is not None
+        settings = self.config.server
+        try:
+            key = check_request(head.method, head.headers)
+        except HandshakeRefused as exc:
+            self.refused["bad_handshake"] += 1
+            await self._respond(stream, exc.status, str(exc),
+                                [("sec-websocket-version", "13")] if exc.status == 426 else None)
+            return
+        subprotocol = _companion_subprotocol(proposed_subprotocols(head.headers))
+        await self._send(stream, accept_response(key, subprotocol, [("x-duplexrt-replica", self.replica_id or "")]))
+        # A resuming client may have nothing left to send (it waits for output): the first-message
+        # limit is for new sessions only.
+        first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
+        transport = NativeWebSocket(stream, max_message=max_message, first_message_timeout=first_message_timeout,
+                                    close_timeout=settings.close_timeout_s, received=after_head(received),
+                                    subprotocol=subprotocol)
+        self._transports.add(transport)
+        try:
+            if self._draining:  # shutdown began while this client's handshake was under way
+                return
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(transport.watch, settings.ping_interval_s, settings.ping_timeout_s,
+                                   settings.idle_timeout_s)
+                try:
+                    await serve(transport)
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):  # bounded by close_timeout_s
+                await transport.close(CloseCode.GOING_AWAY if self._draining else CloseCode.NORMAL_CLOSURE)
+            self._transports.discard(transport)
+
     # -- sessions and their resumes --------------------------------------------------------------
 
-    async def _run_session(self, transport: WebSocketTransport, *, translator: Translator, path: str) -> None:
+    async def _run_session(self, transport: Transport, *, translator: Translator, path: str) -> None:
         """Serve a new session; with resume on, over a transport that survives a dropped connection."""
         assert self.runtime is not None
         settings = self.config.runtime
@@ -367,11 +408,11 @@ class Server:
             await self._respond(stream, exc.status, f"{exc.code}: {exc.message}")
             return
         max_message = ROUTES[head.path].max_message_bytes(self.config)
-        await self._serve_websocket(stream, received, max_message,
+        await self._serve_websocket(stream, head, received, max_message,
                                     partial(self._rejoin, resumable=resumable, translator=translator, count=count),
                                     deadline, resuming=True)
 
-    async def _rejoin(self, transport: WebSocketTransport, *, resumable: ResumableTransport,
+    async def _rejoin(self, transport: Transport, *, resumable: ResumableTransport,
                       translator: Translator, count: int) -> None:
         """Hand the session its new connection, then hold it until the session lets it go."""
         old_secret = split_token(resumable.token)[1]

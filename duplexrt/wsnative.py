@@ -1,0 +1,398 @@
+"""A WebSocket ``Transport`` that drives the socket itself, once the handshake is done.
+
+Why not trio-websocket on the hot path: it runs a background reader task per connection that
+parses each message with wsproto and hands it to the session through a memory channel, so every
+input message costs a task wake-up, a channel hop and a per-byte Python unmask before the session
+sees it.  Here whoever needs bytes reads them: the session's own reader task calls ``receive``,
+which reads a chunk from the socket and parses every whole frame in it (``wsframes``); messages
+already parsed are taken with ``receive_nowait`` in the same wake-up.  A message goes out as one
+``send_all`` of header and payload.
+
+What keeps working when the session is not reading (its input ended, or it waits for the client
+to read): the keepalive reads by itself while it waits for a pong, and a close reads until the
+peer's Close; both stop reading ahead once ``queue_limit`` messages wait unread, as trio-websocket
+does.  The limits (first message, pings, idle, close handshake) and their finish reasons are the
+same as ``WebSocketTransport``'s.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections import deque
+
+import trio
+
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import Message, TransportClosed
+from duplexrt.wsframes import Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame, frame_header, unmask
+
+DEFAULT_CLOSE_TIMEOUT = 3.0
+_IDLE_CHECKS = 8
+#: One read takes this much at most: several queued messages, parsed in one wake-up.
+_RECEIVE_SIZE = 1 << 16
+#: A read that finds data waiting does not yield; every this many in a row, one does.
+_YIELD_EVERY = 8
+
+
+class NativeWebSocket:
+    """One open WebSocket over ``stream``.  ``client``: this end is the client (it masks what it
+    sends, and the peer must not); ``received``: bytes the peer sent right after its handshake."""
+
+    def __init__(self, stream: trio.SocketStream, *, client: bool = False, max_message: int = 1 << 20,
+                 first_message_timeout: float = math.inf, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+                 received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None) -> None:
+        self._stream = stream
+        self._client = client
+        self._parser = FrameParser(masked=not client, max_message=max_message)
+        if received:
+            self._parser.feed(received)
+        self._unparsed = bool(received)
+        self._queue_limit = queue_limit
+        #: The subprotocol the handshake settled on, if any.
+        self.subprotocol = subprotocol
+        self._messages: deque[Message] = deque()
+        self._reading = False
+        self._read_lot = trio.lowlevel.ParkingLot()
+        self._sock = stream.socket
+        self._reads_without_wait = 0
+        #: The last read took less than it asked for: the socket was empty after it.
+        self._drained = False
+        #: The idle watch shut the read side: the end of the stream is no hang-up then.
+        self._read_shut = False
+        self._eof = False
+        self._sending = False
+        self._send_lot = trio.lowlevel.ParkingLot()
+        self._first_deadline = trio.current_time() + first_message_timeout
+        #: Messages taken so far (the idle watch reads it).
+        self.received = 0
+        self._pongs = 0
+        self._close_timeout = close_timeout
+        #: This end ended the connection itself (a limit, a broken frame): what everything raises.
+        self._ended: TransportClosed | None = None
+        #: The peer closed or the connection dropped: what receive raises once the queue is empty.
+        self._gone: TransportClosed | None = None
+        self._peer_close: Close | None = None
+        self._close_sent = False
+        self._parser_failed = False
+        self._closing: trio.Event | None = None
+        self._close_deadline = math.inf
+        self._close_scope: trio.CancelScope | None = None
+
+    # -- Transport -------------------------------------------------------------------------------
+
+    async def receive(self) -> Message:
+        messages = self._messages
+        if self._ended is not None:
+            raise self._ended
+        if not messages:
+            if self.received:
+                await self._fill()
+            else:
+                with trio.move_on_at(self._first_deadline):
+                    await self._fill()
+                if not messages:
+                    reason = "no message arrived in time after the connection opened"
+                    ended = self._end(FinishReason.FIRST_MESSAGE_TIMEOUT, CloseCode.POLICY_VIOLATION, reason)
+                    await self.close(CloseCode.POLICY_VIOLATION, reason)
+                    raise ended
+        self.received += 1
+        return messages.popleft()
+
+    def receive_nowait(self) -> Message:
+        if self._ended is not None:
+            raise self._ended
+        if not self._messages:
+            if self._gone is not None:
+                raise self._gone
+            raise trio.WouldBlock
+        self.received += 1
+        return self._messages.popleft()
+
+    async def send(self, message: Message) -> None:
+        # An ended input (idle) still lets the session send its end: only a closed connection stops it.
+        if self._close_sent or self._gone is not None:
+            raise self._ended or self._gone or TransportClosed(CloseCode.GOING_AWAY, "the connection is closing")
+        if type(message) is str:
+            payload = message.encode()
+            opcode = Opcode.TEXT
+        else:
+            payload = message if type(message) is bytes else bytes(message)
+            opcode = Opcode.BINARY
+        if self._client:
+            mask = os.urandom(4)
+            data = frame_header(opcode, len(payload), mask) + unmask(payload, mask)
+        else:  # header and payload in one writev: one syscall, and the payload is not copied
+            if not await self._write(frame_header(opcode, len(payload)), payload):
+                raise self._ended or self._gone or TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+            return
+        if not await self._write(data):
+            raise self._ended or self._gone or TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+
+    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
+        """Send Close (unless one was sent) and wait for the peer's, at most ``close_timeout``
+        seconds; then drop the connection.  A second caller waits for the first one's close."""
+        if self._closing is not None:
+            with trio.move_on_at(self._close_deadline):
+                await self._closing.wait()
+            return
+        self._closing = trio.Event()
+        self._close_deadline = trio.current_time() + self._close_timeout
+        try:
+            with trio.move_on_at(self._close_deadline) as self._close_scope:
+                await self._send_close(code, reason)
+                # After a broken frame no Close of the peer's can be found: hang up at once.
+                while self._peer_close is None and self._gone is None and not (self._parser_failed or self._eof):
+                    await self._read_more(limit=False)
+        finally:
+            self._drop_stream()
+            self._closing.set()
+
+    def abort(self) -> None:
+        """Drop the connection now, cutting short a close under way (a second shutdown signal)."""
+        if self._close_scope is not None:
+            self._close_scope.cancel()
+        self._drop_stream()
+
+    # -- keeping the peer honest -------------------------------------------------------------------
+
+    async def watch(self, ping_interval: float, ping_timeout: float, idle_timeout: float) -> None:
+        """As ``WebSocketTransport.watch``: pings with a pong deadline, and an idle limit."""
+        async with trio.open_nursery() as nursery:
+            if ping_interval > 0:
+                nursery.start_soon(self._keep_alive, ping_interval, ping_timeout)
+            if idle_timeout > 0:
+                nursery.start_soon(self._watch_idle, idle_timeout)
+
+    async def _keep_alive(self, interval: float, timeout: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            pongs = self._pongs
+            with trio.move_on_after(timeout if timeout > 0 else interval) as waited:
+                if not await self._write(frame(Opcode.PING, b"duplexrt", masked=self._client)):
+                    return
+                while self._pongs == pongs:
+                    if self._gone is not None or self._ended is not None or self._close_sent or self._eof:
+                        return
+                    await self._read_more(limit=True)
+            if waited.cancelled_caught and timeout > 0:
+                self._end(FinishReason.PING_TIMEOUT, CloseCode.GOING_AWAY, f"no pong within {timeout:g} s")
+                self.abort()
+                return
+
+    async def _watch_idle(self, limit: float) -> None:
+        seen = self.received
+        last_heard = trio.current_time()
+        while True:
+            await trio.sleep(limit / _IDLE_CHECKS)
+            now = trio.current_time()
+            # Messages read but not yet taken (a session waiting on the model) count as heard.
+            if self.received != seen or self._messages or self._parser.buffered:
+                seen = self.received
+                last_heard = now
+            elif now - last_heard >= limit:
+                self._end(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION,
+                          f"no message from the client for {limit:g} s")
+                # The session's input ends with that reason; the connection stays open so the
+                # session can still send its end and close with its usage.
+                # Shutting the read side wakes a waiting read with the end of the stream (no
+                # cancel scope around every read for this rare case); sends still go out.
+                self._read_shut = True
+                try:
+                    self._sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+                self._read_lot.unpark_all()
+                return
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    async def _fill(self) -> None:
+        messages = self._messages
+        while not messages:
+            if self._ended is not None:
+                raise self._ended
+            if self._gone is not None:
+                raise self._gone
+            if self._eof:
+                raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+            if self._unparsed:  # frames that came with the handshake
+                self._unparsed = False
+                await self._parse()
+                continue
+            await self._read_more(limit=False)
+
+    async def _read_more(self, *, limit: bool) -> None:
+        """Read once and parse what came, or, while another task reads (or, with ``limit``, while
+        ``queue_limit`` messages wait unread), wait until that changes."""
+        if self._reading or (limit and len(self._messages) >= self._queue_limit):
+            await self._read_lot.park()
+            return
+        self._reading = True
+        try:
+            data = await self._receive_some()
+        finally:
+            self._reading = False
+            if self._read_lot:
+                self._read_lot.unpark_all()
+        if not data:
+            if self._read_shut:
+                self._eof = True  # this end stopped reading (idle): sending still works
+            else:
+                self._lost()
+            return
+        if self._parser_failed:
+            return  # after a broken frame, only the end of the connection matters
+        self._parser.feed(data)
+        await self._parse()
+
+    async def _receive_some(self) -> bytes:
+        """What the socket holds (b"" at its end).  trio's ``receive_some`` costs a syscall that
+        fails, a wait, the syscall again and a yield after it; here the read is tried first and
+        only a read that finds nothing waits, so a session that has fallen behind catches up
+        without a wake-up per read (with a yield every ``_YIELD_EVERY`` reads, to stay fair)."""
+        sock = self._sock
+        if self._drained:
+            # The last read emptied the socket: at a paced 12.5 messages a second the next one
+            # is not there yet, and trying first would only cost a failed syscall.
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except (trio.ClosedResourceError, trio.BusyResourceError):
+                return b""
+        while True:
+            fd = sock.fileno()
+            if fd < 0:
+                return b""
+            try:
+                data = os.read(fd, _RECEIVE_SIZE)
+                self._drained = len(data) < _RECEIVE_SIZE
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except (trio.ClosedResourceError, trio.BusyResourceError):
+                    return b""
+                self._reads_without_wait = 0
+                continue
+            except OSError:  # reset by the peer
+                return b""
+            self._reads_without_wait += 1
+            if self._reads_without_wait >= _YIELD_EVERY:
+                self._reads_without_wait = 0
+                await trio.lowlevel.cancel_shielded_checkpoint()  # never loses what was read
+            return data
+
+    async def _parse(self) -> None:
+        parser = self._parser
+        messages = self._messages
+        while True:
+            try:
+                event = parser.next()
+            except FrameError as error:
+                await self._fail(error)
+                return
+            if event is None:
+                return
+            kind = type(event)
+            if kind is bytes or kind is str:
+                messages.append(event)
+            elif kind is Ping:
+                if not self._close_sent:
+                    await self._write(frame(Opcode.PONG, event, masked=self._client))
+            elif kind is Pong:
+                self._pongs += 1
+            else:
+                assert isinstance(event, Close)
+                await self._peer_closed(event)
+                return
+
+    async def _peer_closed(self, close: Close) -> None:
+        self._peer_close = close
+        if self._gone is None:
+            self._gone = TransportClosed(close.code, close.reason)
+        if not self._close_sent:  # answer with the same code, then (a server) hang up
+            code = close.code if close.code != 1005 else CloseCode.NORMAL_CLOSURE
+            with trio.move_on_after(self._close_timeout):
+                await self._send_close(code, "")
+        if not self._client:
+            self._drop_stream()
+
+    async def _fail(self, error: FrameError) -> None:
+        """A broken frame: close with its code, and read nothing more into messages."""
+        self._parser_failed = True
+        finish = FinishReason.MESSAGE_TOO_BIG if error.code == CloseCode.MESSAGE_TOO_BIG else FinishReason.PROTOCOL_ERROR
+        self._end(finish, error.code, error.reason)
+        with trio.move_on_after(self._close_timeout):
+            await self._send_close(error.code, error.reason)
+
+    def _lost(self) -> None:
+        if self._gone is None:
+            self._gone = TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+        self._read_lot.unpark_all()
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    async def _write(self, data: bytes, tail: bytes = b"") -> bool:
+        """Send ``data`` and then ``tail`` whole, one writer at a time; False once the connection
+        is gone.  The write is tried at once: it waits (and yields) only when the socket's buffer
+        is full."""
+        while self._sending:
+            await self._send_lot.park()
+        self._sending = True
+        sock = self._sock
+        try:
+            view: bytes | memoryview = data
+            if tail:
+                fd = sock.fileno()
+                try:
+                    sent = os.writev(fd, (data, tail)) if fd >= 0 else -1
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    sent = -1
+                if sent < 0:
+                    self._lost()
+                    return False
+                if sent == len(data) + len(tail):
+                    return True
+                view = memoryview(data + tail)[sent:]  # rare: the socket's buffer is full
+            while True:
+                fd = sock.fileno()
+                if fd < 0:
+                    self._lost()
+                    return False
+                try:
+                    sent = os.write(fd, view)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+                    continue
+                except OSError:  # reset, or a broken pipe
+                    self._lost()
+                    return False
+                if sent == len(view):
+                    return True
+                view = memoryview(view)[sent:]
+        except (trio.ClosedResourceError, trio.BusyResourceError):
+            self._lost()
+            return False
+        finally:
+            self._sending = False
+            if self._send_lot:
+                self._send_lot.unpark()
+
+    async def _send_close(self, code: int, reason: str) -> None:
+        if self._close_sent or (self._gone is not None and self._peer_close is None):  # sent, or no one to tell
+            return
+        self._close_sent = True
+        await self._write(frame(Opcode.CLOSE, close_payload(code, reason), masked=self._client))
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _end(self, finish_reason: FinishReason, code: int, reason: str) -> TransportClosed:
+        if self._ended is None:
+            self._ended = TransportClosed(code, reason, finish_reason)
+        return self._ended
+
+    def _drop_stream(self) -> None:
+        # A synchronous close: whatever waits on the socket wakes with ClosedResourceError.
+        self._stream.socket.close()

@@ -1,0 +1,164 @@
+"""The native WebSocket transport (duplexrt.wsnative) over a real socket pair: both ends are
+``NativeWebSocket``s, or one is a hand-driven peer writing frames laid out by hand."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import trio
+
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transport import TransportClosed
+from duplexrt.wsframes import Close, FrameParser, Opcode, Pong, frame
+from duplexrt.wsnative import NativeWebSocket
+
+
+def _pair(client_max_message: int = 1 << 20) -> tuple[NativeWebSocket, NativeWebSocket]:
+    a, b = trio.socket.socketpair()
+    server = NativeWebSocket(trio.SocketStream(a))
+    client = NativeWebSocket(trio.SocketStream(b), client=True, max_message=client_max_message)
+    return server, client
+
+
+class HandPeer:
+    """A client on a bare socket: it sends exactly the frames the test writes."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.parser = FrameParser(masked=False, max_message=1 << 20)
+
+    async def send(self, opcode: int, payload: bytes, fin: bool = True) -> None:
+        data = frame(opcode, payload, masked=True)
+        if not fin:
+            data = bytes((data[0] & 0x7F,)) + data[1:]
+        await self.stream.send_all(data)
+
+    async def next_event(self):
+        with trio.fail_after(5):
+            while (event := self.parser.next()) is None:
+                data = await self.stream.receive_some(65536)
+                assert data, "the server hung up"
+                self.parser.feed(data)
+        return event
+
+
+def _hand_pair(**server_options) -> tuple[NativeWebSocket, HandPeer]:
+    a, b = trio.socket.socketpair()
+    return NativeWebSocket(trio.SocketStream(a), **server_options), HandPeer(trio.SocketStream(b))
+
+
+async def test_messages_that_arrive_together_are_taken_in_one_wake_up():
+    server, peer = _hand_pair()
+    await peer.stream.send_all(frame(Opcode.BINARY, b"one", masked=True) + frame(Opcode.TEXT, b"two", masked=True)
+                               + frame(Opcode.BINARY, b"three", masked=True))
+    assert await server.receive() == b"one"
+    assert server.receive_nowait() == "two"
+    assert server.receive_nowait() == b"three"
+    with pytest.raises(trio.WouldBlock):
+        server.receive_nowait()
+    assert server.received == 3
+
+
+async def test_both_ends_exchange_messages_and_a_close_with_its_code_and_reason():
+    server, client = _pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send, b"\x00" * 70000)
+        assert await server.receive() == b"\x00" * 70000
+        await server.send("hé")
+        assert await client.receive() == "hé"
+
+        async def client_reads_until_closed() -> None:
+            with pytest.raises(TransportClosed) as closed:
+                await client.receive()
+            assert (closed.value.code, closed.value.reason, closed.value.finish_reason) == (4001, "bye", None)
+
+        nursery.start_soon(client_reads_until_closed)
+        with trio.fail_after(5):
+            await server.close(4001, "bye")
+    with pytest.raises(TransportClosed):
+        await server.send(b"late")
+
+
+async def test_a_ping_in_the_middle_of_a_fragmented_message_is_answered_and_the_message_arrives():
+    server, peer = _hand_pair()
+    await peer.send(Opcode.BINARY, b"ab", fin=False)
+    await peer.send(Opcode.PING, b"are you there")
+    await peer.send(Opcode.CONTINUATION, b"cd")
+    assert await server.receive() == b"abcd"
+    assert await peer.next_event() == Pong(b"are you there")
+
+
+async def test_a_peer_close_ends_receive_and_is_answered_with_the_same_code():
+    server, peer = _hand_pair()
+    await peer.send(Opcode.CLOSE, struct.pack("!H", 1000) + b"done")
+    with pytest.raises(TransportClosed) as closed:
+        await server.receive()
+    assert (closed.value.code, closed.value.reason, closed.value.finish_reason) == (1000, "done", None)
+    answer = await peer.next_event()
+    assert isinstance(answer, Close) and answer.code == 1000
+
+
+@pytest.mark.parametrize("opcode, payload, code, finish", [
+    (Opcode.TEXT, b"\xff", CloseCode.INVALID_PAYLOAD, FinishReason.PROTOCOL_ERROR),
+    (0x3, b"x", CloseCode.PROTOCOL_ERROR, FinishReason.PROTOCOL_ERROR),
+    (Opcode.BINARY, b"x" * 2000, CloseCode.MESSAGE_TOO_BIG, FinishReason.MESSAGE_TOO_BIG),
+])
+async def test_a_broken_frame_closes_with_its_code_and_names_this_ends_reason(opcode, payload, code, finish):
+    server, peer = _hand_pair(max_message=1024)
+    await peer.send(opcode, payload)
+    with pytest.raises(TransportClosed) as closed:
+        await server.receive()
+    assert (closed.value.code, closed.value.finish_reason) == (code, finish)
+    answer = await peer.next_event()
+    assert isinstance(answer, Close) and answer.code == code
+    with trio.fail_after(5):
+        await server.close()  # no Close of the peer's to wait for: it hangs up at once
+
+
+async def test_keepalive_reads_pongs_itself_while_the_session_is_not_receiving():
+    # The session never calls receive (its input ended); the client answers pings as it reads.
+    server, client = _pair()
+    async with trio.open_nursery() as nursery:
+        async def client_reads() -> None:
+            with pytest.raises(TransportClosed):
+                while True:
+                    await client.receive()
+
+        nursery.start_soon(client_reads)
+        # Three pong deadlines long: a watch that never read the pongs would have ended it.
+        with trio.move_on_after(1.5):
+            await server.watch(ping_interval=0.05, ping_timeout=0.5, idle_timeout=0)
+        with pytest.raises(trio.WouldBlock):  # not ended: a peer that answers every ping is alive
+            server.receive_nowait()
+        await server.send(b"still open")
+        await server.close()
+
+
+async def test_a_peer_that_never_answers_pings_is_dropped_with_ping_timeout():
+    server, peer = _hand_pair()
+    with trio.fail_after(5):
+        await server.watch(ping_interval=0.05, ping_timeout=0.1, idle_timeout=0)
+    with pytest.raises(TransportClosed) as closed:
+        await server.receive()
+    assert closed.value.finish_reason == FinishReason.PING_TIMEOUT
+    del peer
+
+
+async def test_frames_that_came_with_the_handshake_are_received_without_more_bytes():
+    # A server's 101 and its greeting often arrive in one segment: the client gets the greeting
+    # as ``received`` and must not wait for the socket to find it.
+    a, b = trio.socket.socketpair()
+    client = NativeWebSocket(trio.SocketStream(a), client=True, received=frame(Opcode.TEXT, b"hello"))
+    with trio.fail_after(5):
+        assert await client.receive() == "hello"
+    b.close()
+
+
+async def test_a_message_larger_than_the_socket_buffer_goes_out_whole_across_partial_writes():
+    payload = bytes(range(256)) * 12288  # 3 MiB: several socket buffers, so writev comes back short
+    server, client = _pair(client_max_message=len(payload))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.send, payload)
+        with trio.fail_after(10):
+            assert await client.receive() == payload
