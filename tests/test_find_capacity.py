@@ -39,6 +39,13 @@ def test_the_criterion_allows_one_frame_plus_the_step_plus_10_ms_for_99_9_percen
     assert not verdict.holds and "on time" in verdict.reason
 
 
+def test_the_step_time_in_the_deadline_is_the_exact_mean_not_a_histogram_bucket():
+    # The in-process median comes from log buckets about 4 ms wide at 77 ms: its midpoint moved
+    # the deadline by up to 2 ms either way.  The mean is exact (sum / count), as the server's is.
+    report = attrs.evolve(_round(38, np.full(1000, 100.0)), step_ms=Summary(500, 77.0, 74.4, 80.7, 82.0, 60.0))
+    assert judge(report, FRAME_MS).deadline_ms == FRAME_MS + 77.0 + 10.0
+
+
 def test_the_criterion_fails_a_round_that_drifts_or_fails_its_guards():
     lags = np.full(1000, 100.0)
     drifting = judge(_round(20, lags, stream_rtf=1.02), FRAME_MS)
