@@ -116,18 +116,27 @@ Probe = Callable[[int], Awaitable[Verdict]]
 
 
 async def find_capacity(probe: Probe, ceiling: int, *, start: int | None = None,
-                        on_probe: Callable[[Verdict], None] | None = None) -> CapacitySearch:
+                        on_probe: Callable[[Verdict], None] | None = None, retries: int = 0) -> CapacitySearch:
     """Bisect 1..``ceiling`` for the largest count whose probe holds, assuming that holding is
     monotone (fewer sessions never fail where more hold).  ``start`` (the runtime's estimate) is
-    probed first; then each probe halves the bracket: about log2(ceiling) probes."""
+    probed first; then each probe halves the bracket: about log2(ceiling) probes.
+
+    A count that fails on time or real-time factor is probed again, up to ``retries`` times, and
+    holds if any try holds: on a shared host, other processes taking the CPU can only make a
+    round late, never make one past the edge keep time (past it, queues grow whatever the host
+    does), so a failure may be the neighbours' while a hold is the model's.  A failed guard
+    (wrong output, a refused connection) is not retried."""
     good, bad = 0, ceiling + 1
     probes: list[Verdict] = []
     guess = max(1, min(ceiling, start)) if start else (ceiling + 1) // 2
     while bad - good > 1:
-        verdict = await probe(guess)
-        probes.append(verdict)
-        if on_probe is not None:
-            on_probe(verdict)
+        for _try in range(retries + 1):
+            verdict = await probe(guess)
+            probes.append(verdict)
+            if on_probe is not None:
+                on_probe(verdict)
+            if verdict.holds or (verdict.round is not None and not verdict.round.ok):
+                break
         if verdict.holds:
             good = guess
             # From the estimate, look just above it first: the edge is usually near.
