@@ -202,6 +202,9 @@ def simulate(
     probe_seconds: Annotated[float, typer.Option(
         help="--find-capacity: paced audio per probe, in seconds.  The criterion asks for 30; shorter "
              "probes are for smoke tests, and the result says so.")] = 30.0,
+    probe_retries: Annotated[int, typer.Option(
+        help="--find-capacity: probe a count that fails on time again, up to this many times; it holds if "
+             "any try does (other processes on the host can only make a probe fail).")] = 1,
     collect_stage_metrics: CollectOption = None,
     log_stats_flag: LogStatsOption = None,
     config: ConfigOption = None,
@@ -247,7 +250,8 @@ def simulate(
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress
     if find_capacity:
-        _find_capacity(cfg, options, url, api_key, show, backend is None, json_path, plot, probe_seconds)
+        _find_capacity(cfg, options, url, api_key, show, backend is None, json_path, plot, probe_seconds,
+                       probe_retries)
         return
     if url is None:
         def run():
@@ -285,7 +289,8 @@ def simulate(
 
 
 def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: bool, adopt: bool,
-                   json_path: Path | None, plot: Path | None, probe_seconds: float = 30.0) -> None:
+                   json_path: Path | None, plot: Path | None, probe_seconds: float = 30.0,
+                   retries: int = 1) -> None:
     """``simulate --find-capacity``: the bisection, its probes as they finish, then the result."""
     import json
 
@@ -299,11 +304,13 @@ def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: boo
 
     if url is None:
         def run():
-            return run_find_capacity(cfg, options, progress=show, on_probe=told, min_seconds=probe_seconds)
+            return run_find_capacity(cfg, options, progress=show, on_probe=told, min_seconds=probe_seconds,
+                                     retries=retries)
     else:
         def run():
             return run_url_find_capacity(cfg, options, url, api_key=api_key, progress=show,
-                                         adopt_server_backend=adopt, on_probe=told, min_seconds=probe_seconds)
+                                         adopt_server_backend=adopt, on_probe=told, min_seconds=probe_seconds,
+                                         retries=retries)
     try:
         search = trio.run(run)
     except (ConfigError, AudioFormatError, BackendLoadError) as exc:

@@ -85,6 +85,7 @@ class RuntimeConfig:
     #: Frames of output a session may hold before its writer has sent them.
     outbox_depth: int = attrs.field(default=8, validator=_int_range("runtime.outbox_depth", 1, 1024))
     #: Once one frame waits, how long the scheduler waits for the other active slots to be ready.
+    #: Not after a step that cost more than this: what queued during it is stepped at once.
     gather_window_ms: float = attrs.field(
         default=2.0, validator=_float_range("runtime.gather_window_ms", 0.0, 1000.0)
     )

@@ -357,6 +357,31 @@ def test_gather_window_elapsing_gives_a_partial_batch(make_inbox, wakes):
     assert wakes.count == 0
 
 
+def test_frames_queued_before_the_call_are_taken_at_once_when_not_gathering_queued(make_inbox, wakes):
+    # What the scheduler asks for after a step that cost more than the window: the frames that
+    # queued during it go now, the slots still empty are not waited for.
+    inbox = make_inbox()
+    owners = open_slots(inbox, [0, 1, 2])
+    inbox.put_nowait(0, owners[0], "a", 0)
+    inbox.put_nowait(2, owners[2], "c", 0)
+    batch = InThread(lambda: inbox.next_batch(LONG_WINDOW, gather_queued=False)).join()
+    assert batch.rows == [0, 2] and batch.frames == ["a", "c"]
+    assert wakes.count == 0
+
+
+def test_not_gathering_queued_frames_still_gathers_after_an_idle_wait(make_inbox, wakes):
+    inbox = make_inbox()
+    owners = open_slots(inbox, [0, 1])
+    waiter = InThread(lambda: inbox.next_batch(LONG_WINDOW, gather_queued=False))
+    wait_for_state(inbox, _State.IDLE)
+    inbox.put_nowait(0, owners[0], "a", 0)
+    wait_for_state(inbox, _State.GATHERING)  # nothing was queued on the call: gathers as usual
+    inbox.put_nowait(1, owners[1], "b", 1)
+    batch = waiter.join()
+    assert batch.rows == [0, 1] and batch.frames == ["a", "b"]
+    assert wakes.count == 2
+
+
 def test_zero_gather_window_takes_a_batch_as_soon_as_any_frame_is_ready(make_inbox, wakes):
     inbox = make_inbox()
     owners = open_slots(inbox, [0, 1, 2])

@@ -139,6 +139,36 @@ async def test_no_free_slot_until_one_is_released():
         assert scheduler.free_slots == 3
 
 
+# -- gathering ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("step_ms", "gathers"), [(0, True), (5, False)])
+async def test_frames_queued_during_a_step_dearer_than_the_gather_window_are_not_held_for_it(step_ms, gathers):
+    # The synthetic model's configured cost seeds the capacity estimate, so whether a step costs
+    # more than the 2 ms window is known before any step runs: no timing in the test.
+    config = make_config("runtime.slots=2", "backend.name=synthetic", f"backend.options.step_ms={step_ms}")
+    wire = spec("pcm_f32le")
+    async with open_runtime(config, backend=None) as runtime:
+        scheduler = runtime.scheduler
+        assert scheduler.gathers_after(1) is gathers
+        inbox = scheduler.inbox
+        real_next_batch = inbox.next_batch
+        asked: list[bool] = []
+
+        def next_batch(window: float, *, gather_queued: bool = True):
+            asked.append(gather_queued)
+            return real_next_batch(window, gather_queued=gather_queued)
+
+        inbox.next_batch = next_batch  # the thread looks it up on every call
+        # One message of three frames: they queue together, so steps two and three find their
+        # frame already waiting.
+        messages = wire_messages(noise(3 * FRAME, seed=2), wire, [FRAME * 3])
+        run = await run_session(runtime, messages, wire, session_id=1)
+        assert run.end.reason == "stop" and run.end.frames_out == 3
+    assert asked  # the thread went through the spy after its first step
+    assert all(a is gathers for a in asked[1:])
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 

@@ -78,6 +78,9 @@ async def test_stats_reads_the_runtime_counters(nursery):
     assert histogram["count"] >= 3 and histogram["cumulative"][-1] == histogram["count"]
     assert len(histogram["cumulative"]) == len(histogram["edges_ms"])
     assert during["handoffs"] and during["step"]["count"] >= 3
+    step = during["step"]  # the step time's spread: what host work on the trio thread delays
+    assert 0 <= step["p50_ms"] <= step["p99_ms"] <= step["max_ms"] + 1e-9
+    assert set(during["send_jitter_ms"]) == {"p50", "p99", "max"}
 
 
 async def test_stats_says_a_key_is_needed_without_needing_one(nursery):

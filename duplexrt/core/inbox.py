@@ -215,10 +215,16 @@ class Inbox:
 
     # -- scheduler thread --------------------------------------------------------------------
 
-    def next_batch(self, gather_window: float) -> Batch | None:
-        """Block until there is a step to run (or controls to apply); None once stopped."""
+    def next_batch(self, gather_window: float, *, gather_queued: bool = True) -> Batch | None:
+        """Block until there is a step to run (or controls to apply); None once stopped.
+
+        With ``gather_queued=False``, frames already waiting when it is called are taken at once,
+        without waiting for the slots that have none: they queued while the model was stepping
+        and have waited that long already.  After an idle wait it gathers as usual."""
         with self._lock:
             deadline: float | None = None
+            if not gather_queued and self._ready:
+                gather_window = 0.0
             while True:
                 if self._stopping:
                     return None

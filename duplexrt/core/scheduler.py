@@ -398,14 +398,27 @@ class Scheduler:
 
     def _serve(self) -> None:
         inbox = self.inbox
+        gather_queued = True
         while True:
-            batch = inbox.next_batch(self.gather_window)
+            batch = inbox.next_batch(self.gather_window, gather_queued=gather_queued)
             if batch is None:
                 return
             for control in batch.controls:
                 self._apply(control)
             if batch.rows:
                 self._step(batch)
+                gather_queued = self.gathers_after(len(batch.rows))
+
+    def gathers_after(self, rows: int) -> bool:
+        """Whether the frames that queued during a step of ``rows`` rows wait for the gather window.
+
+        Only after a step cheaper than the window.  After a dearer one they have waited longer
+        than the window already, the slots still empty will be in the next step, which starts as
+        soon as this one ends, and every window waited is added to the step cycle: near capacity
+        the cycle is the frame period, so the window is capacity lost (measured on the synthetic
+        GPU-like curve: 36 sessions instead of 38, docs/capacity.md).  Cheap steps (echo, a model
+        at zero cost) keep gathering, which is what keeps their batches whole in a burst."""
+        return self.capacity.estimate.cost_ms(rows) < self.gather_window * 1e3
 
     def _apply(self, control: Control) -> None:
         try:

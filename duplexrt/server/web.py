@@ -87,7 +87,12 @@ def stats_json(stats: ServerStatistics, config: Config) -> bytes:
         "max_batch": steps.max_batch,
         "failed_steps": steps.failed_steps,
         "queued_frames": steps.queued_frames,
-        "step": {"count": step_time.count, "total_ms": step_time.total / 1e6},
+        "step": {"count": step_time.count, "total_ms": step_time.total / 1e6,
+                 "p50_ms": steps.step_time_us.p50 / 1e3, "p99_ms": steps.step_time_us.p99 / 1e3,
+                 "max_ms": steps.step_time_us.max / 1e3},
+        # How far each send strays from one frame period after the previous one (since start).
+        "send_jitter_ms": {"p50": frames.jitter_us.p50 / 1e3, "p99": frames.jitter_us.p99 / 1e3,
+                           "max": frames.jitter_us.max / 1e3},
         "stages": stages,
         "frames_in": frames.frames_in,
         "frames_out": frames.frames_out,

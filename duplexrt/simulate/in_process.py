@@ -155,7 +155,7 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
 
 async def run_find_capacity(config: Config, options: SimulateOptions, *, backend: Backend | None = None,
                             progress: bool = False, min_seconds: float = MIN_SECONDS,
-                            on_probe=None) -> CapacitySearch:
+                            on_probe=None, retries: int = 0) -> CapacitySearch:
     """``--find-capacity`` in process: bisect paced concurrency on one runtime, up to its slots."""
     frame_seconds = config.audio.frame_seconds
     options = search_options(options, frame_seconds, min_seconds)
@@ -173,4 +173,4 @@ async def run_find_capacity(config: Config, options: SimulateOptions, *, backend
 
         estimate = runtime.scheduler.capacity.estimate
         start = estimate.limit if estimate.source != "none" else None
-        return await find_capacity(probe, config.runtime.slots, start=start, on_probe=on_probe)
+        return await find_capacity(probe, config.runtime.slots, start=start, on_probe=on_probe, retries=retries)

@@ -440,7 +440,7 @@ def _server_figures(before: MetricsSnapshot | None, after: MetricsSnapshot | Non
 async def run_url_find_capacity(config: Config, options: SimulateOptions, url: str, *,
                                 api_key: str | None = None, progress: bool = False,
                                 adopt_server_backend: bool = False, min_seconds: float = MIN_SECONDS,
-                                on_probe=None) -> CapacitySearch:
+                                on_probe=None, retries: int = 0) -> CapacitySearch:
     """``--find-capacity --url``: the same bisection over real WebSockets, up to the server's slots.
     Sessions the server refuses (``at_capacity``) fail a probe like late frames do."""
     frame_seconds = config.audio.frame_seconds
@@ -463,4 +463,4 @@ async def run_url_find_capacity(config: Config, options: SimulateOptions, url: s
         return judge(report, frame_seconds * 1e3)
 
     return await find_capacity(probe, ceiling, start=start if isinstance(start, int) else None,
-                               on_probe=on_probe)
+                               on_probe=on_probe, retries=retries)
