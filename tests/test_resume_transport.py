@@ -3,13 +3,16 @@ bound in seconds, the window's expiry, the counts a resume is built on, and the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import trio
 
+from duplexrt.client.resume import ResumingTransport
 from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, split_token
 from duplexrt.core.state import SessionState
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import memory_transport_pair
+from duplexrt.transport import TransportClosed, memory_transport_pair
 
 
 def _notice(token: str, taken: int) -> list[str]:
@@ -117,3 +120,63 @@ def test_a_detached_session_counts_as_open_and_states_only_move_forward():
              SessionState.CLOSING, SessionState.CLOSED]
     assert [rank(state) for state in order] == sorted(rank(state) for state in order)
     assert len({rank(state) for state in order}) == len(order)
+
+
+# -- the client's half ---------------------------------------------------------------------------
+
+
+class _DroppedConnection:
+    """A client's first connection: it takes what is sent until ``drop``, then fails as a dropped
+    connection does (code 1006, no finish reason)."""
+
+    def __init__(self) -> None:
+        self.dropped = trio.Event()
+
+    async def send(self, message) -> None:
+        if self.dropped.is_set():
+            raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "dropped")
+
+    async def receive(self):
+        await self.dropped.wait()
+        raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "dropped")
+
+    def receive_nowait(self):
+        raise trio.WouldBlock
+
+    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
+        pass
+
+
+async def test_a_client_resume_with_much_to_send_both_ways_does_not_deadlock(autojump_clock):
+    # The server replays its journal while the client sends again what the server missed.  With
+    # each side only writing, a replay larger than the buffers between them (here 4 messages
+    # each way) used to block both ends for good (seen over loopback as a ping timeout).
+    first = _DroppedConnection()
+    client_end, server_end = memory_transport_pair(capacity=4)
+
+    async def connect(url: str):
+        assert "resume=replica.first&received=0" in url
+        return client_end
+
+    resuming = ResumingTransport(first, "ws://127.0.0.1:1/v1/duplex", connect)
+    resuming.token = "replica.first"
+    for i in range(40):
+        await resuming.send(f"up {i}")
+    first.dropped.set()
+    taken: list = []
+
+    async def server() -> None:
+        await server_end.send(json.dumps({"type": "session.resumed", "resume_token": "replica.next", "received": 0}))
+        for i in range(40):  # the journal: everything the client missed
+            await server_end.send(f"down {i}")
+        for _ in range(41):
+            taken.append(await server_end.receive())
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server)
+            heard = [await resuming.receive() for _ in range(40)]
+            await resuming.send("up 40")  # live again, after everything sent again
+    assert heard == [f"down {i}" for i in range(40)]
+    assert taken == [f"up {i}" for i in range(41)]
+    assert (resuming.resumes, resuming.token, resuming.received) == (1, "replica.next", 40)

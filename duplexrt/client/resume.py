@@ -98,6 +98,9 @@ class ResumingTransport:
         self._kept_bytes = 0
         self._ready = trio.Event()
         self._ready.set()
+        #: Messages the new connection brought while this end was sending again (``_resume``),
+        #: not yet handed on: ``receive`` gives them first.
+        self._early: deque[Message] = deque()
 
     @property
     def current(self) -> Transport | None:
@@ -106,6 +109,10 @@ class ResumingTransport:
 
     async def receive(self) -> Message:
         while True:
+            if self._early:
+                message = self._early.popleft()
+                self._count(message)
+                return message
             transport = self._current
             if transport is None:
                 await self._ready.wait()
@@ -125,6 +132,10 @@ class ResumingTransport:
             return message
 
     def receive_nowait(self) -> Message:
+        if self._early:
+            message = self._early.popleft()
+            self._count(message)
+            return message
         transport = self._current
         if transport is None:
             raise trio.WouldBlock
@@ -186,7 +197,17 @@ class ResumingTransport:
         finally:
             self._ready.set()
 
+    async def _take_early(self, transport: Transport) -> None:
+        try:
+            while True:
+                self._early.append(await transport.receive())
+        except TransportClosed:
+            pass  # the new connection failed too: the send under way, or receive(), finds out
+
     async def _resume(self, closed: TransportClosed) -> None:
+        # What the last connection brought but nobody took is sent again by the server, which
+        # replays from ``received`` on.
+        self._early.clear()
         separator = "&" if "?" in self._url else "?"
         deadline = trio.current_time() + self._window
         while True:
@@ -213,13 +234,26 @@ class ResumingTransport:
         self.token, taken = notice
         if taken < self._kept_first:
             raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the messages to send again are no longer kept")
-        number = taken
-        # Messages sent meanwhile are kept, not sent: this loop sends them, in order, up to the
-        # last one, with no await between the last check and going live.
-        while number < self.sent:
-            if number < self._kept_first:
-                raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the messages to send again are no longer kept")
-            await transport.send(self._kept[number - self._kept_first][1])
-            number += 1
-        self._current = transport
+        # The server replays what this end missed while this end sends again what the server
+        # missed.  Both only writing, a replay larger than the socket buffers between them would
+        # block both for good: what arrives meanwhile is read and kept for ``receive``.
+        failed: TransportClosed | None = None  # raised after the nursery, not in a group
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._take_early, transport)
+            number = taken
+            try:
+                # Messages sent meanwhile are kept, not sent: this loop sends them, in order, up
+                # to the last one, with no await between the last check and going live.
+                while number < self.sent:
+                    if number < self._kept_first:
+                        raise TransportClosed(CloseCode.ABNORMAL_CLOSURE,
+                                              "the messages to send again are no longer kept")
+                    await transport.send(self._kept[number - self._kept_first][1])
+                    number += 1
+                self._current = transport
+            except TransportClosed as exc:
+                failed = exc
+            nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
         self.resumes += 1
