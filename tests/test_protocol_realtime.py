@@ -1271,6 +1271,22 @@ def test_the_vad_decides_the_same_whatever_the_appends_sizes(speech_24k):
     assert events(997) == events(4801) == whole
 
 
+@pytest.mark.parametrize("size", [160, 320, 640, 960])  # 20 ms at each rate WebRTC's VAD takes
+def test_the_noise_check_s_spectrum_is_the_fft_s(size):
+    """The in-place float32 flatness gives the textbook float64 figures (to rounding) for noise,
+    a tone and silence, at every window size."""
+    from duplexrt.protocols.vad import _flatness
+
+    rng = np.random.default_rng(size)
+    tone = np.sin(np.arange(size) * 0.3) * 3000
+    windows = np.stack([rng.standard_normal(size) * 3000, tone, np.zeros(size), tone + rng.standard_normal(size) * 300])
+    windows = windows.astype(np.int16)
+    power = np.abs(np.fft.rfft(windows.astype(np.float64), axis=1)) ** 2 + 1e-3
+    expected = np.exp(np.log(power).mean(axis=1)) / power.mean(axis=1)
+    np.testing.assert_allclose(_flatness(windows), expected, rtol=1e-3, atol=1e-4)
+    assert _flatness(windows)[0] > 0.4 > _flatness(windows)[1]  # noise on one side, a tone on the other
+
+
 # -- the reader and the writer on their own ------------------------------------------------------------
 
 
