@@ -113,7 +113,10 @@ class InputVad:
             return []
         windows = self._for_vad(samples[:used] if used < samples.size else samples, whole)
         is_speech, rate = self._vad.is_speech, self._vad_rate
-        speech = [is_speech(window.tobytes(), rate) for window in windows]
+        # One copy of all the windows, read through views: not one array view and copy per window.
+        step = windows.shape[1] * 2
+        with memoryview(windows.tobytes()) as block:
+            speech = [is_speech(block[at:at + step], rate) for at in range(0, whole * step, step)]
         candidates = [index for index, said in enumerate(speech) if said]
         if candidates:  # the noise check costs an FFT: only where WebRTC's VAD heard speech
             heard = windows if len(candidates) == whole else windows[candidates]
