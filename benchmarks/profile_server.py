@@ -20,7 +20,8 @@ Layers, matched on the file path py-spy prints for a Python frame (first rule th
     metrics             duplexrt/core/metrics.py, duplexrt/core/histogram.py, duplexrt/server/metrics.py,
                         duplexrt/stats_log.py
     backend             duplexrt/backends/*, duplexrt/core/runtime.py
-    server glue         duplexrt/websocket.py, duplexrt/transport.py, duplexrt/server/*
+    server glue         duplexrt/websocket.py, duplexrt/transport.py, duplexrt/core/resume.py,
+                        duplexrt/server/*
     other               no frame of the stack matches (interpreter start-up, logging, ...)
 
 Attribution rules:
@@ -85,7 +86,7 @@ RULES: list[tuple[str, re.Pattern[str]]] = [
     ("scheduler/inbox", re.compile(r"^duplexrt/core/(scheduler|inbox|handoffs)\.py$")),
     ("metrics", re.compile(r"^duplexrt/(core/metrics|core/histogram|stats_log|server/metrics)\.py$")),
     ("backend", re.compile(r"^duplexrt/(backends/|core/runtime\.py)")),
-    ("server glue", re.compile(r"^duplexrt/(websocket|transport)\.py$|^duplexrt/server/")),
+    ("server glue", re.compile(r"^duplexrt/(websocket|transport|core/resume)\.py$|^duplexrt/server/")),
 ]
 WAIT = "blocked wait"
 LAYERS = [name for name, _ in RULES] + ["other", WAIT]

@@ -1249,6 +1249,44 @@ def test_the_vad_hears_the_same_speech_at_every_input_format(speech_24k, fmt, ra
     assert 600 <= events[0][1] <= 800  # 1 s of silence, less the 300 ms prefix padding
 
 
+def test_the_vad_decides_the_same_whatever_the_appends_sizes(speech_24k):
+    """Whole-window appends (80 ms, the usual case) carry nothing over; odd sizes carry a part
+    window: the decisions and their times are the same either way, and so is a stream whose
+    speech WebRTC's VAD and the noise check both judge window by window."""
+    from duplexrt.protocols.vad import InputVad, VadSettings
+
+    rate = 24000
+    silence = np.zeros(rate, np.int16)
+    rng = np.random.default_rng(7)
+    noise = (rng.standard_normal(rate) * 6000).astype(np.int16)  # steady broadband: not a turn
+    raw = np.concatenate([silence, speech_24k, silence, noise, silence, speech_24k, silence]).astype("<i2")
+    spec = AudioSpec.create(AudioFormat.PCM_S16LE, rate, model_rate=24000)
+
+    def events(size: int) -> list[tuple[str, int]]:
+        vad = InputVad(VadSettings(), spec)
+        return [event for start in range(0, raw.size, size) for event in vad.feed(raw[start:start + size].tobytes())]
+
+    whole = events(1920)
+    assert [kind for kind, _ in whole] == ["started", "stopped", "started", "stopped"]
+    assert events(997) == events(4801) == whole
+
+
+@pytest.mark.parametrize("size", [160, 320, 640, 960])  # 20 ms at each rate WebRTC's VAD takes
+def test_the_noise_check_s_spectrum_is_the_fft_s(size):
+    """The in-place float32 flatness gives the textbook float64 figures (to rounding) for noise,
+    a tone and silence, at every window size."""
+    from duplexrt.protocols.vad import _flatness
+
+    rng = np.random.default_rng(size)
+    tone = np.sin(np.arange(size) * 0.3) * 3000
+    windows = np.stack([rng.standard_normal(size) * 3000, tone, np.zeros(size), tone + rng.standard_normal(size) * 300])
+    windows = windows.astype(np.int16)
+    power = np.abs(np.fft.rfft(windows.astype(np.float64), axis=1)) ** 2 + 1e-3
+    expected = np.exp(np.log(power).mean(axis=1)) / power.mean(axis=1)
+    np.testing.assert_allclose(_flatness(windows), expected, rtol=1e-3, atol=1e-4)
+    assert _flatness(windows)[0] > 0.4 > _flatness(windows)[1]  # noise on one side, a tone on the other
+
+
 # -- the reader and the writer on their own ------------------------------------------------------------
 
 

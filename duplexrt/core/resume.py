@@ -110,6 +110,7 @@ class ResumableTransport:
         self._expired = False
         self._closed = False
         self._changed = trio.lowlevel.ParkingLot()
+        self._clock = trio.lowlevel.current_clock().current_time
 
     @property
     def detached(self) -> bool:
@@ -239,15 +240,18 @@ class ResumableTransport:
     # -- internals -------------------------------------------------------------------------------
 
     def _record(self, message: Message) -> None:
-        now = trio.current_time()
+        # Once per message sent: the clock's bound method (no trio.current_time() lookup chain),
+        # and the trim loop entered only when the oldest message is due out.
+        now = self._clock()
         journal = self._journal
         journal.append((now, message))
         self._journal_bytes += len(message)
         self.sent += 1
         horizon = now - self._journal_s
-        while journal and (journal[0][0] < horizon or self._journal_bytes > self._max_journal_bytes):
-            self._journal_bytes -= len(journal.popleft()[1])
-            self._journal_first += 1
+        if journal[0][0] < horizon or self._journal_bytes > self._max_journal_bytes:
+            while journal and (journal[0][0] < horizon or self._journal_bytes > self._max_journal_bytes):
+                self._journal_bytes -= len(journal.popleft()[1])
+                self._journal_first += 1
 
     def _drop(self, transport: Transport) -> None:
         self._current = None

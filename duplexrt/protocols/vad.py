@@ -33,6 +33,7 @@ _MIN_SPEECH_MS = 60
 #: WebRTC's VAD takes loud steady broadband noise (a fan, hiss) for speech; a window that flat
 #: (white noise sits near 0.5, voiced speech near 0.1) is not speech whatever it says.
 _MAX_FLATNESS = 0.4
+_NO_SAMPLES = np.empty(0, dtype=np.int16)
 
 
 def _as_int16(raw: bytes, fmt: AudioFormat) -> np.ndarray:
@@ -94,45 +95,55 @@ class InputVad:
             self._vad_rate = 16000
         self._vad_window = self._vad_rate * _WINDOW_MS // 1000
         self._window_ms = self._in_window * 1000 / rate
-        self._carry = np.empty(0, dtype=np.int16)
+        self._carry = _NO_SAMPLES
 
     def feed(self, raw: bytes) -> list[tuple[str, int]]:
         """Decide on the whole windows ``raw`` completes; return the transitions it brings, as
         ``("started", audio_start_ms)`` or ``("stopped", audio_end_ms)``."""
         samples = _as_int16(raw, self._format)
-        if self._carry.size:
-            samples = np.concatenate((self._carry, samples))
-        whole = samples.size // self._in_window
-        self._carry = samples[whole * self._in_window:].copy()
+        carry = self._carry
+        if carry.size:
+            samples = np.concatenate((carry, samples))
+        in_window = self._in_window
+        whole = samples.size // in_window
+        used = whole * in_window
+        # Only a part window is carried: an append of whole windows (the usual case) copies nothing.
+        self._carry = samples[used:].copy() if used < samples.size else _NO_SAMPLES
         if not whole:
             return []
-        windows = self._for_vad(samples[:whole * self._in_window], whole)
+        windows = self._for_vad(samples[:used] if used < samples.size else samples, whole)
         is_speech, rate = self._vad.is_speech, self._vad_rate
-        speech = [is_speech(window.tobytes(), rate) for window in windows]
+        # One copy of all the windows, read through views: not one array view and copy per window.
+        step = windows.shape[1] * 2
+        with memoryview(windows.tobytes()) as block:
+            speech = [is_speech(block[at:at + step], rate) for at in range(0, whole * step, step)]
         candidates = [index for index, said in enumerate(speech) if said]
         if candidates:  # the noise check costs an FFT: only where WebRTC's VAD heard speech
-            for index, flatness in zip(candidates, _flatness(windows[candidates]), strict=True):
+            heard = windows if len(candidates) == whole else windows[candidates]
+            for index, flatness in zip(candidates, _flatness(heard).tolist(), strict=True):
                 speech[index] = flatness < _MAX_FLATNESS
+        # The run counters in locals, stored back once: this loop runs per 20 ms window.
         events: list[tuple[str, int]] = []
-        settings = self.settings
         window_ms = self._window_ms
-        for index in range(whole):
-            self.elapsed_ms += window_ms
-            if speech[index]:
-                self._speech_ms += window_ms
-                self._silence_ms = 0.0
-                if not self.speaking and self._speech_ms >= _MIN_SPEECH_MS:
-                    self.speaking = True
-                    start = self.elapsed_ms - self._speech_ms - settings.prefix_padding_ms
+        elapsed, speech_ms, silence_ms, speaking = self.elapsed_ms, self._speech_ms, self._silence_ms, self.speaking
+        for said in speech:
+            elapsed += window_ms
+            if said:
+                speech_ms += window_ms
+                silence_ms = 0.0
+                if not speaking and speech_ms >= _MIN_SPEECH_MS:
+                    speaking = True
+                    start = elapsed - speech_ms - self.settings.prefix_padding_ms
                     events.append(("started", max(0, round(start))))
             else:
-                self._speech_ms = 0.0
-                if self.speaking:
-                    self._silence_ms += window_ms
-                    if self._silence_ms >= settings.silence_duration_ms:
-                        self.speaking = False
-                        self._silence_ms = 0.0
-                        events.append(("stopped", round(self.elapsed_ms)))
+                speech_ms = 0.0
+                if speaking:
+                    silence_ms += window_ms
+                    if silence_ms >= self.settings.silence_duration_ms:
+                        speaking = False
+                        silence_ms = 0.0
+                        events.append(("stopped", round(elapsed)))
+        self.elapsed_ms, self._speech_ms, self._silence_ms, self.speaking = elapsed, speech_ms, silence_ms, speaking
         return events
 
     def _for_vad(self, block: np.ndarray, whole: int) -> np.ndarray:
@@ -154,8 +165,15 @@ class InputVad:
 
 def _flatness(windows: np.ndarray) -> np.ndarray:
     """Spectral flatness per window (1: white noise, near 0: a voice's harmonics)."""
-    power = np.abs(np.fft.rfft(windows.astype(np.float32), axis=1)) ** 2 + 1e-3
-    return np.exp(np.log(power).mean(axis=1)) / power.mean(axis=1)
+    # Ufunc reductions and in-place steps, not ndarray.mean and temporaries: on speech-like
+    # input this runs for every append, and numpy's cost per call is most of its time.
+    power = np.abs(np.fft.rfft(windows.astype(np.float32), axis=1))
+    np.multiply(power, power, out=power)
+    power += 1e-3
+    bins = power.shape[1]
+    log_mean = np.add.reduce(np.log(power), axis=1)
+    log_mean /= bins
+    return np.exp(log_mean, out=log_mean) * bins / np.add.reduce(power, axis=1)
 
 
 class OutputGate:

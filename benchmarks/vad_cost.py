@@ -1,0 +1,69 @@
+"""The Realtime server VAD's host cost per 80 ms append, in process (no sockets, no scheduler).
+
+Feeds ``InputVad`` (pcm16 at 24 kHz, 1,920-sample appends) a speech-like signal (harmonics over
+speech-band noise, so WebRTC's VAD hears speech in every window and the noise check runs each
+time: the worst case, and what ``simulate`` sends), and times ``feed`` and ``_flatness``, best of
+seven.  With ``--against DIR`` the same is run on another checkout's ``duplexrt/protocols/vad.py``
+(e.g. main's), alternated with this one's in one process, so that the two share the machine's load.
+
+Usage: python benchmarks/vad_cost.py [--against /work/main] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import timeit
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from duplexrt.audio import AudioFormat, AudioSpec
+from duplexrt.simulate.workload import _pool_signal
+
+HERE = Path(__file__).resolve().parent.parent / "duplexrt" / "protocols" / "vad.py"
+
+
+def load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def signal(seconds: int = 20) -> bytes:
+    t = np.arange(24000 * seconds) / 24000
+    voiced = sum(a * np.sin(2 * np.pi * f * t) for a, f in ((1.0, 150), (0.5, 450), (0.3, 900)))
+    return (3000 * voiced + 3000 * _pool_signal(t.size, 24000, 1)).astype("<i2").tobytes()
+
+
+def costs(vad: ModuleType, appends: list[bytes], windows: np.ndarray) -> tuple[float, float]:
+    spec = AudioSpec.create(AudioFormat.PCM_S16LE, 24000, model_rate=24000)
+    detector = vad.InputVad(vad.VadSettings(), spec)
+    feed = min(timeit.repeat(lambda: [detector.feed(a) for a in appends], number=1, repeat=7)) / len(appends)
+    flat = min(timeit.repeat(lambda: vad._flatness(windows), number=3000, repeat=7)) / 3000
+    return feed * 1e6, flat * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", type=Path, default=None, help="another checkout's root")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    raw = signal()
+    appends = [raw[i:i + 3840] for i in range(0, 3840 * 200, 3840)]
+    windows = (np.random.default_rng(1).standard_normal((4, 160)) * 3000).astype(np.int16)
+    variants = [("this checkout", load(HERE, "vad_here"))]
+    if args.against is not None:
+        variants.insert(0, ("against", load(args.against / "duplexrt" / "protocols" / "vad.py", "vad_against")))
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for _ in range(args.rounds):
+        print("   ".join(f"{name}: feed {feed:.1f} us/append, flatness {flat:.1f} us"
+                         for name, (feed, flat) in ((name, costs(m, appends, windows)) for name, m in variants)))
+
+
+if __name__ == "__main__":
+    main()
