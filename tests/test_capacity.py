@@ -86,6 +86,22 @@ def test_a_fixed_batch_costs_the_same_for_any_rows_so_every_slot_fits_or_one():
     assert too_slow.estimate.sessions == 1  # it still serves one session, and says it is slow
 
 
+def test_a_batch_size_seen_over_the_budget_caps_the_estimate_whatever_the_line_says():
+    # A fixed 64-row batch (tiny Moshi on a 2-core CPU) whose warm-up fits a line under the
+    # budget, then steps of 89 ms at one row: the steps' own cost brings the estimate down.
+    estimator = CapacityEstimator(64, FRAME_S, margin=0.05, refit_every=1)
+    estimator.seed([(n, 0.0698 + 0.00016 * n) for n in (1, 2, 4, 8, 16, 32, 64)])
+    assert estimator.estimate.sessions == 38  # the warm-up's line
+    for _ in range(64):
+        estimator.record(1, 89_000_000)
+    assert estimator.estimate.sessions == 1  # the least it says: it still serves one, and slowly
+    fits = CapacityEstimator(64, FRAME_S, margin=0.05, refit_every=1)
+    fits.seed([(1, gpu_like(1)), (64, gpu_like(64))])
+    for _ in range(64):
+        fits.record(30, int(gpu_like(30) * 1e9))
+    assert fits.estimate.sessions == 36  # steps within the budget change nothing
+
+
 def test_max_sessions_pins_the_limit_and_slots_stay_the_cap():
     estimator = CapacityEstimator(16, FRAME_S, margin=0.05, max_sessions=12)
     estimator.seed([(1, gpu_like(1)), (16, gpu_like(16))])
