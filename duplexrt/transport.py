@@ -8,6 +8,7 @@ same session code a network connection will.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -129,3 +130,23 @@ def memory_transport_pair(capacity: int = 2) -> tuple[MemoryTransport, MemoryTra
     client = MemoryTransport(to_server_send, to_client_receive, client_close, server_close)
     server = MemoryTransport(to_client_send, to_server_receive, server_close, client_close)
     return client, server
+
+
+#: The idle watch looks this many times per idle limit: a silent peer is noticed within 1/8 of the
+#: limit past it, and a busy one costs a wake-up every limit/8, not a clock read per message.
+IDLE_CHECKS = 8
+
+
+async def wait_for_silence(limit: float, heard: Callable[[], bool]) -> None:
+    """Return once ``heard()`` has answered False at every look for ``limit`` seconds.
+
+    The one idle clock of both WebSocket transports; each says what counts as hearing from its
+    peer (a message taken since the last look, or one read and not yet taken)."""
+    last_heard = trio.current_time()
+    while True:
+        await trio.sleep(limit / IDLE_CHECKS)
+        now = trio.current_time()
+        if heard():
+            last_heard = now
+        elif now - last_heard >= limit:
+            return

@@ -15,13 +15,10 @@ import trio
 import trio_websocket
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, TransportClosed
+from duplexrt.transport import Message, TransportClosed, wait_for_silence
 
 #: How long a close may wait for the peer's Close frame unless told otherwise.
 DEFAULT_CLOSE_TIMEOUT = 3.0
-#: The idle watch looks this many times per idle limit: a silent peer is noticed within 1/8
-#: of the limit past it, and a busy one costs a wake-up every limit/8, not a clock read per message.
-_IDLE_CHECKS = 8
 
 
 class WebSocketTransport:
@@ -138,18 +135,17 @@ class WebSocketTransport:
 
     async def _watch_idle(self, limit: float) -> None:
         seen = self.received
-        last_heard = trio.current_time()
-        while True:
-            await trio.sleep(limit / _IDLE_CHECKS)
-            now = trio.current_time()
+
+        def heard() -> bool:
+            nonlocal seen
             # Messages queued but not yet taken (a session waiting on the model) count as heard.
-            if self.received != seen or self._backlog():
-                seen = self.received
-                last_heard = now
-            elif now - last_heard >= limit:
-                self._interrupt(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION,
-                                f"no message from the client for {limit:g} s")
-                return
+            fresh = self.received != seen or self._backlog()
+            seen = self.received
+            return fresh
+
+        await wait_for_silence(limit, heard)
+        self._interrupt(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION,
+                        f"no message from the client for {limit:g} s")
 
     # -- internals ---------------------------------------------------------------------------------
 

@@ -25,11 +25,10 @@ from collections import deque
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, TransportClosed
+from duplexrt.transport import Message, TransportClosed, wait_for_silence
 from duplexrt.wsframes import Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame, frame_header, unmask
 
 DEFAULT_CLOSE_TIMEOUT = 3.0
-_IDLE_CHECKS = 8
 #: One read takes this much at most: several queued messages, parsed in one wake-up.
 _RECEIVE_SIZE = 1 << 16
 #: A read that finds data waiting does not yield; every this many in a row, one does.
@@ -183,28 +182,26 @@ class NativeWebSocket:
 
     async def _watch_idle(self, limit: float) -> None:
         seen = self.received
-        last_heard = trio.current_time()
-        while True:
-            await trio.sleep(limit / _IDLE_CHECKS)
-            now = trio.current_time()
+
+        def heard() -> bool:
+            nonlocal seen
             # Messages read but not yet taken (a session waiting on the model) count as heard.
-            if self.received != seen or self._messages or self._parser.buffered:
-                seen = self.received
-                last_heard = now
-            elif now - last_heard >= limit:
-                self._end(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION,
-                          f"no message from the client for {limit:g} s")
-                # The session's input ends with that reason; the connection stays open so the
-                # session can still send its end and close with its usage.
-                # Shutting the read side wakes a waiting read with the end of the stream (no
-                # cancel scope around every read for this rare case); sends still go out.
-                self._read_shut = True
-                try:
-                    self._sock.shutdown(socket.SHUT_RD)
-                except OSError:
-                    pass
-                self._read_lot.unpark_all()
-                return
+            fresh = self.received != seen or bool(self._messages) or bool(self._parser.buffered)
+            seen = self.received
+            return fresh
+
+        await wait_for_silence(limit, heard)
+        self._end(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION, f"no message from the client for {limit:g} s")
+        # The session's input ends with that reason; the connection stays open so the session
+        # can still send its end and close with its usage.  Shutting the read side wakes a
+        # waiting read with the end of the stream (no cancel scope around every read for this
+        # rare case); sends still go out.
+        self._read_shut = True
+        try:
+            self._sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+        self._read_lot.unpark_all()
 
     # -- reading ---------------------------------------------------------------------------------
 
