@@ -194,6 +194,14 @@ def _json_object(message: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _json_event(message: Message) -> dict[str, Any] | Other:
+    """A JSON route's server event as an object, or what else it was (``Other``)."""
+    if not isinstance(message, str):
+        return Other("binary", message)
+    data = _json_object(message)
+    return Other("invalid", message) if data is None else data
+
+
 def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -309,11 +317,9 @@ class RealtimeClient(ClientProtocol):
         return [json.dumps({"type": "response.cancel"})]
 
     def parse(self, message: Message) -> Buffer | Event:
-        if not isinstance(message, str):
-            return Other("binary", message)
-        data = _json_object(message)
-        if data is None:
-            return Other("invalid", message)
+        data = _json_event(message)
+        if isinstance(data, Other):
+            return data
         kind = data.get("type")
         if kind in _AUDIO_DELTAS:
             return _delta_audio(kind, data)
@@ -426,11 +432,9 @@ class LiveClient(ClientProtocol):
         return [json.dumps({"type": "session.close"})]
 
     def parse(self, message: Message) -> Buffer | Event:
-        if not isinstance(message, str):
-            return Other("binary", message)
-        data = _json_object(message)
-        if data is None:
-            return Other("invalid", message)
+        data = _json_event(message)
+        if isinstance(data, Other):
+            return data
         kind = data.get("type")
         if kind == "session.output_audio.delta":
             return _delta_audio(kind, data)
