@@ -159,7 +159,7 @@ def test_realtime_refuses_an_append_over_the_bound_before_decoding_its_base64(mo
     def no_decoding(*args, **kwargs):
         raise AssertionError("the base64 was decoded")
 
-    monkeypatch.setattr(b64audio, "a2b_base64", no_decoding)
+    monkeypatch.setattr(b64audio, "decode_strict", no_decoding)
     for audio in (base64.b64encode(one_second + bytes(4)).decode(), base64.encodebytes(bytes(96000)).decode()):
         error = protocol.parse(json.dumps({"type": "input_audio_buffer.append", "event_id": "e7", "audio": audio}))
         assert error.code == "audio_too_long" and error.event_id == "e7" and not error.fatal

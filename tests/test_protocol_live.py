@@ -226,7 +226,7 @@ def test_an_append_longer_than_max_message_seconds_is_refused_before_decoding(mo
     def no_decoding(*args, **kwargs):
         raise AssertionError("the base64 was decoded")
 
-    monkeypatch.setattr(b64audio, "a2b_base64", no_decoding)
+    monkeypatch.setattr(b64audio, "decode_strict", no_decoding)
     event = send(protocol, "session.input_audio.append", audio=b64(fits + bytes(2)))
     assert isinstance(event, ProtocolError) and event.code == "audio_too_long"
     assert "audio.max_message_seconds" in event.message and "session.input_audio.append" in event.message

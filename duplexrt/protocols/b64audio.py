@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import sys
-from binascii import a2b_base64
 
 import attrs
 
+from duplexrt.protocols.b64codec import decode_strict
 from duplexrt.protocols.events import ProtocolError
 
 __all__ = ["Base64Audio"]
@@ -49,7 +49,7 @@ class Base64Audio:
         if len(audio) > self.max_chars:
             return self._too_long(len(audio), event_id)
         try:
-            raw = a2b_base64(audio, strict_mode=True)
+            raw = decode_strict(audio)
         except ValueError:
             return self._lenient(audio, event_id)
         if len(raw) % self.sample_bytes:
@@ -62,7 +62,7 @@ class Base64Audio:
         if len(audio) > self.max_chars:
             return self._too_long(len(audio), event_id)
         try:
-            raw = a2b_base64(audio, strict_mode=True)
+            raw = decode_strict(audio)
         except ValueError:
             return ProtocolError("invalid_base64", "'audio' is not valid base64", event_id=event_id)
         if not raw:

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from binascii import b2a_base64
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +62,7 @@ import numpy as np
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
 from duplexrt.audio.g711 import alaw_encode, ulaw_encode
 from duplexrt.protocols.b64audio import Base64Audio
+from duplexrt.protocols.b64codec import encode
 from duplexrt.protocols.base import SessionProgress, Translator
 from duplexrt.protocols.events import (
     AudioIn,
@@ -204,7 +204,7 @@ class LiveProtocol(Translator):
         if payload:
             # By hand: base64 needs no escaping, so the per-frame path skips json.dumps.
             messages.append('{"type":"session.output_audio.delta","delta":"'
-                            + b2a_base64(payload, newline=False).decode("ascii") + '"}')
+                            + encode(payload) + '"}')
         if first + frames >= self._next_usage:
             self._next_usage = first + frames + self._usage_every
             messages.append(self._usage_event())

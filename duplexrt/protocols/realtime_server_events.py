@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import itertools
 import json
-from binascii import b2a_base64
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioSpec
+from duplexrt.protocols.b64codec import encode
 from duplexrt.protocols.realtime_client_events import G711_RATE, PCM_RATE
 from duplexrt.protocols.realtime_items import message_item
 from duplexrt.reasons import FinishReason
@@ -111,7 +111,7 @@ class ServerEvents:
         """One audio delta, formatted by hand (see ``Response``)."""
         head, tail = response.audio_prefix
         return (f'{head}"event_id":"event_{next(self._event_ids)}",{tail}"'
-                f'{b2a_base64(payload, newline=False).decode("ascii")}"}}')
+                f'{encode(payload)}"}}')
 
     def text(self, response: Response, text: str) -> str:
         head, tail = response.text_prefix
