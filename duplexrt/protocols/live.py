@@ -251,9 +251,16 @@ class LiveProtocol(Translator):
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):
             return _BINARY
-        data = json_object(message)
-        if isinstance(data, ProtocolError):
-            return data
+        # The usual append (audio last) is read without json scanning its base64, and decoded once.
+        read = self._audio.read_event(message)
+        if read is not None:
+            data, raw = read
+            if data.get("type") == "session.input_audio.append" and self.started:
+                return self._take_audio(raw)
+        else:
+            data = json_object(message)
+            if isinstance(data, ProtocolError):
+                return data
         kind = data.get("type")
         if type(kind) is not str:
             return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"',
@@ -335,6 +342,9 @@ class LiveProtocol(Translator):
         raw = self._audio.decode(data.get("audio"), _client_event_id(data))
         if isinstance(raw, ProtocolError):
             return raw
+        return self._take_audio(raw)
+
+    def _take_audio(self, raw: bytes) -> AudioIn:
         if self.muted:
             # The caller's audio is replaced, not dropped: the model's clock keeps running.
             return AudioIn(self._silence * (len(raw) // len(self._silence)))

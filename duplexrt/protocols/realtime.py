@@ -320,9 +320,16 @@ class RealtimeProtocol(Translator):
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):
             return BINARY
-        data = json_object(message)
-        if isinstance(data, ProtocolError):
-            return data
+        # The usual append (audio last) is read without json scanning its base64, and decoded once.
+        read = self._audio.read_event(message)
+        if read is not None:
+            data, raw = read
+            if data.get("type") == "input_audio_buffer.append":
+                return self._take_audio(raw)
+        else:
+            data = json_object(message)
+            if isinstance(data, ProtocolError):
+                return data
         kind = data.get("type")
         handler = self._handlers.get(kind) if type(kind) is str else None
         if handler is None:
@@ -333,6 +340,9 @@ class RealtimeProtocol(Translator):
         raw = self._audio.decode(data.get("audio"), client_event_id(data))
         if isinstance(raw, ProtocolError):
             return raw
+        return self._take_audio(raw)
+
+    def _take_audio(self, raw: bytes) -> AudioIn:
         self._pending_input = True
         if self._vad is not None:
             return AudioIn(raw, self._detect(raw))
