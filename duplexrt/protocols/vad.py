@@ -68,15 +68,30 @@ class VadSettings:
 
 
 class InputVad:
-    """Speech start and stop over a stream of client audio, in milliseconds of that audio."""
+    """Speech start and stop over a stream of client audio, in milliseconds of that audio.
+
+    The noise check (an FFT per window) is the VAD's dearest part, and it is asked only where its
+    answer can change an event.  Before speech has started, every window WebRTC's VAD calls speech
+    is checked (one batch per append): a start's time depends on each of them.  Once speech is
+    under way, such a window is left unjudged until a stop could be due: only when the silence run,
+    counting every unjudged window as noise, reaches ``silence_duration_ms`` are they judged (one
+    batch, with the rest of the append), and the run is then counted again from the last one that
+    is speech.  A speaker who keeps talking costs one noise check per ``silence_duration_ms``
+    instead of one per append; the events and their times are the same as judging every window.
+    """
 
     def __init__(self, settings: VadSettings, spec: AudioSpec) -> None:
         self.settings = settings
         self._vad = webrtcvad.Vad(settings.mode)
         self.elapsed_ms = 0.0  # audio fed so far
         self.speaking = False
-        self._speech_ms = 0.0  # current run of speech windows
-        self._silence_ms = 0.0  # current run of non-speech windows while speaking
+        self._speech_ms = 0.0  # current run of speech windows (before speech has started)
+        # While speaking: the silence run so far, counting the unjudged windows as noise (exact
+        # when there are none), and the windows since the first unjudged one, in order: (block,
+        # row) for a window WebRTC's VAD called speech that the noise check has not judged, None
+        # for one it did not.  A window judged speech empties both.
+        self._silence_ms = 0.0
+        self._unjudged: list[tuple[np.ndarray, int] | None] = []
         self.set_spec(spec)
 
     def set_mode(self, mode: int) -> None:
@@ -84,6 +99,9 @@ class InputVad:
 
     def set_spec(self, spec: AudioSpec) -> None:
         """The client's input format changed: what is still carried is dropped (a part window)."""
+        if self._unjudged:  # counted in the old window length: settled before it changes
+            self._silence_ms = self._settle(self._unjudged, self._silence_ms)
+            self._unjudged = []
         self._format = spec.format
         rate = spec.sample_rate
         self._in_window = max(1, round(rate * _WINDOW_MS / 1000))
@@ -114,37 +132,96 @@ class InputVad:
         windows = self._for_vad(samples[:used] if used < samples.size else samples, whole)
         is_speech, rate = self._vad.is_speech, self._vad_rate
         # One copy of all the windows, read through views: not one array view and copy per window.
+        # Each window's verdict: None (WebRTC's VAD heard speech; the noise check has not judged
+        # it yet), then True or False.
         step = windows.shape[1] * 2
         with memoryview(windows.tobytes()) as block:
-            speech = [is_speech(block[at:at + step], rate) for at in range(0, whole * step, step)]
-        candidates = [index for index, said in enumerate(speech) if said]
-        if candidates:  # the noise check costs an FFT: only where WebRTC's VAD heard speech
-            heard = windows if len(candidates) == whole else windows[candidates]
-            for index, flatness in zip(candidates, _flatness(heard).tolist(), strict=True):
-                speech[index] = flatness < _MAX_FLATNESS
+            verdicts: list[bool | None] = [None if is_speech(block[at:at + step], rate) else False
+                                           for at in range(0, whole * step, step)]
         # The run counters in locals, stored back once: this loop runs per 20 ms window.
         events: list[tuple[str, int]] = []
         window_ms = self._window_ms
+        settings = self.settings
         elapsed, speech_ms, silence_ms, speaking = self.elapsed_ms, self._speech_ms, self._silence_ms, self.speaking
-        for said in speech:
+        unjudged = self._unjudged
+        for index in range(whole):
+            said = verdicts[index]
             elapsed += window_ms
-            if said:
-                speech_ms += window_ms
+            if not speaking:
+                if said is None:  # a start's time depends on every window: judge them now
+                    _judge(windows, verdicts, index)
+                    said = verdicts[index]
+                if said:
+                    speech_ms += window_ms
+                    if speech_ms >= _MIN_SPEECH_MS:
+                        speaking = True
+                        start = elapsed - speech_ms - settings.prefix_padding_ms
+                        events.append(("started", max(0, round(start))))
+                else:
+                    speech_ms = 0.0
+                continue
+            if said:  # judged speech (ahead, with an earlier window): the silence run ends
                 silence_ms = 0.0
-                if not speaking and speech_ms >= _MIN_SPEECH_MS:
-                    speaking = True
-                    start = elapsed - speech_ms - self.settings.prefix_padding_ms
-                    events.append(("started", max(0, round(start))))
-            else:
-                speech_ms = 0.0
-                if speaking:
-                    silence_ms += window_ms
-                    if silence_ms >= self.settings.silence_duration_ms:
-                        speaking = False
-                        silence_ms = 0.0
-                        events.append(("stopped", round(elapsed)))
+                unjudged = []
+                continue
+            if said is None:
+                unjudged.append((windows, index))
+            elif unjudged:
+                unjudged.append(None)
+            silence_ms += window_ms
+            if silence_ms < settings.silence_duration_ms:
+                continue  # no stop here even if every unjudged window is noise
+            if unjudged:  # a stop may be due: judge, and count the run from the last speech
+                silence_ms = self._settle(unjudged, silence_ms, windows, verdicts, index)
+                unjudged = []
+                if verdicts[index]:
+                    continue  # this window is speech: no stop here, however short the pause asked
+            if silence_ms >= settings.silence_duration_ms:
+                speaking = False
+                speech_ms = silence_ms = 0.0
+                events.append(("stopped", round(elapsed)))
         self.elapsed_ms, self._speech_ms, self._silence_ms, self.speaking = elapsed, speech_ms, silence_ms, speaking
+        self._unjudged = unjudged
         return events
+
+    def _settle(self, unjudged: list[tuple[np.ndarray, int] | None], silence_ms: float,
+                windows: np.ndarray | None = None, verdicts: list[bool | None] | None = None,
+                index: int = -1) -> float:
+        """The silence run at the last of ``unjudged`` once its windows are judged: counted from the
+        last that is speech, or ``silence_ms`` (all noise) if none is.  Judged from the latest back,
+        a block (an append's windows) at a time, stopping at the first speech: while the user
+        talks, that is the latest window, in the current append (``windows``, whose ``verdicts``
+        are judged from its first unjudged window to its end, the rest of the append included)."""
+        if windows is not None and verdicts is not None:
+            first = index + 1
+            for entry in reversed(unjudged):
+                if entry is not None:
+                    if entry[0] is not windows:
+                        break
+                    first = entry[1]
+            _judge(windows, verdicts, first)
+        older: dict[int, dict[int, bool]] = {}  # id(block) -> row -> speech, judged on demand
+        for position in range(len(unjudged) - 1, -1, -1):
+            entry = unjudged[position]
+            if entry is None:
+                continue
+            block, row = entry
+            if block is windows and verdicts is not None:
+                said = bool(verdicts[row])
+            else:
+                judged = older.get(id(block))
+                if judged is None:
+                    rows = [other[1] for other in unjudged if other is not None and other[0] is block]
+                    flatness = _flatness(block[rows]).tolist()
+                    judged = older[id(block)] = {at: value < _MAX_FLATNESS
+                                                 for at, value in zip(rows, flatness, strict=True)}
+                said = judged[row]
+            if said:  # the run restarts after it, counted as the per-window loop counts it
+                run = 0.0
+                for _ in range(len(unjudged) - 1 - position):
+                    run += self._window_ms
+                return run
+        return silence_ms
 
     def _for_vad(self, block: np.ndarray, whole: int) -> np.ndarray:
         """``whole`` windows (one a row) at a rate WebRTC's VAD takes."""
@@ -161,6 +238,20 @@ class InputVad:
         positions = np.linspace(0, windows.shape[1] - 1, size)
         grid = np.arange(windows.shape[1])
         return np.stack([np.interp(positions, grid, row) for row in windows]).astype(np.int16)
+
+
+def _judge(windows: np.ndarray, verdicts: list[bool | None], start: int) -> None:
+    """Give every unjudged window of ``verdicts`` from ``start`` on the noise check's answer, in
+    one batch (numpy's cost is per call: one FFT over several windows costs about one window's)."""
+    last = len(verdicts) - 1
+    while last >= start and verdicts[last] is not None:
+        last -= 1
+    if last < start:
+        return
+    flatness = _flatness(windows[start:last + 1]).tolist()
+    for at in range(start, last + 1):
+        if verdicts[at] is None:
+            verdicts[at] = flatness[at - start] < _MAX_FLATNESS
 
 
 def _flatness(windows: np.ndarray) -> np.ndarray:
