@@ -157,3 +157,18 @@ def test_a_speaker_who_keeps_talking_costs_a_noise_check_per_pause_length(monkey
     events = [event for at in range(0, len(voice), 3840) for event in ours.feed(voice[at:at + 3840])]
     assert [kind for kind, _ in events] == ["started"]
     assert len(calls) <= 500 // 25 + 3, calls
+
+
+def test_24k_reaches_webrtc_s_vad_as_the_floor_of_each_three_samples_mean():
+    """24 kHz (the protocol's rate, the only allowed one that needs it) is decimated to 8 kHz by
+    the mean of each run of three samples, rounded down, exactly, full scale included."""
+    rate = 24000
+    rng = np.random.default_rng(rate)
+    vad = InputVad(VadSettings(), spec(rate))
+    factor = rate // 8000
+    samples = rng.integers(-32768, 32768, size=factor * 160 * 5).astype(np.int16)
+    samples[:factor * 4] = [-32768] * (factor * 2) + [32767] * (factor * 2)
+    expected = (samples.reshape(-1, factor).astype(np.int64).sum(axis=1) // factor).astype(np.int16)
+    got = vad._for_vad(samples, 5)
+    assert got.shape == (5, 160) and got.dtype == np.int16
+    np.testing.assert_array_equal(got.ravel(), expected)

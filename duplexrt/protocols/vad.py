@@ -230,10 +230,12 @@ class InputVad:
             return block.reshape(whole, size)
         if self._in_window % size == 0:  # average each run of ``factor`` samples (strided adds)
             factor = self._in_window // size
-            total = block[0::factor].astype(np.int32)
-            for offset in range(1, factor):
-                total += block[offset::factor]
-            return (total // factor).astype(np.int16).reshape(whole, size)
+            # In place, one ufunc call a step: the first add widens, the rest reuse its array.
+            total = np.add(block[0::factor], block[1::factor], dtype=np.int32)
+            for offset in range(2, factor):
+                np.add(total, block[offset::factor], out=total)
+            np.floor_divide(total, factor, out=total)
+            return total.astype(np.int16).reshape(whole, size)
         windows = block.reshape(whole, self._in_window)
         positions = np.linspace(0, windows.shape[1] - 1, size)
         grid = np.arange(windows.shape[1])
