@@ -172,3 +172,23 @@ def test_24k_reaches_webrtc_s_vad_as_the_floor_of_each_three_samples_mean():
     got = vad._for_vad(samples, 5)
     assert got.shape == (5, 160) and got.dtype == np.int16
     np.testing.assert_array_equal(got.ravel(), expected)
+
+
+@pytest.mark.parametrize(("append_ms", "most_calls", "most_rows"), [(20, 100 // 3 + 1, 100 // 3 + 1), (80, 25, 50)])
+def test_steady_hiss_costs_a_noise_check_per_start_length_not_per_window(monkeypatch, append_ms, most_calls, most_rows):
+    """2 s of loud hiss (WebRTC's VAD calls it speech; the noise check does not): no start, and the
+    check runs once per 60 ms of it with 20 ms appends (not once per append), and on the windows
+    that matter with 80 ms appends (two of each four)."""
+    calls: list[int] = []
+    flatness = vad_module._flatness
+
+    def counted(windows):
+        calls.append(len(windows))
+        return flatness(windows)
+
+    monkeypatch.setattr(vad_module, "_flatness", counted)
+    hiss = (np.random.default_rng(3).standard_normal(24000 * 2) * 5000).astype("<i2").tobytes()
+    ours = InputVad(VadSettings(), spec(24000))
+    size = 48 * append_ms
+    assert [event for at in range(0, len(hiss), size) for event in ours.feed(hiss[at:at + size])] == []
+    assert len(calls) <= most_calls and sum(calls) <= most_rows, calls

@@ -67,17 +67,24 @@ class VadSettings:
         return min(3, max(0, round(self.threshold * 3)))
 
 
+#: A window in a run the noise check has not settled: (its append's windows, its row) where WebRTC's
+#: VAD heard speech and the noise check has not judged it; True or False where the verdict is known.
+_Entry = tuple[np.ndarray, int] | bool
+
+
 class InputVad:
     """Speech start and stop over a stream of client audio, in milliseconds of that audio.
 
-    The noise check (an FFT per window) is the VAD's dearest part, and it is asked only where its
-    answer can change an event.  Before speech has started, every window WebRTC's VAD calls speech
-    is checked (one batch per append): a start's time depends on each of them.  Once speech is
-    under way, such a window is left unjudged until a stop could be due: only when the silence run,
-    counting every unjudged window as noise, reaches ``silence_duration_ms`` are they judged (one
-    batch, with the rest of the append), and the run is then counted again from the last one that
-    is speech.  A speaker who keeps talking costs one noise check per ``silence_duration_ms``
-    instead of one per append; the events and their times are the same as judging every window.
+    The noise check (an FFT per window) is the VAD's dearest part, so it is asked only where its
+    answer can change an event.  A window WebRTC's VAD calls speech is left unjudged and counted
+    the way that cannot miss an event: as speech toward a start (which needs ``_MIN_SPEECH_MS`` of
+    it), as noise toward a stop (``silence_duration_ms``).  Only when that count reaches its bound
+    are the unjudged windows judged, the latest first (one batch with the rest of the append, then
+    earlier ones only if the answer still depends on them), and the run counted again from the
+    last window that breaks it.  A speaker who keeps talking costs one noise check per
+    ``silence_duration_ms`` instead of one per append; steady noise before speech, one batch of
+    the windows that matter per append (per ``_MIN_SPEECH_MS`` with shorter appends).  The events
+    and their times are those of judging every window (tests/test_vad_decisions.py).
     """
 
     def __init__(self, settings: VadSettings, spec: AudioSpec) -> None:
@@ -85,13 +92,12 @@ class InputVad:
         self._vad = webrtcvad.Vad(settings.mode)
         self.elapsed_ms = 0.0  # audio fed so far
         self.speaking = False
-        self._speech_ms = 0.0  # current run of speech windows (before speech has started)
-        # While speaking: the silence run so far, counting the unjudged windows as noise (exact
-        # when there are none), and the windows since the first unjudged one, in order: (block,
-        # row) for a window WebRTC's VAD called speech that the noise check has not judged, None
-        # for one it did not.  A window judged speech empties both.
+        # The current run toward an event, unjudged windows counted as above (exact when none
+        # are left): speech before speech has started, silence after; and the windows since the
+        # run's first unjudged one, in order.
+        self._speech_ms = 0.0
         self._silence_ms = 0.0
-        self._unjudged: list[tuple[np.ndarray, int] | None] = []
+        self._pending: list[_Entry] = []
         self.set_spec(spec)
 
     def set_mode(self, mode: int) -> None:
@@ -99,9 +105,12 @@ class InputVad:
 
     def set_spec(self, spec: AudioSpec) -> None:
         """The client's input format changed: what is still carried is dropped (a part window)."""
-        if self._unjudged:  # counted in the old window length: settled before it changes
-            self._silence_ms = self._settle(self._unjudged, self._silence_ms)
-            self._unjudged = []
+        if self._pending:  # counted in the old window length: settled before it changes
+            if self.speaking:
+                self._silence_ms = self._settle(self._pending, self._silence_ms, True)
+            else:
+                self._speech_ms = self._settle(self._pending, self._speech_ms, False)
+            self._pending = []
         self._format = spec.format
         rate = spec.sample_rate
         self._in_window = max(1, round(rate * _WINDOW_MS / 1000))
@@ -132,8 +141,7 @@ class InputVad:
         windows = self._for_vad(samples[:used] if used < samples.size else samples, whole)
         is_speech, rate = self._vad.is_speech, self._vad_rate
         # One copy of all the windows, read through views: not one array view and copy per window.
-        # Each window's verdict: None (WebRTC's VAD heard speech; the noise check has not judged
-        # it yet), then True or False.
+        # Each window's verdict: None where WebRTC's VAD heard speech (the noise check to judge).
         step = windows.shape[1] * 2
         with memoryview(windows.tobytes()) as block:
             verdicts: list[bool | None] = [None if is_speech(block[at:at + step], rate) else False
@@ -143,37 +151,45 @@ class InputVad:
         window_ms = self._window_ms
         settings = self.settings
         elapsed, speech_ms, silence_ms, speaking = self.elapsed_ms, self._speech_ms, self._silence_ms, self.speaking
-        unjudged = self._unjudged
+        pending = self._pending
         for index in range(whole):
             said = verdicts[index]
             elapsed += window_ms
             if not speaking:
-                if said is None:  # a start's time depends on every window: judge them now
-                    _judge(windows, verdicts, index)
-                    said = verdicts[index]
-                if said:
-                    speech_ms += window_ms
-                    if speech_ms >= _MIN_SPEECH_MS:
-                        speaking = True
-                        start = elapsed - speech_ms - settings.prefix_padding_ms
-                        events.append(("started", max(0, round(start))))
-                else:
+                if said is False:
                     speech_ms = 0.0
+                    pending = []
+                    continue
+                if said is None:
+                    pending.append((windows, index))
+                elif pending:
+                    pending.append(True)
+                speech_ms += window_ms
+                if speech_ms < _MIN_SPEECH_MS:
+                    continue  # no start here even if every unjudged window is speech
+                if pending:  # a start may be due: judge, and count the run from the last noise
+                    speech_ms = self._settle(pending, speech_ms, False, windows, verdicts, index)
+                    pending = []
+                    if speech_ms < _MIN_SPEECH_MS:
+                        continue
+                speaking = True
+                start = elapsed - speech_ms - settings.prefix_padding_ms
+                events.append(("started", max(0, round(start))))
                 continue
-            if said:  # judged speech (ahead, with an earlier window): the silence run ends
+            if said:  # judged speech (with an earlier window): the silence run ends
                 silence_ms = 0.0
-                unjudged = []
+                pending = []
                 continue
             if said is None:
-                unjudged.append((windows, index))
-            elif unjudged:
-                unjudged.append(None)
+                pending.append((windows, index))
+            elif pending:
+                pending.append(False)
             silence_ms += window_ms
             if silence_ms < settings.silence_duration_ms:
                 continue  # no stop here even if every unjudged window is noise
-            if unjudged:  # a stop may be due: judge, and count the run from the last speech
-                silence_ms = self._settle(unjudged, silence_ms, windows, verdicts, index)
-                unjudged = []
+            if pending:  # a stop may be due: judge, and count the run from the last speech
+                silence_ms = self._settle(pending, silence_ms, True, windows, verdicts, index)
+                pending = []
                 if verdicts[index]:
                     continue  # this window is speech: no stop here, however short the pause asked
             if silence_ms >= settings.silence_duration_ms:
@@ -181,47 +197,45 @@ class InputVad:
                 speech_ms = silence_ms = 0.0
                 events.append(("stopped", round(elapsed)))
         self.elapsed_ms, self._speech_ms, self._silence_ms, self.speaking = elapsed, speech_ms, silence_ms, speaking
-        self._unjudged = unjudged
+        self._pending = pending
         return events
 
-    def _settle(self, unjudged: list[tuple[np.ndarray, int] | None], silence_ms: float,
-                windows: np.ndarray | None = None, verdicts: list[bool | None] | None = None,
-                index: int = -1) -> float:
-        """The silence run at the last of ``unjudged`` once its windows are judged: counted from the
-        last that is speech, or ``silence_ms`` (all noise) if none is.  Judged from the latest back,
-        a block (an append's windows) at a time, stopping at the first speech: while the user
-        talks, that is the latest window, in the current append (``windows``, whose ``verdicts``
-        are judged from its first unjudged window to its end, the rest of the append included)."""
+    def _settle(self, pending: list[_Entry], run_ms: float, breaks: bool, windows: np.ndarray | None = None,
+                verdicts: list[bool | None] | None = None, index: int = -1) -> float:
+        """The run at the last window of ``pending`` once its windows are judged: counted from the
+        last window whose verdict is ``breaks`` (speech breaks a silence run, noise a speech run),
+        or ``run_ms`` if none is.  Judged from the latest back, stopping at the first that breaks
+        the run: this append's ``windows`` from ``index`` (the last of ``pending``) to the end
+        first (their ``verdicts`` are filled in), then its earlier ones, then each earlier
+        append's, each in one batch."""
         if windows is not None and verdicts is not None:
-            first = index + 1
-            for entry in reversed(unjudged):
-                if entry is not None:
-                    if entry[0] is not windows:
-                        break
-                    first = entry[1]
-            _judge(windows, verdicts, first)
-        older: dict[int, dict[int, bool]] = {}  # id(block) -> row -> speech, judged on demand
-        for position in range(len(unjudged) - 1, -1, -1):
-            entry = unjudged[position]
-            if entry is None:
-                continue
-            block, row = entry
-            if block is windows and verdicts is not None:
-                said = bool(verdicts[row])
+            _judge(windows, verdicts, index)
+        earlier: dict[int, dict[int, bool]] = {}  # id(block) -> row -> speech, judged on demand
+        for position in range(len(pending) - 1, -1, -1):
+            entry = pending[position]
+            if entry is True or entry is False:
+                said = entry
             else:
-                judged = older.get(id(block))
-                if judged is None:
-                    rows = [other[1] for other in unjudged if other is not None and other[0] is block]
-                    flatness = _flatness(block[rows]).tolist()
-                    judged = older[id(block)] = {at: value < _MAX_FLATNESS
-                                                 for at, value in zip(rows, flatness, strict=True)}
-                said = judged[row]
-            if said:  # the run restarts after it, counted as the per-window loop counts it
+                block, row = entry
+                if block is windows and verdicts is not None:
+                    if verdicts[row] is None:  # this append, before index: judge them all at once
+                        _judge(windows, verdicts, min(other[1] for other in pending
+                                                      if type(other) is tuple and other[0] is windows))
+                    said = bool(verdicts[row])
+                else:
+                    judged = earlier.get(id(block))
+                    if judged is None:
+                        rows = [other[1] for other in pending if type(other) is tuple and other[0] is block]
+                        flatness = _flatness(block[rows]).tolist()
+                        judged = earlier[id(block)] = {at: value < _MAX_FLATNESS
+                                                       for at, value in zip(rows, flatness, strict=True)}
+                    said = judged[row]
+            if said is breaks:  # the run restarts after it, counted as the per-window loop counts it
                 run = 0.0
-                for _ in range(len(unjudged) - 1 - position):
+                for _ in range(len(pending) - 1 - position):
                     run += self._window_ms
                 return run
-        return silence_ms
+        return run_ms
 
     def _for_vad(self, block: np.ndarray, whole: int) -> np.ndarray:
         """``whole`` windows (one a row) at a rate WebRTC's VAD takes."""
