@@ -1,9 +1,11 @@
 """The Realtime server VAD's host cost per 80 ms append, in process (no sockets, no scheduler).
 
-Feeds ``InputVad`` (pcm16 at 24 kHz, 1,920-sample appends) a speech-like signal (harmonics over
-speech-band noise, so WebRTC's VAD hears speech in every window and the noise check runs each
-time: the worst case, and what ``simulate`` sends), and times ``feed`` and ``_flatness``, best of
-seven.  With ``--against DIR`` the same is run on another checkout's ``duplexrt/protocols/vad.py``
+Feeds ``InputVad`` (pcm16 at 24 kHz, 1,920-sample appends) two signals and times ``feed``, best of
+seven: ``voiced``, harmonics over speech-band noise (WebRTC's VAD and the noise check both hear
+speech: a speaker who keeps talking, where the noise check waits until a pause could end the
+turn), and ``noise``, ``simulate``'s own speech-band noise (WebRTC's VAD hears speech, the noise
+check does not: no turn ever starts, and the check runs on every append: what the server
+benchmarks' sessions cost).  ``_flatness`` is timed alone on four windows.  With ``--against DIR`` the same is run on another checkout's ``duplexrt/protocols/vad.py``
 (e.g. main's), alternated with this one's in one process, so that the two share the machine's load.
 
 Usage: python benchmarks/vad_cost.py [--against /work/main] [--rounds 3]
@@ -40,12 +42,20 @@ def signal(seconds: int = 20) -> bytes:
     return (3000 * voiced + 3000 * _pool_signal(t.size, 24000, 1)).astype("<i2").tobytes()
 
 
-def costs(vad: ModuleType, appends: list[bytes], windows: np.ndarray) -> tuple[float, float]:
+def noise(seconds: int = 20) -> bytes:
+    return (32767 * _pool_signal(24000 * seconds, 24000, 20261129)).astype("<i2").tobytes()
+
+
+def feed_cost(vad: ModuleType, appends: list[bytes]) -> float:
     spec = AudioSpec.create(AudioFormat.PCM_S16LE, 24000, model_rate=24000)
     detector = vad.InputVad(vad.VadSettings(), spec)
-    feed = min(timeit.repeat(lambda: [detector.feed(a) for a in appends], number=1, repeat=7)) / len(appends)
-    flat = min(timeit.repeat(lambda: vad._flatness(windows), number=3000, repeat=7)) / 3000
-    return feed * 1e6, flat * 1e6
+    return min(timeit.repeat(lambda: [detector.feed(a) for a in appends], number=1, repeat=7)) / len(appends) * 1e6
+
+
+def costs(vad: ModuleType, signals: dict[str, list[bytes]], windows: np.ndarray) -> str:
+    feeds = ", ".join(f"{name} {feed_cost(vad, appends):.1f}" for name, appends in signals.items())
+    flat = min(timeit.repeat(lambda: vad._flatness(windows), number=3000, repeat=7)) / 3000 * 1e6
+    return f"feed us/append: {feeds}; flatness {flat:.1f} us"
 
 
 def main() -> None:
@@ -53,16 +63,15 @@ def main() -> None:
     parser.add_argument("--against", type=Path, default=None, help="another checkout's root")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    raw = signal()
-    appends = [raw[i:i + 3840] for i in range(0, 3840 * 200, 3840)]
+    signals = {name: [raw[i:i + 3840] for i in range(0, 3840 * 200, 3840)]
+               for name, raw in (("voiced", signal()), ("noise", noise()))}
     windows = (np.random.default_rng(1).standard_normal((4, 160)) * 3000).astype(np.int16)
     variants = [("this checkout", load(HERE, "vad_here"))]
     if args.against is not None:
         variants.insert(0, ("against", load(args.against / "duplexrt" / "protocols" / "vad.py", "vad_against")))
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for _ in range(args.rounds):
-        print("   ".join(f"{name}: feed {feed:.1f} us/append, flatness {flat:.1f} us"
-                         for name, (feed, flat) in ((name, costs(m, appends, windows)) for name, m in variants)))
+        print("   ".join(f"{name}: {costs(m, signals, windows)}" for name, m in variants))
 
 
 if __name__ == "__main__":

@@ -192,3 +192,15 @@ def test_steady_hiss_costs_a_noise_check_per_start_length_not_per_window(monkeyp
     size = 48 * append_ms
     assert [event for at in range(0, len(hiss), size) for event in ours.feed(hiss[at:at + size])] == []
     assert len(calls) <= most_calls and sum(calls) <= most_rows, calls
+
+
+@pytest.mark.parametrize("size", [160, 320, 640, 960, 161])
+def test_the_noise_check_s_fft_is_numpy_s_rfft_bit_for_bit(size):
+    from duplexrt.protocols.vad import _rfft_rows
+
+    rows = (np.random.default_rng(size).standard_normal((5, size)) * 3000).astype(np.float32)
+    expected = np.fft.rfft(rows, axis=1)
+    got = _rfft_rows(rows)
+    assert got.dtype == expected.dtype == np.complex64
+    assert got.tobytes() == expected.tobytes()
+    assert _rfft_rows(rows[2:3]).tobytes() == expected[2:3].tobytes()
