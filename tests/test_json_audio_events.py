@@ -1,8 +1,8 @@
-"""Appends read without json scanning their base64 (``Base64Audio.read_event``): the same events
+"""Appends read without json scanning their base64 (``Base64Audio.read_append``): the same events
 as the general path for every shape a client can send, and the general path for the rest.
 
 Each message is parsed twice, by a fresh translator with the fast read and by one without it
-(``read_event`` answering None, so ``json.loads`` reads everything): the two must agree, event
+(``read_append`` answering None, so ``json.loads`` reads everything): the two must agree, event
 for event.  The messages include the shapes the SDKs write, and shapes built to fool a reader that
 looks for ``"audio":"`` in the text: the key inside another string, an escaped quote, a nested
 object, a duplicate key, bad base64, half a sample, too much audio.
@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from duplexrt.protocols import events
+from duplexrt.protocols import b64audio, events
 from duplexrt.protocols.b64audio import Base64Audio
 from duplexrt.protocols.events import AudioIn
 from duplexrt.protocols.live import LiveProtocol
@@ -85,7 +85,7 @@ def live() -> LiveProtocol:
 @pytest.mark.parametrize(("make", "kind"), [(realtime, APPEND), (live, "session.input_audio.append")])
 def test_every_shape_gets_the_event_the_general_path_gives(make, kind, monkeypatch):
     fast = [outcome(make().parse(message)) for message in shapes(kind)]
-    monkeypatch.setattr(Base64Audio, "read_event", lambda self, message: None)
+    monkeypatch.setattr(Base64Audio, "read_append", lambda self, message: None)
     general = [outcome(make().parse(message)) for message in shapes(kind)]
     for message, ours, theirs in zip(shapes(kind), fast, general, strict=True):
         assert ours == theirs, message[:120]
@@ -94,7 +94,8 @@ def test_every_shape_gets_the_event_the_general_path_gives(make, kind, monkeypat
 
 @pytest.mark.parametrize(("make", "kind"), [(realtime, APPEND), (live, "session.input_audio.append")])
 def test_the_usual_appends_are_not_scanned_as_json(make, kind, monkeypatch):
-    """The SDKs' shapes go through ``json.loads`` only for their few bytes around the audio."""
+    """The SDKs' shapes go through ``json.loads`` only for their few bytes before the audio, and
+    only the first time those bytes are seen."""
     parsed: list[int] = []
     loads = json.loads
 
@@ -103,11 +104,15 @@ def test_the_usual_appends_are_not_scanned_as_json(make, kind, monkeypatch):
         return loads(text, *args, **kwargs)
 
     protocol = make()
+    monkeypatch.setattr(b64audio, "_APPEND_HEADS", set())
     monkeypatch.setattr(events.json, "loads", measured)
     for message in shapes(kind)[:4]:
         event = protocol.parse(message)
         assert isinstance(event, AudioIn) and event.payload == PCM
-    assert parsed and max(parsed) < 100, parsed
+    assert len(parsed) == 4 and max(parsed) < 100, parsed
+    for message in shapes(kind)[:4]:  # the same text before the audio: parsed once
+        assert protocol.parse(message).payload == PCM
+    assert len(parsed) == 4
 
 
 def test_live_appends_before_session_start_are_refused_either_way():

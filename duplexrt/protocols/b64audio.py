@@ -6,9 +6,9 @@ one event than ``audio.max_message_seconds`` allows, refused from the text's len
 decoded (a 16 MiB append costs ~90 ms of base64 decoding alone).
 
 An append is nearly all base64, and ``json.loads`` scans every character of it for quotes and
-escapes (about 9 µs of a 5 kB frame's text).  ``Base64Audio.read_event`` reads the usual shape, an
-event whose last member is its ``"audio"``, without that scan: the rest of the event is parsed as
-JSON with the audio emptied, and the audio is decoded straight from the text.  Base64 that decodes
+escapes (about 9 µs of a 5 kB frame's text).  ``Base64Audio.read_append`` reads the usual shape, an
+append whose last member is its ``"audio"``, without that scan: the rest of the event is parsed as
+JSON with the audio emptied (once per distinct text), and the audio is decoded straight from the text.  Base64 that decodes
 strictly holds no quote, backslash or control character, so the two texts are the same JSON but
 for that one string; anything else (other shapes, bad or oversized audio) is left to the general
 path, which answers it as before.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
 
 import attrs
 
@@ -26,6 +25,11 @@ from duplexrt.protocols.b64codec import decode_strict
 from duplexrt.protocols.events import ProtocolError, json_object
 
 __all__ = ["Base64Audio"]
+
+#: ``(event, text before the audio)`` pairs already read as that event with its audio last: the
+#: SDKs write the same few bytes before every append's audio, parsed as JSON once per process.
+_APPEND_HEADS: set[tuple[str, str]] = set()
+_MAX_HEADS = 256
 
 
 @attrs.frozen
@@ -65,11 +69,11 @@ class Base64Audio:
             return self._bad_length(len(raw), event_id)
         return raw
 
-    def read_event(self, message: str) -> tuple[dict[str, Any], bytes] | None:
-        """A client event whose last member is ``"audio"`` (``{..., "audio": "<base64>"}``, as the
-        SDKs write an append), as ``json.loads`` reads it and with the audio ``decode`` would give,
-        or None: another shape, or audio ``decode`` would refuse (the general path answers those).
-        The base64 is never scanned as JSON."""
+    def read_append(self, message: str) -> bytes | None:
+        """The audio of an ``event`` whose last member is ``"audio"`` (``{"type": ..., "audio":
+        "<base64>"}``, as the SDKs write an append), exactly as ``json.loads`` and ``decode``
+        would give it; None for anything else (another event or shape, or audio ``decode`` would
+        refuse), which the general path answers.  The base64 is never scanned as JSON."""
         end = len(message) - 2
         if not message.endswith('"}'):
             return None
@@ -87,19 +91,23 @@ class Base64Audio:
         text = message[start + 1:end]
         if not text or len(text) > self.max_chars:
             return None
-        # The same event with its audio emptied: valid JSON only if "audio" is a key of the
-        # outermost object (its last member), since the key's quote is a real one.
-        data = json_object(message[:start] + '""}')
-        if type(data) is not dict or data.get("audio") != "":
-            return None
+        head = message[:start]
+        if (self.event, head) not in _APPEND_HEADS:
+            # The event with its audio emptied: valid JSON only if "audio" is a key of the
+            # outermost object (its last member), since the key's quote is a real one.
+            data = json_object(head + '""}')
+            if type(data) is not dict or data.get("type") != self.event or data.get("audio") != "":
+                return None
+            if len(_APPEND_HEADS) >= _MAX_HEADS:  # heads with an event id each never repeat
+                _APPEND_HEADS.clear()
+            _APPEND_HEADS.add((self.event, head))
         try:
             raw = decode_strict(text)  # only base64 letters: the text is the same JSON string
         except ValueError:
             return None
         if len(raw) % self.sample_bytes:
             return None
-        data["audio"] = text
-        return data, raw
+        return raw
 
     def _lenient(self, audio: str, event_id: str | None) -> bytes | ProtocolError:
         """Base64 with line breaks (MIME style) is accepted; anything else is an error."""

@@ -251,16 +251,13 @@ class LiveProtocol(Translator):
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):
             return _BINARY
-        # The usual append (audio last) is read without json scanning its base64, and decoded once.
-        read = self._audio.read_event(message)
-        if read is not None:
-            data, raw = read
-            if data.get("type") == "session.input_audio.append" and self.started:
+        if self.started:  # the usual append, without json scanning its base64
+            raw = self._audio.read_append(message)
+            if raw is not None:
                 return self._take_audio(raw)
-        else:
-            data = json_object(message)
-            if isinstance(data, ProtocolError):
-                return data
+        data = json_object(message)
+        if isinstance(data, ProtocolError):
+            return data
         kind = data.get("type")
         if type(kind) is not str:
             return ProtocolError("invalid_event", 'client events must be JSON objects with a string "type"',

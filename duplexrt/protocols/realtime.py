@@ -320,16 +320,12 @@ class RealtimeProtocol(Translator):
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):
             return BINARY
-        # The usual append (audio last) is read without json scanning its base64, and decoded once.
-        read = self._audio.read_event(message)
-        if read is not None:
-            data, raw = read
-            if data.get("type") == "input_audio_buffer.append":
-                return self._take_audio(raw)
-        else:
-            data = json_object(message)
-            if isinstance(data, ProtocolError):
-                return data
+        raw = self._audio.read_append(message)  # the usual append, without json scanning its base64
+        if raw is not None:
+            return self._take_audio(raw)
+        data = json_object(message)
+        if isinstance(data, ProtocolError):
+            return data
         kind = data.get("type")
         handler = self._handlers.get(kind) if type(kind) is str else None
         if handler is None:
