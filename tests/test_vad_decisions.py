@@ -204,3 +204,21 @@ def test_the_noise_check_s_fft_is_numpy_s_rfft_bit_for_bit(size):
     assert got.dtype == expected.dtype == np.complex64
     assert got.tobytes() == expected.tobytes()
     assert _rfft_rows(rows[2:3]).tobytes() == expected[2:3].tobytes()
+
+
+def test_webrtc_s_vad_is_asked_through_its_c_function_with_the_same_answers():
+    """``_webrtcvad.process`` called directly (no Python wrapper per window) says what
+    ``Vad.is_speech`` says, window for window, at every rate the VAD uses."""
+    from duplexrt.protocols.vad import _vad_process
+
+    assert _vad_process is not None
+    rng = np.random.default_rng(5)
+    for rate in (8000, 16000, 32000, 48000):
+        size = rate // 50
+        t = np.arange(size * 200) / rate
+        signal = np.concatenate([np.sin(2 * np.pi * 180 * t[:size * 100]) * 4000,
+                                 rng.standard_normal(size * 100) * rng.uniform(10, 4000)]).astype("<i2")
+        wrapped, direct = webrtcvad.Vad(2), webrtcvad.Vad(2)
+        for at in range(0, signal.size, size):
+            window = signal[at:at + size].tobytes()
+            assert bool(_vad_process(direct._vad, rate, window, size)) == wrapped.is_speech(window, rate)

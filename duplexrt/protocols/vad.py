@@ -20,6 +20,11 @@ from __future__ import annotations
 import numpy as np
 import webrtcvad
 
+try:  # webrtcvad-wheels' C function itself: ``Vad.is_speech`` is a Python wrapper around it, four calls an append
+    from _webrtcvad import process as _vad_process
+except ImportError:  # pragma: no cover - another packaging of webrtcvad
+    _vad_process = None
+
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.audio.g711 import alaw_decode, ulaw_decode
 
@@ -144,13 +149,19 @@ class InputVad:
         if not whole:
             return []
         windows = self._for_vad(samples[:used] if used < samples.size else samples, whole)
-        is_speech, rate = self._vad.is_speech, self._vad_rate
+        rate, size = self._vad_rate, windows.shape[1]
         # One copy of all the windows, read through views: not one array view and copy per window.
         # Each window's verdict: None where WebRTC's VAD heard speech (the noise check to judge).
-        step = windows.shape[1] * 2
+        step = size * 2
         with memoryview(windows.tobytes()) as block:
-            verdicts: list[bool | None] = [None if is_speech(block[at:at + step], rate) else False
-                                           for at in range(0, whole * step, step)]
+            if _vad_process is not None:
+                process, handle = _vad_process, self._vad._vad
+                verdicts: list[bool | None] = [None if process(handle, rate, block[at:at + step], size) else False
+                                               for at in range(0, whole * step, step)]
+            else:  # pragma: no cover
+                is_speech = self._vad.is_speech
+                verdicts = [None if is_speech(block[at:at + step], rate) else False
+                            for at in range(0, whole * step, step)]
         # The run counters in locals, stored back once: this loop runs per 20 ms window.
         events: list[tuple[str, int]] = []
         window_ms = self._window_ms
