@@ -5,10 +5,18 @@ seven: ``voiced``, harmonics over speech-band noise (WebRTC's VAD and the noise 
 speech: a speaker who keeps talking, where the noise check waits until a pause could end the
 turn), and ``noise``, ``simulate``'s own speech-band noise (WebRTC's VAD hears speech, the noise
 check does not: no turn ever starts, and the check runs on every append: what the server
-benchmarks' sessions cost).  ``_flatness`` is timed alone on four windows.  With ``--against DIR`` the same is run on another checkout's ``duplexrt/protocols/vad.py``
-(e.g. main's), alternated with this one's in one process, so that the two share the machine's load.
+benchmarks' sessions cost).  ``_flatness`` is timed alone on four windows.  With ``--against
+DIR`` the same is run on another checkout's ``duplexrt/protocols/vad.py`` (e.g. main's),
+alternated with this one's in one process, so that the two share the machine's load.
 
-Usage: python benchmarks/vad_cost.py [--against /work/main] [--rounds 3]
+``--translator``: the whole Realtime translator instead, both directions of one frame as the
+server route runs it (``duplex=1&continuous=1``, server VAD on): ``parse`` of an append as
+``simulate`` writes it, then ``audio_out`` of an 80 ms delta, for 96 sessions taken in turn (so
+each session's state is cold again by its next frame, as in the server), CPU time per frame, best
+of three.  With ``--against DIR`` each round runs DIR's own package (its ``.venv``'s python, in a
+subprocess) and then this checkout's.
+
+Usage: python benchmarks/vad_cost.py [--against /work/main] [--rounds 3] [--translator]
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
+import sys
+import time
 import timeit
 from pathlib import Path
 from types import ModuleType
@@ -58,11 +69,64 @@ def costs(vad: ModuleType, signals: dict[str, list[bytes]], windows: np.ndarray)
     return f"feed us/append: {feeds}; flatness {flat:.1f} us"
 
 
+def translator_cost(kind: str, sessions: int = 96, frames: int = 100) -> float:
+    """CPU µs per frame of ``RealtimeProtocol``, an append in and a delta out."""
+    import base64
+    import json
+
+    from duplexrt.protocols.realtime import RealtimeProtocol
+
+    class Progress:
+        frames_in = frames_out = frames_answered = 0
+
+    raw = noise(10) if kind == "noise" else signal(10)
+    chunks = [raw[i:i + 3840] for i in range(0, 3840 * frames, 3840)]
+    appends = [json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(c).decode()})
+               for c in chunks]
+    protocols = []
+    for _ in range(sessions):
+        protocol = RealtimeProtocol(duplex=True, server_vad=True)
+        protocol.attach(Progress())
+        protocol.start()
+        protocols.append(protocol)
+    start = time.process_time()
+    for append, chunk in zip(appends, chunks, strict=True):
+        for protocol in protocols:
+            protocol.parse(append)
+            protocol.audio_out(chunk, 1)
+    return (time.process_time() - start) / (sessions * frames) * 1e6
+
+
+def translator_line() -> str:
+    return ", ".join(f"{kind} {min(translator_cost(kind) for _ in range(3)):.1f}" for kind in ("noise", "voiced"))
+
+
+def translator_rounds(against: Path | None, rounds: int) -> None:
+    here = Path(__file__).resolve().parent.parent
+    variants = [("this checkout", Path(sys.executable), here)]
+    if against is not None:
+        variants.insert(0, ("against", against / ".venv" / "bin" / "python", against))
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; translator CPU us per frame")
+    for _ in range(rounds):
+        figures = [subprocess.run([str(python), str(Path(__file__).resolve()), "--translator-once"], cwd=root,
+                                  check=True, capture_output=True, text=True).stdout.strip()
+                   for _, python, root in variants]
+        print("   ".join(f"{name}: {figure}" for (name, _, _), figure in zip(variants, figures, strict=True)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", type=Path, default=None, help="another checkout's root")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--translator", action="store_true", help="the whole translator, both directions")
+    parser.add_argument("--translator-once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.translator_once:
+        print(translator_line())
+        return
+    if args.translator:
+        translator_rounds(args.against, args.rounds)
+        return
     signals = {name: [raw[i:i + 3840] for i in range(0, 3840 * 200, 3840)]
                for name, raw in (("voiced", signal()), ("noise", noise()))}
     windows = (np.random.default_rng(1).standard_normal((4, 160)) * 3000).astype(np.int16)
