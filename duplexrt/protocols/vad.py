@@ -222,11 +222,11 @@ class InputVad:
         last window whose verdict is ``breaks`` (speech breaks a silence run, noise a speech run),
         or ``run_ms`` if none is.  Judged from the latest back, stopping at the first that breaks
         the run: this append's ``windows`` from ``index`` (the last of ``pending``) to the end
-        first (their ``verdicts`` are filled in), then its earlier ones, then each earlier
-        append's, each in one batch."""
+        first (their ``verdicts`` are filled in), then its earlier ones, then all earlier
+        appends' at once, each in one batch."""
         if windows is not None and verdicts is not None:
             _judge(windows, verdicts, index)
-        earlier: dict[int, dict[int, bool]] = {}  # id(block) -> row -> speech, judged on demand
+        earlier: dict[tuple[int, int], bool] | None = None  # (id(block), row) -> speech, earlier appends
         for position in range(len(pending) - 1, -1, -1):
             entry = pending[position]
             if entry is True or entry is False:
@@ -239,13 +239,12 @@ class InputVad:
                                                       if type(other) is tuple and other[0] is windows))
                     said = bool(verdicts[row])
                 else:
-                    judged = earlier.get(id(block))
-                    if judged is None:
-                        rows = [other[1] for other in pending if type(other) is tuple and other[0] is block]
-                        flatness = _flatness(block[rows]).tolist()
-                        judged = earlier[id(block)] = {at: value < _MAX_FLATNESS
-                                                       for at, value in zip(rows, flatness, strict=True)}
-                    said = judged[row]
+                    if earlier is None:  # every earlier append's unjudged windows, in one batch
+                        older = [other for other in pending if type(other) is tuple and other[0] is not windows]
+                        flatness = _flatness(np.stack([rows[at] for rows, at in older])).tolist()
+                        earlier = {(id(rows), at): value < _MAX_FLATNESS
+                                   for (rows, at), value in zip(older, flatness, strict=True)}
+                    said = earlier[(id(block), row)]
             if said is breaks:  # the run restarts after it, counted as the per-window loop counts it
                 run = 0.0
                 for _ in range(len(pending) - 1 - position):
