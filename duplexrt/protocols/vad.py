@@ -25,6 +25,27 @@ try:  # webrtcvad-wheels' C function itself: ``Vad.is_speech`` is a Python wrapp
 except ImportError:  # pragma: no cover - another packaging of webrtcvad
     _vad_process = None
 
+
+def _private_vad_call_works() -> bool:
+    """A private entry point may change under another webrtcvad build: it is used only if it
+    answers as the public call does, checked once at import, else the public call serves."""
+    if _vad_process is None:
+        return False
+    try:
+        vad = webrtcvad.Vad(3)
+        rng = np.random.default_rng(7)
+        for block in (np.zeros(160, np.int16), (rng.standard_normal(160) * 8000).astype(np.int16)):
+            raw = block.tobytes()
+            if bool(_vad_process(vad._vad, 8000, raw, 160)) != vad.is_speech(raw, 8000):
+                return False
+    except Exception:  # noqa: BLE001 - any failure means: do not use it
+        return False
+    return True
+
+
+if not _private_vad_call_works():  # pragma: no cover - another build of webrtcvad
+    _vad_process = None
+
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.audio.g711 import alaw_decode, ulaw_decode
 
@@ -43,6 +64,22 @@ _NO_SAMPLES = np.empty(0, dtype=np.int16)
 try:  # numpy >= 2: the real FFT's own ufunc, which np.fft.rfft calls after ~3 µs of argument handling
     from numpy.fft._pocketfft_umath import rfft_n_even as _rfft_even_ufunc
 except ImportError:  # pragma: no cover - numpy 1.x
+    _rfft_even_ufunc = None
+
+
+def _private_rfft_works() -> bool:
+    """As ``_private_vad_call_works``, for numpy's private FFT ufunc (its signature is not promised)."""
+    if _rfft_even_ufunc is None:
+        return False
+    try:
+        rows = np.random.default_rng(7).standard_normal((2, 240)).astype(np.float32)
+        ours = _rfft_even_ufunc(rows, 1, out=np.empty((2, 121), dtype=np.complex64))
+        return bool(np.array_equal(ours, np.fft.rfft(rows, axis=1)))
+    except Exception:  # noqa: BLE001 - any failure means: do not use it
+        return False
+
+
+if not _private_rfft_works():  # pragma: no cover - another numpy
     _rfft_even_ufunc = None
 
 
