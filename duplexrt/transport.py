@@ -39,8 +39,8 @@ class Transport(Protocol):
     once written whole; False when it holds the rest of the message itself, writes it as soon as
     it can, and sends everything later after it; raises ``trio.WouldBlock``, taking nothing,
     when it cannot take the message now) and ``async flush()`` (returns once everything taken is
-    out; raises TransportClosed where ``send`` would).  ``NativeWebSocket`` and
-    ``ResumableTransport`` over it do."""
+    out; raises TransportClosed where ``send`` would).  ``NativeWebSocket``, ``ResumableTransport``
+    over it and ``MemoryTransport`` do."""
 
     async def receive(self) -> Message:
         """The next whole message; raises TransportClosed once the peer has closed."""
@@ -98,6 +98,13 @@ class MemoryTransport:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise self._closed() from None
         return True
+
+    #: A message that goes is whole (``flush`` has nothing to wait for).
+    offers_send_nowait = True
+
+    async def flush(self) -> None:
+        if self._theirs.code is not None or self._mine.code is not None:
+            raise self._closed()
 
     async def send(self, message: Message) -> None:
         if self._theirs.code is not None or self._mine.code is not None:

@@ -22,7 +22,7 @@ from duplexrt.core.resume import ResumableTransport
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.server import Server
-from duplexrt.transport import TransportClosed
+from duplexrt.transport import TransportClosed, memory_transport_pair
 from duplexrt.wsnative import NativeWebSocket
 
 ECHO = ("backend.name=echo", "backend.options.delay_frames=0", "runtime.slots=2")
@@ -95,6 +95,23 @@ async def test_steady_output_is_sent_from_the_delivery_and_never_wakes_the_write
         assert events[-1]["type"] == "session.end" and events[-1]["usage"]["frames_out"] == frames
         if resumable:  # numbered exactly as the writer would have: created, the frames, the end
             assert transport.sent == frames + 2
+
+
+async def test_in_process_sessions_over_memory_transports_send_from_the_delivery_too():
+    frames = 8
+    async with open_runtime(make_config(*ECHO)) as runtime:
+        client, server = memory_transport_pair(capacity=4)
+        async with trio.open_nursery() as nursery:
+            await _one_session(runtime, nursery, server)
+            with trio.fail_after(PATIENCE):
+                assert json.loads(await client.receive())["type"] == "session.created"
+                for i in range(frames):
+                    await client.send(_frame(i))
+                    assert await client.receive() == _frame(i)
+                stats = runtime.statistics().frames
+                assert (stats.direct_batches, stats.writer_wakeups) == (frames, 0)
+                await client.send(INPUT_END)
+                assert json.loads(await client.receive())["usage"]["frames_out"] == frames
 
 
 async def test_a_client_that_stops_reading_gets_everything_in_order_and_still_stops_its_own_input():

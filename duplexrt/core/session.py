@@ -2,8 +2,9 @@
 
 Each session is a nursery of its own with two tasks.  The reader receives messages, decodes them
 (inline for PCM and G.711, on a worker thread only for encoded formats), cuts them into model
-frames and submits each frame to the slot.  The writer takes the model's output as the scheduler
-delivers it, a whole step at a time, and sends it back.  When the nursery ends — the client said
+frames and submits each frame to the slot.  The model's output comes back as the scheduler
+delivers it, a whole step at a time, and is sent from the delivery itself when nothing stands in
+the way (``delivery_done``); the writer sends whatever the delivery could not.  When the nursery ends — the client said
 it was done, went away, misbehaved, or the runtime is stopping — the slot and every buffer the
 session held are freed with it.
 
