@@ -4,9 +4,9 @@ Each session is a nursery of its own with two tasks.  The reader receives messag
 (inline for PCM and G.711, on a worker thread only for encoded formats), cuts them into model
 frames and submits each frame to the slot.  The model's output comes back as the scheduler
 delivers it, a whole step at a time, and is sent from the delivery itself when nothing stands in
-the way (``delivery_done``); the writer sends whatever the delivery could not.  When the nursery ends — the client said
-it was done, went away, misbehaved, or the runtime is stopping — the slot and every buffer the
-session held are freed with it.
+the way (``delivery_done``); the writer sends whatever the delivery could not.  When the nursery
+ends — the client said it was done, went away, misbehaved, or the runtime is stopping — the slot
+and every buffer the session held are freed with it.
 
 Flow control is done on the trio side, at no cost in thread crossings.  A session submits a frame
 only while it has fewer than ``inbox_depth`` frames not yet stepped, so its inbox queue never
@@ -72,6 +72,9 @@ log = logging.getLogger("duplexrt.session")
 MAX_PENDING_MESSAGES = 64
 MAX_PENDING_BYTES = 1 << 20
 
+#: One row of a step as the outbox holds it: audio, text piece, submitted and stepped (ns).
+_Output = tuple[np.ndarray, str | None, int, int]
+
 
 @attrs.frozen
 class SessionServices:
@@ -117,7 +120,7 @@ class Session:
         self._max_in_flight = config.runtime.inbox_depth + config.runtime.outbox_depth
         # The outbox: filled by the step delivery (never more than the credits allow), drained
         # whole by the writer.  A deque and a parking lot cost less per frame than a channel.
-        self._outbox: deque[tuple[np.ndarray, str | None, int, int]] = deque()
+        self._outbox: deque[_Output] = deque()
         self._outbox_done = False
         self._writer_lot = trio.lowlevel.ParkingLot()
         self._credit = trio.lowlevel.ParkingLot()
@@ -138,7 +141,7 @@ class Session:
                              else None)
         # A batch sent from a delivery whose end the transport still holds: the writer counts it
         # as sent once it is out (``flush``).
-        self._unflushed: list[tuple[np.ndarray, str | None, int, int]] | None = None
+        self._unflushed: list[_Output] | None = None
         self._metrics = services.metrics
         self._in_flight = 0  # submitted and not yet sent
         self._submitted = 0
@@ -786,7 +789,7 @@ class Session:
 
     # -- one batch of output: what the writer and the direct path share ------------------------
 
-    def _next_batch(self) -> tuple[list[tuple[np.ndarray, str | None, int, int]], np.ndarray]:
+    def _next_batch(self) -> tuple[list[_Output], np.ndarray]:
         """The outbox's next batch and its samples: all of it, but never across a turn's end
         (``next_boundary``), so that each response carries exactly its frames; the rest waits
         for the next batch."""
@@ -803,7 +806,7 @@ class Session:
         samples = items[0][0] if count == 1 else np.concatenate([item[0] for item in items])
         return items, samples
 
-    def _tell(self, items: list[tuple[np.ndarray, str | None, int, int]], payload: bytes) -> None:
+    def _tell(self, items: list[_Output], payload: bytes) -> None:
         """Hand a batch to the translator, its messages into the queue behind everything before."""
         protocol = self._protocol
         pending = self._pending
@@ -826,7 +829,7 @@ class Session:
         # has said, whatever arrives while the messages are being sent...
         self._told += count
 
-    def _batch_sent(self, items: list[tuple[np.ndarray, str | None, int, int]]) -> None:
+    def _batch_sent(self, items: list[_Output]) -> None:
         """... and as sent only once they are: usage counts what the client got."""
         count = len(items)
         self._sent += count
