@@ -33,6 +33,15 @@ class TransportClosed(Exception):
 
 
 class Transport(Protocol):
+    """What a session talks through.  A transport may also offer a send that never yields, for
+    a session to send a step's output from the step's delivery without waking its writer task:
+    it says so with ``offers_send_nowait = True`` and has ``send_nowait(message) -> bool`` (True
+    once written whole; False when it holds the rest of the message itself, writes it as soon as
+    it can, and sends everything later after it; raises ``trio.WouldBlock``, taking nothing,
+    when it cannot take the message now) and ``async flush()`` (returns once everything taken is
+    out; raises TransportClosed where ``send`` would).  ``NativeWebSocket``, ``ResumableTransport``
+    over it and ``MemoryTransport`` do."""
+
     async def receive(self) -> Message:
         """The next whole message; raises TransportClosed once the peer has closed."""
         ...
@@ -79,14 +88,23 @@ class MemoryTransport:
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise self._closed() from None
 
-    def send_nowait(self, message: Message) -> None:
-        """Send if there is room, without yielding; raises ``trio.WouldBlock`` when full."""
+    def send_nowait(self, message: Message) -> bool:
+        """Send if there is room, without yielding; raises ``trio.WouldBlock`` when full.  True:
+        a message that goes is always whole here."""
         if self._theirs.code is not None or self._mine.code is not None:
             raise self._closed()
         try:
             self._outgoing.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise self._closed() from None
+        return True
+
+    #: A message that goes is whole (``flush`` has nothing to wait for).
+    offers_send_nowait = True
+
+    async def flush(self) -> None:
+        if self._theirs.code is not None or self._mine.code is not None:
+            raise self._closed()
 
     async def send(self, message: Message) -> None:
         if self._theirs.code is not None or self._mine.code is not None:

@@ -110,9 +110,54 @@ class NativeWebSocket:
         return self._messages.popleft()
 
     async def send(self, message: Message) -> None:
+        self._check_open()
+        data, tail = self._frame(message)
+        if not await self._write(data, tail):
+            raise self._closed()
+
+    #: ``send_nowait`` and ``flush`` are here: a session may send straight from a step's delivery.
+    offers_send_nowait = True
+
+    def send_nowait(self, message: Message) -> bool:
+        """Send ``message`` without yielding: True once it is written whole.  False when the
+        socket took only part of it: the rest is this transport's now, written by a task of its
+        own as the socket drains (nothing waits for the next send to push it), and everything
+        sent later goes out after it; ``flush`` waits for it.  Raises ``trio.WouldBlock`` when
+        another write is under way (a rest among them): nothing of the message was taken."""
+        self._check_open()
+        if self._sending:
+            raise trio.WouldBlock
+        data, tail = self._frame(message)
+        rest = self._write_now(data, tail)
+        if rest is None:
+            raise self._closed()
+        if not rest:
+            return True
+        self._sending = True  # held by the drain until the rest is out
+        trio.lowlevel.spawn_system_task(self._drain, rest, name="duplexrt.wsnative.drain")
+        return False
+
+    async def flush(self) -> None:
+        """Return once every message taken is written to the socket (the rest a ``send_nowait``
+        left included); raises TransportClosed where ``send`` would."""
+        if self._sending:
+            while self._sending:
+                await self._send_lot.park()
+            if self._send_lot:
+                self._send_lot.unpark()  # the turn this waiter was woken with: pass it on
+        self._check_open()
+
+    def _check_open(self) -> None:
         # An ended input (idle) still lets the session send its end: only a closed connection stops it.
         if self._close_sent or self._gone is not None:
             raise self._ended or self._gone or TransportClosed(CloseCode.GOING_AWAY, "the connection is closing")
+
+    def _closed(self) -> TransportClosed:
+        return self._ended or self._gone or TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+
+    def _frame(self, message: Message) -> tuple[bytes, bytes]:
+        """A message as one frame: header and payload apart for a server (one writev, the
+        payload not copied), one masked buffer for a client."""
         if type(message) is str:
             payload = message.encode()
             opcode = Opcode.TEXT
@@ -121,13 +166,8 @@ class NativeWebSocket:
             opcode = Opcode.BINARY
         if self._client:
             mask = os.urandom(4)
-            data = frame_header(opcode, len(payload), mask) + unmask(payload, mask)
-        else:  # header and payload in one writev: one syscall, and the payload is not copied
-            if not await self._write(frame_header(opcode, len(payload)), payload):
-                raise self._ended or self._gone or TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
-            return
-        if not await self._write(data):
-            raise self._ended or self._gone or TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+            return frame_header(opcode, len(payload), mask) + unmask(payload, mask), b""
+        return frame_header(opcode, len(payload)), payload
 
     async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
         """Send Close (unless one was sent) and wait for the peer's, at most ``close_timeout``
@@ -336,23 +376,39 @@ class NativeWebSocket:
         while self._sending:
             await self._send_lot.park()
         self._sending = True
+        try:
+            rest = self._write_now(data, tail)
+            if rest:  # rare: the socket's buffer is full
+                return await self._write_rest(rest)
+            return rest is not None
+        finally:
+            self._release_send()
+
+    def _write_now(self, data: bytes, tail: bytes) -> bytes | memoryview | None:
+        """Write what the socket takes now, without waiting: what is left of ``data + tail``
+        (empty once all of it went), or None once the connection is gone."""
+        fd = self._sock.fileno()
+        try:
+            if tail:
+                sent = os.writev(fd, (data, tail)) if fd >= 0 else -1
+            else:
+                sent = os.write(fd, data) if fd >= 0 else -1
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # reset, or a broken pipe
+            sent = -1
+        if sent < 0:
+            self._lost()
+            return None
+        if sent == len(data) + len(tail):
+            return b""
+        return memoryview(data + tail if tail else data)[sent:]
+
+    async def _write_rest(self, view: bytes | memoryview) -> bool:
+        """Write ``view`` whole, waiting for the socket as often as it takes; False once the
+        connection is gone.  The caller holds the write turn."""
         sock = self._sock
         try:
-            view: bytes | memoryview = data
-            if tail:
-                fd = sock.fileno()
-                try:
-                    sent = os.writev(fd, (data, tail)) if fd >= 0 else -1
-                except BlockingIOError:
-                    sent = 0
-                except OSError:
-                    sent = -1
-                if sent < 0:
-                    self._lost()
-                    return False
-                if sent == len(data) + len(tail):
-                    return True
-                view = memoryview(data + tail)[sent:]  # rare: the socket's buffer is full
             while True:
                 fd = sock.fileno()
                 if fd < 0:
@@ -372,10 +428,21 @@ class NativeWebSocket:
         except (trio.ClosedResourceError, trio.BusyResourceError):
             self._lost()
             return False
+
+    async def _drain(self, rest: memoryview) -> None:
+        """The rest of a ``send_nowait`` (a system task: it must not raise, and ends when the
+        connection does, since a dropped socket wakes its wait)."""
+        try:
+            await self._write_rest(rest)
+        except Exception:  # noqa: BLE001 - a raise in a system task would take all of trio down
+            self._lost()
         finally:
-            self._sending = False
-            if self._send_lot:
-                self._send_lot.unpark()
+            self._release_send()
+
+    def _release_send(self) -> None:
+        self._sending = False
+        if self._send_lot:
+            self._send_lot.unpark()
 
     async def _send_close(self, code: int, reason: str) -> None:
         if self._close_sent or (self._gone is not None and self._peer_close is None):  # sent, or no one to tell

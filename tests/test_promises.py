@@ -100,7 +100,7 @@ async def test_realtime_turn_carries_every_text_piece_including_the_last():
     closes on its last audio.  Text goes to the translator before the audio of the same batch,
     so the last piece is inside the response, not dropped after response.done.
 
-    Guards the text-before-audio order in Session._write_loop."""
+    Guards the text-before-audio order in Session._tell (the writer's and the delivery's)."""
     frames = 4
     config = make_config("backend.options.delay_frames=0", "runtime.slots=2")
     backend = TextEcho(config)

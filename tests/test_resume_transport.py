@@ -180,3 +180,61 @@ async def test_a_client_resume_with_much_to_send_both_ways_does_not_deadlock(aut
     assert heard == [f"down {i}" for i in range(40)]
     assert taken == [f"up {i}" for i in range(41)]
     assert (resuming.resumes, resuming.token, resuming.received) == (1, "replica.next", 40)
+
+
+class _Journaled:
+    """Both ways of sending a message through a ``ResumableTransport``, for side-by-side runs."""
+
+    @staticmethod
+    async def send(resumable: ResumableTransport, message: str) -> None:
+        await resumable.send(message)
+
+    @staticmethod
+    async def send_nowait(resumable: ResumableTransport, message: str) -> None:
+        while True:
+            try:
+                resumable.send_nowait(message)
+                return
+            except trio.WouldBlock:
+                await trio.sleep(0.01)  # the client has not read yet: nothing numbered meanwhile
+
+
+@pytest.mark.parametrize("way", ["send", "send_nowait"])
+async def test_send_nowait_numbers_and_journals_exactly_as_send_does_also_when_detached(autojump_clock, way):
+    send = getattr(_Journaled, way)
+    client, server = memory_transport_pair(capacity=2)
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    for i in range(2):
+        await send(resumable, f"out {i}")
+    if way == "send_nowait":
+        with pytest.raises(trio.WouldBlock):  # the connection holds two: the third is refused ...
+            resumable.send_nowait("refused")
+        assert resumable.sent == 2  # ... and took no number
+    assert [await client.receive() for _ in range(2)] == ["out 0", "out 1"]
+    await send(resumable, "out 2")  # lost with the connection
+    await _drop(client)
+    await send(resumable, "out 3")  # the drop is noticed here: journal only
+    assert resumable.detached
+    await send(resumable, "out 4")  # made while away: journal only
+    assert resumable.sent == 5
+    new_client, new_server = memory_transport_pair(capacity=100)
+    await resumable.attach(new_server, 2, "r.b", _notice)
+    assert [await new_client.receive() for _ in range(4)] == ["resumed r.b 0", "out 2", "out 3", "out 4"]
+    await send(resumable, "out 5")
+    assert await new_client.receive() == "out 5" and resumable.sent == 6
+
+
+async def test_send_nowait_over_a_connection_without_one_is_refused_and_numbers_nothing(autojump_clock):
+    class NoNowait:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def send(self, message) -> None:
+            await self.inner.send(message)
+
+    client, server = memory_transport_pair(capacity=2)
+    resumable = ResumableTransport(NoNowait(server), "r.a", window_s=10, journal_s=10)
+    assert not resumable.offers_send_nowait
+    with pytest.raises(trio.WouldBlock):
+        resumable.send_nowait("x")
+    assert resumable.sent == 0

@@ -162,3 +162,58 @@ async def test_a_message_larger_than_the_socket_buffer_goes_out_whole_across_par
         nursery.start_soon(server.send, payload)
         with trio.fail_after(10):
             assert await client.receive() == payload
+
+
+# -- sending without yielding (the session's direct path) ---------------------------------------------
+
+_BIG = bytes(range(256)) * 12288  # 3 MiB: more than a socket pair's buffers hold, so a write comes back short
+
+
+async def test_send_nowait_writes_a_whole_message_and_keeps_order_with_send():
+    server, client = _pair()
+    assert server.offers_send_nowait
+    assert server.send_nowait(b"one") is True
+    await server.send("two")
+    assert server.send_nowait("three") is True
+    assert [await client.receive() for _ in range(3)] == [b"one", "two", "three"]
+
+
+async def test_a_partial_send_nowait_keeps_the_rest_and_drains_it_without_another_send():
+    # The peer reads nothing until the write came back short; after that no one on the server
+    # side calls anything: the transport writes the rest by itself as the socket takes it.
+    server, client = _pair(client_max_message=len(_BIG))
+    assert server.send_nowait(_BIG) is False
+    with trio.fail_after(10):
+        assert await client.receive() == _BIG
+        await server.flush()
+
+
+async def test_after_a_partial_send_nowait_later_messages_wait_behind_the_rest_in_order():
+    server, client = _pair(client_max_message=len(_BIG))
+    assert server.send_nowait(_BIG) is False
+    with pytest.raises(trio.WouldBlock):  # the rest is still being written: nothing jumps it
+        server.send_nowait(b"jumps the queue")
+    got: list[bytes | str] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.send, "after")  # waits for the rest, then goes out
+
+        async def read() -> None:
+            got.append(await client.receive())
+            got.append(await client.receive())
+
+        nursery.start_soon(read)
+    assert got == [_BIG, "after"]
+    assert server.send_nowait(b"again") is True  # the rest is out: direct sends work again
+    assert await client.receive() == b"again"
+
+
+async def test_flush_raises_as_send_would_once_the_peer_is_gone_with_the_rest_unwritten():
+    a, b = trio.socket.socketpair()
+    server = NativeWebSocket(trio.SocketStream(a))
+    assert server.send_nowait(_BIG) is False
+    b.close()  # never read: the rest can never go out
+    with trio.fail_after(5), pytest.raises(TransportClosed) as closed:
+        await server.flush()
+    assert closed.value.code == CloseCode.ABNORMAL_CLOSURE
+    with pytest.raises(TransportClosed):
+        server.send_nowait(b"late")

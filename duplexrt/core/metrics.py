@@ -28,6 +28,12 @@ class FrameStatistics:
     frames_dropped_late: int = 0
     #: Sessions resumed on a new connection after a drop (``runtime.resume_window_s``).
     sessions_resumed: int = 0
+    #: Batches of output sent from the step delivery itself, with no writer task woken
+    #: (the transport sends without yielding, and nothing was queued before them).
+    direct_batches: int = 0
+    #: Times a session's writer task woke: for output the delivery could not send itself,
+    #: replies and errors, and a session's end.
+    writer_wakeups: int = 0
 
 
 class FrameMetrics:
@@ -60,6 +66,9 @@ class FrameMetrics:
         self.frames_dropped_late = 0
         #: Sessions resumed on a new connection after a drop.
         self.sessions_resumed = 0
+        #: Output batches sent from the step delivery, and writer task wake-ups (see FrameStatistics).
+        self.direct_batches = 0
+        self.writer_wakeups = 0
 
     def statistics(self) -> FrameStatistics:
         return FrameStatistics(
@@ -78,4 +87,6 @@ class FrameMetrics:
             frames_filled=self.frames_filled,
             frames_dropped_late=self.frames_dropped_late,
             sessions_resumed=self.sessions_resumed,
+            direct_batches=self.direct_batches,
+            writer_wakeups=self.writer_wakeups,
         )

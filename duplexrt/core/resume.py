@@ -111,6 +111,9 @@ class ResumableTransport:
         self._closed = False
         self._changed = trio.lowlevel.ParkingLot()
         self._clock = trio.lowlevel.current_clock().current_time
+        #: ``send_nowait`` can succeed: the connection under it has one (and so will a resumed one,
+        #: made by the same server).
+        self.offers_send_nowait = bool(getattr(transport, "offers_send_nowait", False))
 
     @property
     def detached(self) -> bool:
@@ -162,6 +165,48 @@ class ResumableTransport:
         except TransportClosed as closed:
             if transport is not self._current:
                 return  # given up meanwhile: the message is in the journal
+            if self._window > 0 and is_drop(closed):
+                self._drop(transport)
+                return
+            raise
+
+    def send_nowait(self, message: Message) -> bool:
+        """``send`` without yielding, numbered and journaled exactly as ``send`` does it: True
+        once out whole (or journaled, detached), False when the connection holds part of it
+        for now (``flush``).  Raises ``trio.WouldBlock``, having numbered nothing, when the
+        connection cannot take it now or has no ``send_nowait``."""
+        if self._expired or self._closed:
+            raise self._ended()
+        transport = self._current
+        if transport is None:
+            self._record(message)
+            return True  # kept in the journal for the client's return
+        send_nowait = getattr(transport, "send_nowait", None)
+        if send_nowait is None:
+            raise trio.WouldBlock
+        try:
+            whole = send_nowait(message)
+        except TransportClosed as closed:
+            self._record(message)
+            if self._window > 0 and is_drop(closed):
+                self._drop(transport)
+                return True
+            raise
+        self._record(message)
+        return whole is not False
+
+    async def flush(self) -> None:
+        """Return once what the connection in use holds of earlier messages is out; a drop on
+        the way is noticed as ``send`` notices it (the journal has the messages)."""
+        transport = self._current
+        flush = getattr(transport, "flush", None)
+        if flush is None:
+            return
+        try:
+            await flush()
+        except TransportClosed as closed:
+            if transport is not self._current:
+                return  # given up meanwhile
             if self._window > 0 and is_drop(closed):
                 self._drop(transport)
                 return

@@ -324,6 +324,16 @@ class Scheduler:
                     stage = self.stage_time[name] = Histogram()
                 stage.record(duration)
             self._deliver(outcome)
+        # Then each owner once, with every row it got in hand: a session sends them together.
+        if len(outcomes) == 1:
+            owners: Sequence[SlotOwner] = outcomes[0].owners
+        else:
+            owners = list(dict.fromkeys(owner for outcome in outcomes for owner in outcome.owners))
+        for owner in owners:
+            try:
+                owner.delivery_done()
+            except Exception:
+                log.exception("a session failed to take its delivery")
 
     def _deliver(self, outcome: StepOutcome) -> None:
         """Hand each row's result to its session."""

@@ -2,10 +2,11 @@
 
 Each session is a nursery of its own with two tasks.  The reader receives messages, decodes them
 (inline for PCM and G.711, on a worker thread only for encoded formats), cuts them into model
-frames and submits each frame to the slot.  The writer takes the model's output as the scheduler
-delivers it, a whole step at a time, and sends it back.  When the nursery ends — the client said
-it was done, went away, misbehaved, or the runtime is stopping — the slot and every buffer the
-session held are freed with it.
+frames and submits each frame to the slot.  The model's output comes back as the scheduler
+delivers it, a whole step at a time, and is sent from the delivery itself when nothing stands in
+the way (``delivery_done``); the writer sends whatever the delivery could not.  When the nursery
+ends — the client said it was done, went away, misbehaved, or the runtime is stopping — the slot
+and every buffer the session held are freed with it.
 
 Flow control is done on the trio side, at no cost in thread crossings.  A session submits a frame
 only while it has fewer than ``inbox_depth`` frames not yet stepped, so its inbox queue never
@@ -71,6 +72,9 @@ log = logging.getLogger("duplexrt.session")
 MAX_PENDING_MESSAGES = 64
 MAX_PENDING_BYTES = 1 << 20
 
+#: One row of a step as the outbox holds it: audio, text piece, submitted and stepped (ns).
+_Output = tuple[np.ndarray, str | None, int, int]
+
 
 @attrs.frozen
 class SessionServices:
@@ -116,7 +120,7 @@ class Session:
         self._max_in_flight = config.runtime.inbox_depth + config.runtime.outbox_depth
         # The outbox: filled by the step delivery (never more than the credits allow), drained
         # whole by the writer.  A deque and a parking lot cost less per frame than a channel.
-        self._outbox: deque[tuple[np.ndarray, str | None, int, int]] = deque()
+        self._outbox: deque[_Output] = deque()
         self._outbox_done = False
         self._writer_lot = trio.lowlevel.ParkingLot()
         self._credit = trio.lowlevel.ParkingLot()
@@ -129,6 +133,15 @@ class Session:
         # encoder a format switch must not flush or replace under it.
         self._encoding = False
         self._encoded = trio.lowlevel.ParkingLot()
+        # The direct path: a step's output sent from its delivery, with no writer wake-up, when
+        # the transport can send without yielding (``offers_send_nowait``).  Not with offload =
+        # "always", whose encoding goes through a worker thread and so through the writer.
+        self._send_nowait = (transport.send_nowait  # type: ignore[attr-defined]
+                             if getattr(transport, "offers_send_nowait", False) and not self._always_offload
+                             else None)
+        # A batch sent from a delivery whose end the transport still holds: the writer counts it
+        # as sent once it is out (``flush``).
+        self._unflushed: list[_Output] | None = None
         self._metrics = services.metrics
         self._in_flight = 0  # submitted and not yet sent
         self._submitted = 0
@@ -365,12 +378,23 @@ class Session:
             return
         self._outbox.append((output, text, submitted_ns, stepped_ns))
         self._delivered += 1
-        if self._writer_lot:
-            self._writer_lot.unpark_all()
         if self._credit and self._submitted - self._delivered <= self._resume_below:
             self._credit.unpark_all()
         if state is _INPUT_ENDED and self._delivered == self._submitted:
             self._close_outbox()
+
+    def delivery_done(self) -> None:
+        """Every row of this delivery is in the outbox (steps that finished while trio was busy
+        come together, and go out together, as the writer would send them).  Sent from here when
+        nothing stands in the way: the writer is parked with nothing queued before them, and the
+        transport sends without yielding; otherwise the writer is woken to send them."""
+        if not self._outbox or not self._writer_lot:
+            return  # nothing new, or the writer is awake (or ending) and takes the outbox itself
+        if (self._send_nowait is not None and not self._pending and self._unflushed is None
+                and not self._encoding):
+            self._send_directly()
+        else:
+            self._writer_lot.unpark_all()
 
     def _close_outbox(self) -> None:
         """No more output will come: the writer ends once it has sent what it holds."""
@@ -682,33 +706,42 @@ class Session:
         if self._credit:
             self._credit.unpark_all()  # a reader waiting for room in the queue
 
+    def _send_pending_nowait(self) -> bool:
+        """``_send_pending`` without yielding: True once every queued message is out whole.
+        False leaves the rest queued (or its end in the transport) for the writer."""
+        pending = self._pending
+        send_nowait = self._send_nowait
+        whole = True
+        while pending and whole:
+            message = pending[0]
+            try:
+                whole = send_nowait(message)
+            except trio.WouldBlock:
+                return False
+            pending.popleft()
+            self._pending_bytes -= len(message)
+        if self._credit:
+            self._credit.unpark_all()  # a reader waiting for room in the queue
+        return whole and not pending
+
     async def _write_loop(self) -> None:
         outbox = self._outbox
-        pending = self._pending
-        protocol = self._protocol
         metrics = self._metrics
-        meter = self._meter
         try:
             while True:
-                if pending:
+                if self._pending:
                     await self._send_pending()
+                if self._unflushed is not None:  # sent from a delivery: wait until all of it is out
+                    await self._transport.flush()  # type: ignore[attr-defined]
+                    items, self._unflushed = self._unflushed, None
+                    self._batch_sent(items)
                 if not outbox:
                     if self._outbox_done:
                         break
                     await self._writer_lot.park()
+                    metrics.writer_wakeups += 1
                     continue
-                # A batch never crosses a turn's end: each response carries exactly its frames,
-                # the rest waits for the next round of this loop.
-                count = len(outbox)
-                answered = self._told + self._dropped
-                boundary = protocol.next_boundary()
-                if boundary is not None and answered < boundary < answered + count:
-                    count = boundary - answered
-                    items = [outbox.popleft() for _ in range(count)]
-                else:
-                    items = list(outbox)
-                    outbox.clear()
-                samples = items[0][0] if count == 1 else np.concatenate([item[0] for item in items])
+                items, samples = self._next_batch()
                 encoder = self._encoder  # a format switch replaces it between two batches
                 if self._always_offload:
                     self._encoding = True
@@ -721,40 +754,93 @@ class Session:
                             self._encoded.unpark_all()
                 else:
                     payload = encoder.encode(samples)
-                # Text first: a protocol that closes a turn on its last audio (realtime) must
-                # not find that turn's text arriving after it.
-                for item in items:
-                    if item[1]:
-                        self._text_pieces += 1
-                        metrics.text_pieces += 1
-                        for message in protocol.text_out(item[1]):
-                            pending.append(message)
-                            self._pending_bytes += len(message)
-                # Even with no bytes (an encoder still filling a packet): the translator counts
-                # the frames, and may close a turn on them.
-                for message in protocol.audio_out(payload, count):
-                    pending.append(message)
-                    self._pending_bytes += len(message)
-                # Counted as the translator is told, so that what it reads stays in step with
-                # what it has said, whatever arrives while the messages are being sent...
-                self._told += count
+                self._tell(items, payload)
                 await self._send_pending()
-                # ... and as sent only once they are: usage counts what the client got.
-                self._sent += count
-                metrics.frames_out += count
-                now = time.perf_counter_ns()
-                if meter is not None:
-                    meter.batch_sent(items, now, self._last_sent_ns)
-                self._last_sent_ns = now
-                self._in_flight -= count
-                if self._credit:
-                    self._credit.unpark_all()
+                self._batch_sent(items)
             tail = self._encoder.flush()
             if tail:
-                self._queue(protocol.audio_out(tail, 0))
+                self._queue(self._protocol.audio_out(tail, 0))
             await self._send_pending()
         except TransportClosed as closed:
             self._transport_closed(closed)
+
+    def _send_directly(self) -> None:
+        """The writer's work for what a delivery brought, done in the delivery itself (trio
+        thread, never raises): batch by batch, each sent without yielding.  A batch that does not
+        go out whole (the client reads slowly, the socket is full) is left to the writer, which
+        sends what is queued, waits for the transport's flush, and only then counts it sent; the
+        rest of the outbox waits for it there."""
+        outbox = self._outbox
+        try:
+            while outbox:
+                items, samples = self._next_batch()
+                self._tell(items, self._encoder.encode(samples))
+                if not self._send_pending_nowait():
+                    self._unflushed = items
+                    self._writer_lot.unpark_all()
+                    return
+                self._batch_sent(items)
+                self._metrics.direct_batches += 1
+        except TransportClosed as closed:
+            self._transport_closed(closed)
+        except Exception:
+            log.exception("session %s failed", self.lease.session_id)
+            self._finish(FinishReason.ERROR, "internal error", CloseCode.INTERNAL_ERROR)
+
+    # -- one batch of output: what the writer and the direct path share ------------------------
+
+    def _next_batch(self) -> tuple[list[_Output], np.ndarray]:
+        """The outbox's next batch and its samples: all of it, but never across a turn's end
+        (``next_boundary``), so that each response carries exactly its frames; the rest waits
+        for the next batch."""
+        outbox = self._outbox
+        count = len(outbox)
+        answered = self._told + self._dropped
+        boundary = self._protocol.next_boundary()
+        if boundary is not None and answered < boundary < answered + count:
+            count = boundary - answered
+            items = [outbox.popleft() for _ in range(count)]
+        else:
+            items = list(outbox)
+            outbox.clear()
+        samples = items[0][0] if count == 1 else np.concatenate([item[0] for item in items])
+        return items, samples
+
+    def _tell(self, items: list[_Output], payload: bytes) -> None:
+        """Hand a batch to the translator, its messages into the queue behind everything before."""
+        protocol = self._protocol
+        pending = self._pending
+        count = len(items)
+        # Text first: a protocol that closes a turn on its last audio (realtime) must not find
+        # that turn's text arriving after it.
+        for item in items:
+            if item[1]:
+                self._text_pieces += 1
+                self._metrics.text_pieces += 1
+                for message in protocol.text_out(item[1]):
+                    pending.append(message)
+                    self._pending_bytes += len(message)
+        # Even with no bytes (an encoder still filling a packet): the translator counts the
+        # frames, and may close a turn on them.
+        for message in protocol.audio_out(payload, count):
+            pending.append(message)
+            self._pending_bytes += len(message)
+        # Counted as the translator is told, so that what it reads stays in step with what it
+        # has said, whatever arrives while the messages are being sent...
+        self._told += count
+
+    def _batch_sent(self, items: list[_Output]) -> None:
+        """... and as sent only once they are: usage counts what the client got."""
+        count = len(items)
+        self._sent += count
+        self._metrics.frames_out += count
+        now = time.perf_counter_ns()
+        if self._meter is not None:
+            self._meter.batch_sent(items, now, self._last_sent_ns)
+        self._last_sent_ns = now
+        self._in_flight -= count
+        if self._credit:
+            self._credit.unpark_all()
 
     def _transport_closed(self, closed: TransportClosed) -> None:
         if closed.finish_reason is None:

@@ -23,5 +23,10 @@ class SlotOwner(Protocol):
         """One row of a step: the model's audio for the frame submitted at ``submitted_ns``
         (perf_counter_ns), its text piece if any, and when the step finished."""
 
+    def delivery_done(self) -> None:
+        """Every row of the delivery that brought this owner's output has been handed over
+        (steps that finished while trio was busy come in one delivery): the moment to act on
+        them together.  Called once per delivery, after ``step_output``."""
+
     def step_failed(self, error: BaseException) -> None:
         """The step this owner's frame was in failed (or its slot could not be opened)."""
