@@ -93,7 +93,9 @@ async def _beside_a_healthy_session(server: Server, fault) -> None:
 
 
 async def test_peer_that_vanishes_mid_message_frees_its_slot(nursery):
-    server = await _start(nursery)
+    # Resume off: with it, each vanished session keeps its slot for its resume window (10 s, as
+    # long as PATIENCE, so the test raced it under load); that wait is tests/test_resume.py's.
+    server = await _start(nursery, "runtime.resume_window_s=0")
 
     async def fault() -> None:
         for _ in range(3):

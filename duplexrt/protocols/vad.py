@@ -20,34 +20,9 @@ from __future__ import annotations
 import numpy as np
 import webrtcvad
 
-try:  # webrtcvad-wheels' C function itself: ``Vad.is_speech`` is a Python wrapper around it, four calls an append
-    from _webrtcvad import process as _vad_process
-except ImportError:  # pragma: no cover - another packaging of webrtcvad
-    _vad_process = None
-
-
-def _private_vad_call_works() -> bool:
-    """A private entry point may change under another webrtcvad build: it is used only if it
-    answers as the public call does, checked once at import, else the public call serves."""
-    if _vad_process is None:
-        return False
-    try:
-        vad = webrtcvad.Vad(3)
-        rng = np.random.default_rng(7)
-        for block in (np.zeros(160, np.int16), (rng.standard_normal(160) * 8000).astype(np.int16)):
-            raw = block.tobytes()
-            if bool(_vad_process(vad._vad, 8000, raw, 160)) != vad.is_speech(raw, 8000):
-                return False
-    except Exception:  # noqa: BLE001 - any failure means: do not use it
-        return False
-    return True
-
-
-if not _private_vad_call_works():  # pragma: no cover - another build of webrtcvad
-    _vad_process = None
-
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.audio.g711 import alaw_decode, ulaw_decode
+from duplexrt.protocols.vad_entry_points import rfft_rows, speech_test
 
 __all__ = ["InputVad", "OutputGate", "VadSettings"]
 
@@ -60,27 +35,6 @@ _MIN_SPEECH_MS = 60
 #: (white noise sits near 0.5, voiced speech near 0.1) is not speech whatever it says.
 _MAX_FLATNESS = 0.4
 _NO_SAMPLES = np.empty(0, dtype=np.int16)
-
-try:  # numpy >= 2: the real FFT's own ufunc, which np.fft.rfft calls after ~3 µs of argument handling
-    from numpy.fft._pocketfft_umath import rfft_n_even as _rfft_even_ufunc
-except ImportError:  # pragma: no cover - numpy 1.x
-    _rfft_even_ufunc = None
-
-
-def _private_rfft_works() -> bool:
-    """As ``_private_vad_call_works``, for numpy's private FFT ufunc (its signature is not promised)."""
-    if _rfft_even_ufunc is None:
-        return False
-    try:
-        rows = np.random.default_rng(7).standard_normal((2, 240)).astype(np.float32)
-        ours = _rfft_even_ufunc(rows, 1, out=np.empty((2, 121), dtype=np.complex64))
-        return bool(np.array_equal(ours, np.fft.rfft(rows, axis=1)))
-    except Exception:  # noqa: BLE001 - any failure means: do not use it
-        return False
-
-
-if not _private_rfft_works():  # pragma: no cover - another numpy
-    _rfft_even_ufunc = None
 
 
 def _as_int16(raw: bytes, fmt: AudioFormat) -> np.ndarray:
@@ -137,6 +91,7 @@ class InputVad:
     def __init__(self, settings: VadSettings, spec: AudioSpec) -> None:
         self.settings = settings
         self._vad = webrtcvad.Vad(settings.mode)
+        self._speech_test = speech_test(self._vad)  # WebRTC's answer for one window, at the least cost
         self.elapsed_ms = 0.0  # audio fed so far
         self.speaking = False
         # The current run toward an event, unjudged windows counted as above (exact when none
@@ -191,14 +146,9 @@ class InputVad:
         # Each window's verdict: None where WebRTC's VAD heard speech (the noise check to judge).
         step = size * 2
         with memoryview(windows.tobytes()) as block:
-            if _vad_process is not None:
-                process, handle = _vad_process, self._vad._vad
-                verdicts: list[bool | None] = [None if process(handle, rate, block[at:at + step], size) else False
-                                               for at in range(0, whole * step, step)]
-            else:  # pragma: no cover
-                is_speech = self._vad.is_speech
-                verdicts = [None if is_speech(block[at:at + step], rate) else False
-                            for at in range(0, whole * step, step)]
+            speech = self._speech_test
+            verdicts: list[bool | None] = [None if speech(block[at:at + step], rate, size) else False
+                                           for at in range(0, whole * step, step)]
         # The run counters in locals, stored back once: this loop runs per 20 ms window.
         events: list[tuple[str, int]] = []
         window_ms = self._window_ms
@@ -322,20 +272,11 @@ def _judge(windows: np.ndarray, verdicts: list[bool | None], start: int) -> None
             verdicts[at] = flatness[at - start] < _MAX_FLATNESS
 
 
-def _rfft_rows(rows: np.ndarray) -> np.ndarray:
-    """``np.fft.rfft(rows, axis=1)`` for a C-contiguous float32 matrix, bit for bit: the same
-    ufunc, called as numpy calls it (no scaling), without the wrapper's cost where it exists."""
-    size = rows.shape[1]
-    if _rfft_even_ufunc is None or size % 2:
-        return np.fft.rfft(rows, axis=1)
-    return _rfft_even_ufunc(rows, 1, out=np.empty((rows.shape[0], size // 2 + 1), dtype=np.complex64))
-
-
 def _flatness(windows: np.ndarray) -> np.ndarray:
     """Spectral flatness per window (1: white noise, near 0: a voice's harmonics)."""
     # Ufunc reductions and in-place steps, not ndarray.mean and temporaries: on speech-like
     # input this runs for every append, and numpy's cost per call is most of its time.
-    power = np.abs(_rfft_rows(windows.astype(np.float32)))
+    power = np.abs(rfft_rows(windows.astype(np.float32)))
     np.multiply(power, power, out=power)
     power += 1e-3
     bins = power.shape[1]
