@@ -29,8 +29,6 @@ from duplexrt.transport import Message, TransportClosed, wait_for_silence
 from duplexrt.wsframes import Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame, frame_header, unmask
 
 DEFAULT_CLOSE_TIMEOUT = 3.0
-#: One read takes this much at most: several queued messages, parsed in one wake-up.
-_RECEIVE_SIZE = 1 << 16
 #: A read that finds data waiting does not yield; every this many in a row, one does.
 _YIELD_EVERY = 8
 
@@ -228,12 +226,12 @@ class NativeWebSocket:
             return
         self._reading = True
         try:
-            data = await self._receive_some()
+            count = await self._receive_some()
         finally:
             self._reading = False
             if self._read_lot:
                 self._read_lot.unpark_all()
-        if not data:
+        if not count:
             if self._read_shut:
                 self._eof = True  # this end stopped reading (idle): sending still works
             else:
@@ -241,43 +239,48 @@ class NativeWebSocket:
             return
         if self._parser_failed:
             return  # after a broken frame, only the end of the connection matters
-        self._parser.feed(data)
         await self._parse()
 
-    async def _receive_some(self) -> bytes:
-        """What the socket holds (b"" at its end).  trio's ``receive_some`` costs a syscall that
-        fails, a wait, the syscall again and a yield after it; here the read is tried first and
-        only a read that finds nothing waits, so a session that has fallen behind catches up
-        without a wake-up per read (with a yield every ``_YIELD_EVERY`` reads, to stay fair)."""
+    async def _receive_some(self) -> int:
+        """Read what the socket holds into the parser's buffer; how many bytes (0 at its end).
+        trio's ``receive_some`` costs a syscall that fails, a wait, the syscall again and a yield
+        after it; here the read is tried first and only a read that finds nothing waits, so a
+        session that has fallen behind catches up without a wake-up per read (with a yield every
+        ``_YIELD_EVERY`` reads, to stay fair)."""
         sock = self._sock
+        parser = self._parser
         if self._drained:
             # The last read emptied the socket: at a paced 12.5 messages a second the next one
             # is not there yet, and trying first would only cost a failed syscall.
             try:
                 await trio.lowlevel.wait_readable(sock)
             except (trio.ClosedResourceError, trio.BusyResourceError):
-                return b""
+                return 0
         while True:
             fd = sock.fileno()
             if fd < 0:
-                return b""
+                return 0
+            room = parser.room()
             try:
-                data = os.read(fd, _RECEIVE_SIZE)
-                self._drained = len(data) < _RECEIVE_SIZE
+                count = os.readv(fd, (room,))
             except BlockingIOError:
                 try:
                     await trio.lowlevel.wait_readable(sock)
                 except (trio.ClosedResourceError, trio.BusyResourceError):
-                    return b""
+                    return 0
                 self._reads_without_wait = 0
                 continue
             except OSError:  # reset by the peer
-                return b""
+                return 0
+            self._drained = count < len(room)
+            # Taken at once, before any yield; after a broken frame the bytes are only overwritten.
+            if not self._parser_failed:
+                parser.received(count)
             self._reads_without_wait += 1
             if self._reads_without_wait >= _YIELD_EVERY:
                 self._reads_without_wait = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()  # never loses what was read
-            return data
+            return count
 
     async def _parse(self) -> None:
         parser = self._parser
