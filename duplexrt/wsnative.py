@@ -5,7 +5,7 @@ parses each message with wsproto and hands it to the session through a memory ch
 input message costs a task wake-up, a channel hop and a per-byte Python unmask before the session
 sees it.  Here whoever needs bytes reads them: the session's own reader task calls ``receive``,
 which reads a chunk from the socket and parses every whole frame in it (``wsframes``); messages
-already parsed are taken with ``receive_nowait`` in the same wake-up.  A message goes out as one
+already parsed are taken with ``poll`` (or ``receive_nowait``) in the same wake-up.  A message goes out as one
 ``send_all`` of header and payload.
 
 What keeps working when the session is not reading (its input ended, or it waits for the client
@@ -106,6 +106,17 @@ class NativeWebSocket:
             raise trio.WouldBlock
         self.received += 1
         return self._messages.popleft()
+
+    def poll(self) -> Message | None:
+        if self._ended is not None:
+            raise self._ended
+        messages = self._messages
+        if not messages:
+            if self._gone is not None:
+                raise self._gone
+            return None
+        self.received += 1
+        return messages.popleft()
 
     async def send(self, message: Message) -> None:
         # An ended input (idle) still lets the session send its end: only a closed connection stops it.

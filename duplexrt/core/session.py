@@ -60,7 +60,7 @@ from duplexrt.protocols.events import (
     SessionEnd,
 )
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed
+from duplexrt.transport import Message, Transport, TransportClosed, poller
 
 
 log = logging.getLogger("duplexrt.session")
@@ -393,7 +393,7 @@ class Session:
     # -- reader ----------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        transport = self._transport
+        poll = poller(self._transport)
         protocol = self._protocol
         try:
             message = await self._receive()
@@ -414,9 +414,8 @@ class Session:
                         await self._wait_for_room()
                 if self._taking_no_more:
                     break  # every frame of every message taken is submitted; nothing after them
-                try:
-                    message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
-                except trio.WouldBlock:
+                message = poll()  # a backlog costs one wake-up, not one each
+                if message is None:
                     message = await self._receive()
         except TransportClosed as closed:
             self._transport_closed(closed)
