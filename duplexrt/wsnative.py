@@ -250,7 +250,9 @@ class NativeWebSocket:
             return
         if self._parser_failed:
             return  # after a broken frame, only the end of the connection matters
-        await self._parse()
+        event = self._take_messages()
+        if event is not None:  # rare: a ping, a close, a broken frame
+            await self._handle(event)
 
     async def _receive_some(self) -> int:
         """Read what the socket holds into the parser's buffer; how many bytes (0 at its end).
@@ -294,28 +296,45 @@ class NativeWebSocket:
             return count
 
     async def _parse(self) -> None:
+        event = self._take_messages()
+        if event is not None:
+            await self._handle(event)
+
+    async def _handle(self, event: Ping | Close | FrameError) -> None:
+        """Answer ``event`` (from ``_take_messages``), then go on parsing."""
+        while event is not None:
+            if type(event) is FrameError:
+                await self._fail(event)
+                return
+            if type(event) is Ping:
+                if not self._close_sent:
+                    await self._write(frame(Opcode.PONG, event, masked=self._client))
+            else:
+                assert isinstance(event, Close)
+                await self._peer_closed(event)
+                return
+            event = self._take_messages()
+
+    def _take_messages(self) -> Ping | Close | FrameError | None:
+        """Queue every whole message parsed so far and count pongs, without a coroutine (a read
+        that brings audio needs no other work); stop at the first event that needs a write (a
+        ping, a close) or a broken frame, and return it."""
         parser = self._parser
         messages = self._messages
         while True:
             try:
                 event = parser.next()
             except FrameError as error:
-                await self._fail(error)
-                return
+                return error
             if event is None:
-                return
+                return None
             kind = type(event)
             if kind is bytes or kind is str:
                 messages.append(event)
-            elif kind is Ping:
-                if not self._close_sent:
-                    await self._write(frame(Opcode.PONG, event, masked=self._client))
             elif kind is Pong:
                 self._pongs += 1
             else:
-                assert isinstance(event, Close)
-                await self._peer_closed(event)
-                return
+                return event
 
     async def _peer_closed(self, close: Close) -> None:
         self._peer_close = close
