@@ -41,7 +41,7 @@ _NUMPY_FROM = 64
 #: headers fit, so a paced client's message arrives in one read; kept for the connection's life.
 BUFFER_SIZE = 1 << 14
 #: A read is offered at least this much room: below it, the unparsed bytes move to the front.
-_MIN_ROOM = 1 << 12
+MIN_ROOM = 1 << 12
 #: A mask key as the native 32-bit word the payload is XORed with, four bytes at a time.
 _MASK = struct.Struct("=I")
 
@@ -162,18 +162,18 @@ class FrameParser:
         """Bytes received and not yet parsed into an event."""
         return self._end - self._pos
 
-    def room(self, at_least: int = _MIN_ROOM) -> memoryview:
+    def room(self, at_least: int = MIN_ROOM) -> memoryview:
         """Where the next read goes: at least ``at_least`` bytes at the end of the buffer (more
         when the frame under way needs it).  Tell ``received`` how many were written there.
 
         The buffer grows for a large frame at most twice over per read, as its bytes arrive, so
         a header that announces a large frame reserves no more than has been sent; once the
-        frame is parsed, the buffer returns to ``BUFFER_SIZE``."""
+        frame is parsed and no more than ``BUFFER_SIZE`` is asked for, it returns to that size."""
         pos = self._pos
         unparsed = self._end - pos
         capacity = len(self._buffer)
         if not unparsed:
-            if capacity > BUFFER_SIZE and not self._need:
+            if capacity > BUFFER_SIZE and not self._need and at_least <= BUFFER_SIZE:
                 self._allocate(BUFFER_SIZE, b"")
                 capacity = BUFFER_SIZE
             pos = self._pos = self._end = 0

@@ -26,9 +26,13 @@ import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, TransportClosed, wait_for_silence
-from duplexrt.wsframes import Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame, frame_header, unmask
+from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame,
+                               frame_header, unmask)
 
 DEFAULT_CLOSE_TIMEOUT = 3.0
+#: A read that filled all the room it had asks for this much next: a backlog (a session that fell
+#: behind, a burst) is taken several messages a read, not one.
+_BACKLOG_READ = 1 << 16
 #: A read that finds data waiting does not yield; every this many in a row, one does.
 _YIELD_EVERY = 8
 
@@ -273,7 +277,7 @@ class NativeWebSocket:
             fd = sock.fileno()
             if fd < 0:
                 return 0
-            room = parser.room()
+            room = parser.room(MIN_ROOM if self._drained else _BACKLOG_READ)
             try:
                 count = os.readv(fd, (room,))
             except BlockingIOError:

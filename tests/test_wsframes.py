@@ -109,6 +109,22 @@ def test_a_large_message_never_gets_room_more_than_double_what_arrived():
         parser.next()
 
 
+def test_a_reader_behind_gets_the_room_it_asks_for_and_the_buffer_shrinks_once_it_catches_up():
+    messages = [os.urandom(15360) for _ in range(8)]
+    data = b"".join(raw(Opcode.BINARY, m) for m in messages)
+    parser = server_parser()
+    room = parser.room(1 << 16)  # a backlog: several messages in one read
+    assert len(room) >= 1 << 16
+    room[:1 << 16] = data[:1 << 16]
+    parser.received(1 << 16)
+    out = []
+    while (event := parser.next()) is not None:
+        out.append(event)
+    assert out == messages[:len(out)] and len(out) == 4
+    assert read_into(parser, data[1 << 16:], itertools.repeat(1 << 16)) == messages[4:]
+    assert len(parser.room()) == BUFFER_SIZE
+
+
 def test_unmask_matches_a_byte_at_a_time_xor_for_odd_lengths():
     for size in (0, 1, 2, 3, 7, 63, 64, 65, 66, 67, 1001, 3840):
         data = os.urandom(size)
