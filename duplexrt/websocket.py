@@ -71,6 +71,9 @@ class WebSocketTransport:
         # this fallback pays one wake-up per message (wsnative takes a backlog in one).
         raise trio.WouldBlock
 
+    def poll(self) -> Message | None:
+        return None  # as receive_nowait: nothing is ever taken without a wait here
+
     async def send(self, message: Message) -> None:
         if not isinstance(message, str | bytes):
             message = bytes(message)

@@ -5,6 +5,9 @@ Why our own and not wsproto's: at 12.5 messages a second per session, the cost t
 machinery per message, not the protocol.  wsproto unmasks a byte at a time in Python and builds an
 event object per frame; here a message's payload is unmasked with one numpy XOR over 32-bit words,
 a frame header is one ``struct`` call, and a buffer that holds several frames is parsed in one go.
+The socket reads straight into the parser's own buffer (``room`` and ``received``), which lives as
+long as the connection: no bytes object per read, no copy into the buffer, and the unmasking works
+on memory the read has just touched.
 No extension is ever negotiated (the handshake offers none), so every reserved bit must be 0.
 """
 
@@ -34,8 +37,13 @@ _KNOWN = frozenset(int(op) for op in Opcode)
 _SENDABLE_CODES = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014})
 #: Below this, XOR with Python integers beats numpy's call overhead.
 _NUMPY_FROM = 64
-#: Compact the receive buffer once this much of it has been parsed.
-_COMPACT_AT = 1 << 16
+#: The receive buffer between large messages: two 80 ms frames of float32 audio and their
+#: headers fit, so a paced client's message arrives in one read; kept for the connection's life.
+BUFFER_SIZE = 1 << 14
+#: A read is offered at least this much room: below it, the unparsed bytes move to the front.
+MIN_ROOM = 1 << 12
+#: A mask key as the native 32-bit word the payload is XORed with, four bytes at a time.
+_MASK = struct.Struct("=I")
 
 _H16 = struct.Struct("!BBH")
 _H64 = struct.Struct("!BBQ")
@@ -87,22 +95,6 @@ def unmask(data: bytes | bytearray | memoryview, mask: bytes) -> bytes:
     return out
 
 
-def _unmask_in_place(buffer: bytearray, start: int, end: int, mask: bytearray) -> bytes:
-    """Unmask ``buffer[start:end]`` where it lies (the parser's own buffer, parsed once) and
-    return it as bytes: one copy, no temporary array."""
-    size = end - start
-    if size < _NUMPY_FROM:
-        return unmask(memoryview(buffer)[start:end], bytes(mask))
-    words = size >> 2
-    view = np.frombuffer(buffer, np.uint32, words, start)
-    np.bitwise_xor(view, int.from_bytes(mask, "little"), out=view)
-    del view  # the buffer may be resized again once no array points into it
-    for i in range(start + (words << 2), end):
-        buffer[i] ^= mask[(i - start) & 3]
-    with memoryview(buffer) as whole:
-        return bytes(whole[start:end])
-
-
 def frame_header(opcode: int, size: int, mask: bytes | None = None) -> bytes:
     """The header of one final frame of ``size`` bytes (with ``mask`` appended when given)."""
     first = 0x80 | opcode
@@ -144,29 +136,76 @@ class FrameParser:
     def __init__(self, *, masked: bool, max_message: int) -> None:
         self._masked = masked
         self._max = max_message
-        self._buffer = bytearray()
+        self._allocate(BUFFER_SIZE, b"")
+        #: Received bytes not yet parsed: ``_buffer[_pos:_end]``.
         self._pos = 0
+        self._end = 0
+        #: Bytes from ``_pos`` that the frame under way needs in all (0: not known yet).
+        self._need = 0
         #: A fragmented message under way: its opcode and the fragments so far.
         self._opcode: int | None = None
         self._fragments: list[bytes] = []
         self._size = 0
 
+    def _allocate(self, size: int, unparsed: bytes | bytearray | memoryview) -> None:
+        # The buffer is replaced, never resized: the views below stay valid for its whole life,
+        # and slicing one costs less than making a view per frame (measured in a loaded server,
+        # where each numpy call costs several times what a tight loop says).
+        buffer = bytearray((size + 63) & ~63)  # whole 32-bit words, for the word view
+        buffer[:len(unparsed)] = unparsed
+        self._buffer = buffer
+        self._view = memoryview(buffer)
+        self._words = np.frombuffer(buffer, np.uint32)
+
     @property
     def buffered(self) -> int:
         """Bytes received and not yet parsed into an event."""
-        return len(self._buffer) - self._pos
+        return self._end - self._pos
 
-    def feed(self, data: bytes) -> None:
-        self._buffer += data
+    def room(self, at_least: int = MIN_ROOM) -> memoryview:
+        """Where the next read goes: at least ``at_least`` bytes at the end of the buffer (more
+        when the frame under way needs it).  Tell ``received`` how many were written there.
+
+        The buffer grows for a large frame at most twice over per read, as its bytes arrive, so
+        a header that announces a large frame reserves no more than has been sent; once the
+        frame is parsed and no more than ``BUFFER_SIZE`` is asked for, it returns to that size."""
+        pos = self._pos
+        unparsed = self._end - pos
+        capacity = len(self._buffer)
+        if not unparsed:
+            if capacity > BUFFER_SIZE and not self._need and at_least <= BUFFER_SIZE:
+                self._allocate(BUFFER_SIZE, b"")
+                capacity = BUFFER_SIZE
+            pos = self._pos = self._end = 0
+        space = unparsed + max(at_least, min(self._need - unparsed, unparsed))
+        if pos + space > capacity:
+            if space <= capacity:
+                view = self._view
+                view[:unparsed] = view[pos:pos + unparsed].tobytes()
+            else:
+                self._allocate(max(space, 2 * capacity), self._view[pos:pos + unparsed])
+            self._pos = 0
+            self._end = unparsed
+        return self._view[self._end:]
+
+    def received(self, count: int) -> None:
+        """``count`` bytes were written at the start of the last ``room``."""
+        self._end += count
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Bytes received some other way (those that came with the handshake)."""
+        size = len(data)
+        self.room(size)[:size] = data
+        self._end += size
 
     def next(self) -> Event | None:
         """The next whole event, or None until more bytes arrive."""
         while True:
             buffer = self._buffer
             pos = self._pos
-            available = len(buffer) - pos
+            available = self._end - pos
             if available < 2:
-                return self._compact()
+                return self._wait(0)
             first = buffer[pos]
             second = buffer[pos + 1]
             if first & 0x70:
@@ -181,12 +220,12 @@ class FrameParser:
             start = pos + 2
             if size == 126:
                 if available < 4:
-                    return self._compact()
+                    return self._wait(0)
                 size = (buffer[pos + 2] << 8) | buffer[pos + 3]
                 start = pos + 4
             elif size == 127:
                 if available < 10:
-                    return self._compact()
+                    return self._wait(0)
                 size = int.from_bytes(buffer[pos + 2:pos + 10], "big")
                 if size >> 63:
                     raise FrameError(CloseCode.PROTOCOL_ERROR, "frame length has its top bit set")
@@ -206,16 +245,22 @@ class FrameParser:
                 if size > self._max:
                     raise FrameError(CloseCode.MESSAGE_TOO_BIG, f"message larger than {self._max} bytes")
             if self._masked:
-                end = start + 4 + size
-                if len(buffer) < end:
-                    return self._compact()
-                payload = _unmask_in_place(buffer, start + 4, end, buffer[start:start + 4])
+                start += 4
+                end = start + size
+                if self._end < end:
+                    return self._wait(end - pos)
+                payload = self._unmask(start, size)
             else:
                 end = start + size
-                if len(buffer) < end:
-                    return self._compact()
-                payload = bytes(buffer[start:end])
-            self._pos = end
+                if self._end < end:
+                    return self._wait(end - pos)
+                payload = bytes(self._view[start:end])
+            self._need = 0
+            # All parsed: the next read starts at the front again (and 4-byte aligned).
+            if end == self._end:
+                self._pos = self._end = 0
+            else:
+                self._pos = end
             if opcode >= 0x8:
                 return self._control(opcode, payload)
             if opcode == Opcode.CONTINUATION:
@@ -240,6 +285,30 @@ class FrameParser:
             except UnicodeDecodeError:
                 raise FrameError(CloseCode.INVALID_PAYLOAD, "text message is not valid UTF-8") from None
 
+    def _unmask(self, start: int, size: int) -> bytes:
+        """Unmask the payload of ``size`` bytes at ``start`` (its mask just before it) where it
+        lies, and return it as bytes: one XOR over 32-bit words of the buffer, one copy out.
+        The buffer is parsed once, so changing it in place loses nothing."""
+        buffer = self._buffer
+        if size < _NUMPY_FROM:
+            return unmask(self._view[start:start + size], bytes(self._view[start - 4:start]))
+        whole = size & ~3
+        if start & 3:  # a payload not on a word boundary (a header of 2 or 10 bytes before it)
+            words = np.frombuffer(buffer, np.uint32, whole >> 2, start)
+        else:  # the usual case: a slice of the long-lived word view, the cheapest way in
+            words = self._words[start >> 2:(start + whole) >> 2]
+        words ^= _MASK.unpack_from(buffer, start - 4)[0]
+        if whole != size:
+            for i in range(start + whole, start + size):
+                buffer[i] ^= buffer[start - 4 + ((i - start) & 3)]
+        return bytes(self._view[start:start + size])
+
+    def _wait(self, need: int) -> None:
+        """No whole event yet: remember how many bytes from ``_pos`` the frame under way needs
+        (0: its header is not complete), so that ``room`` can make space for all of it."""
+        self._need = need
+        return None
+
     def _control(self, opcode: int, payload: bytes) -> Event:
         if opcode == Opcode.PING:
             return Ping(payload)
@@ -257,13 +326,3 @@ class FrameParser:
         except UnicodeDecodeError:
             raise FrameError(CloseCode.INVALID_PAYLOAD, "close reason is not valid UTF-8") from None
         return Close(code, reason)
-
-    def _compact(self) -> None:
-        if self._pos:
-            if self._pos == len(self._buffer):
-                self._buffer = bytearray()
-                self._pos = 0
-            elif self._pos >= _COMPACT_AT:
-                del self._buffer[:self._pos]
-                self._pos = 0
-        return None

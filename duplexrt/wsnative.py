@@ -5,7 +5,7 @@ parses each message with wsproto and hands it to the session through a memory ch
 input message costs a task wake-up, a channel hop and a per-byte Python unmask before the session
 sees it.  Here whoever needs bytes reads them: the session's own reader task calls ``receive``,
 which reads a chunk from the socket and parses every whole frame in it (``wsframes``); messages
-already parsed are taken with ``receive_nowait`` in the same wake-up.  A message goes out as one
+already parsed are taken with ``poll`` (or ``receive_nowait``) in the same wake-up.  A message goes out as one
 ``send_all`` of header and payload.
 
 What keeps working when the session is not reading (its input ended, or it waits for the client
@@ -26,11 +26,13 @@ import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, TransportClosed, wait_for_silence
-from duplexrt.wsframes import Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame, frame_header, unmask
+from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame,
+                               frame_header, unmask)
 
 DEFAULT_CLOSE_TIMEOUT = 3.0
-#: One read takes this much at most: several queued messages, parsed in one wake-up.
-_RECEIVE_SIZE = 1 << 16
+#: A read that filled all the room it had asks for this much next: a backlog (a session that fell
+#: behind, a burst) is taken several messages a read, not one.
+_BACKLOG_READ = 1 << 16
 #: A read that finds data waiting does not yield; every this many in a row, one does.
 _YIELD_EVERY = 8
 
@@ -108,6 +110,17 @@ class NativeWebSocket:
             raise trio.WouldBlock
         self.received += 1
         return self._messages.popleft()
+
+    def poll(self) -> Message | None:
+        if self._ended is not None:
+            raise self._ended
+        messages = self._messages
+        if not messages:
+            if self._gone is not None:
+                raise self._gone
+            return None
+        self.received += 1
+        return messages.popleft()
 
     async def send(self, message: Message) -> None:
         self._check_open()
@@ -268,12 +281,12 @@ class NativeWebSocket:
             return
         self._reading = True
         try:
-            data = await self._receive_some()
+            count = await self._receive_some()
         finally:
             self._reading = False
             if self._read_lot:
                 self._read_lot.unpark_all()
-        if not data:
+        if not count:
             if self._read_shut:
                 self._eof = True  # this end stopped reading (idle): sending still works
             else:
@@ -281,67 +294,91 @@ class NativeWebSocket:
             return
         if self._parser_failed:
             return  # after a broken frame, only the end of the connection matters
-        self._parser.feed(data)
-        await self._parse()
+        event = self._take_messages()
+        if event is not None:  # rare: a ping, a close, a broken frame
+            await self._handle(event)
 
-    async def _receive_some(self) -> bytes:
-        """What the socket holds (b"" at its end).  trio's ``receive_some`` costs a syscall that
-        fails, a wait, the syscall again and a yield after it; here the read is tried first and
-        only a read that finds nothing waits, so a session that has fallen behind catches up
-        without a wake-up per read (with a yield every ``_YIELD_EVERY`` reads, to stay fair)."""
+    async def _receive_some(self) -> int:
+        """Read what the socket holds into the parser's buffer; how many bytes (0 at its end).
+        trio's ``receive_some`` costs a syscall that fails, a wait, the syscall again and a yield
+        after it; here the read is tried first and only a read that finds nothing waits, so a
+        session that has fallen behind catches up without a wake-up per read (with a yield every
+        ``_YIELD_EVERY`` reads, to stay fair)."""
         sock = self._sock
+        parser = self._parser
         if self._drained:
             # The last read emptied the socket: at a paced 12.5 messages a second the next one
             # is not there yet, and trying first would only cost a failed syscall.
             try:
                 await trio.lowlevel.wait_readable(sock)
             except (trio.ClosedResourceError, trio.BusyResourceError):
-                return b""
+                return 0
         while True:
             fd = sock.fileno()
             if fd < 0:
-                return b""
+                return 0
+            room = parser.room(MIN_ROOM if self._drained else _BACKLOG_READ)
             try:
-                data = os.read(fd, _RECEIVE_SIZE)
-                self._drained = len(data) < _RECEIVE_SIZE
+                count = os.readv(fd, (room,))
             except BlockingIOError:
                 try:
                     await trio.lowlevel.wait_readable(sock)
                 except (trio.ClosedResourceError, trio.BusyResourceError):
-                    return b""
+                    return 0
                 self._reads_without_wait = 0
                 continue
             except OSError:  # reset by the peer
-                return b""
+                return 0
+            self._drained = count < len(room)
+            # Taken at once, before any yield; after a broken frame the bytes are only overwritten.
+            if not self._parser_failed:
+                parser.received(count)
             self._reads_without_wait += 1
             if self._reads_without_wait >= _YIELD_EVERY:
                 self._reads_without_wait = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()  # never loses what was read
-            return data
+            return count
 
     async def _parse(self) -> None:
+        event = self._take_messages()
+        if event is not None:
+            await self._handle(event)
+
+    async def _handle(self, event: Ping | Close | FrameError) -> None:
+        """Answer ``event`` (from ``_take_messages``), then go on parsing."""
+        while event is not None:
+            if type(event) is FrameError:
+                await self._fail(event)
+                return
+            if type(event) is Ping:
+                if not self._close_sent:
+                    await self._write(frame(Opcode.PONG, event, masked=self._client))
+            else:
+                assert isinstance(event, Close)
+                await self._peer_closed(event)
+                return
+            event = self._take_messages()
+
+    def _take_messages(self) -> Ping | Close | FrameError | None:
+        """Queue every whole message parsed so far and count pongs, without a coroutine (a read
+        that brings audio needs no other work); stop at the first event that needs a write (a
+        ping, a close) or a broken frame, and return it."""
         parser = self._parser
         messages = self._messages
         while True:
             try:
                 event = parser.next()
             except FrameError as error:
-                await self._fail(error)
-                return
+                return error
             if event is None:
-                return
+                return None
             kind = type(event)
             if kind is bytes or kind is str:
                 messages.append(event)
-            elif kind is Ping:
-                if not self._close_sent:
-                    await self._write(frame(Opcode.PONG, event, masked=self._client))
             elif kind is Pong:
                 self._pongs += 1
             else:
-                assert isinstance(event, Close)
-                await self._peer_closed(event)
-                return
+                return event
 
     async def _peer_closed(self, close: Close) -> None:
         self._peer_close = close

@@ -89,6 +89,23 @@ async def test_a_drop_detaches_a_resume_replays_what_was_missed_and_counts_what_
     assert got == ["in 2"] and resumable.taken == 3
 
 
+async def test_poll_counts_what_it_takes_and_answers_none_while_detached_or_dropped(autojump_clock):
+    client, server = memory_transport_pair(capacity=100)
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    assert resumable.poll() is None
+    await client.send("in 0")
+    assert resumable.poll() == "in 0" and resumable.poll() is None and resumable.taken == 1
+    await _drop(client)
+    assert resumable.poll() is None  # receive() tells a drop from an end
+    with trio.move_on_after(1):
+        await resumable.receive()
+    assert resumable.detached and resumable.poll() is None
+    new_client, new_server = memory_transport_pair(capacity=100)
+    await resumable.attach(new_server, 0, "r.b", _notice)
+    await new_client.send("in 1")
+    assert resumable.poll() == "in 1" and resumable.taken == 2
+
+
 async def test_no_resume_within_the_window_ends_the_session_with_resume_expired(autojump_clock):
     client, server = memory_transport_pair()
     resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=15)

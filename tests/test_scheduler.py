@@ -623,3 +623,24 @@ def test_the_way_back_is_typed_by_the_slot_owner_protocol():
         assert callable(getattr(Session, name))
         assert (list(typing.get_type_hints(getattr(Session, name)))
                 == list(typing.get_type_hints(getattr(SlotOwner, name))))
+
+
+async def test_submit_nowait_carries_the_callers_stamp_to_the_delivery():
+    # The session stamps a frame once and submits it with a plain call: the latency figures
+    # must measure from that stamp, as they do through the awaited submit.
+    config = make_config("runtime.slots=2")
+    async with open_runtime(config) as runtime:
+        stamps: list[int] = []
+
+        class StampOwner(RecordingOwner):
+            def step_output(self, output, text, submitted_ns, stepped_ns) -> None:
+                stamps.append(submitted_ns)
+                super().step_output(output, text, submitted_ns, stepped_ns)
+
+        owner = StampOwner()
+        lease = runtime.scheduler.open_slot(owner)
+        assert lease.submit_nowait(frame_of(0.1), 12345)
+        await lease.submit(frame_of(0.2), 67890)
+        await owner.wait_for(outputs=2)
+        assert stamps == [12345, 67890]
+        lease.release()

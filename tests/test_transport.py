@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.transport import TransportClosed, memory_transport_pair, poller
 
 
 async def test_messages_cross_in_order_both_ways():
@@ -52,3 +52,29 @@ async def test_the_first_close_wins_and_close_is_idempotent():
     with pytest.raises(TransportClosed) as closed:
         server.receive_nowait()
     assert closed.value.code == 1000
+
+
+async def test_poll_takes_what_has_arrived_and_answers_none_instead_of_raising():
+    client, server = memory_transport_pair()
+    assert server.poll() is None
+    await client.send(b"one")
+    await client.send("two")
+    assert server.poll() == b"one" and server.poll() == "two" and server.poll() is None
+    await client.close(1000, "bye")
+    with pytest.raises(TransportClosed) as closed:  # the end is no "nothing yet"
+        server.poll()
+    assert closed.value.code == 1000
+
+
+async def test_poller_turns_receive_nowait_into_poll_for_a_transport_without_poll():
+    client, server = memory_transport_pair()
+
+    class OnlyNowait:
+        def receive_nowait(self):
+            return server.receive_nowait()
+
+    poll = poller(OnlyNowait())
+    assert poll() is None
+    await client.send(b"x")
+    assert poll() == b"x" and poll() is None
+    assert poller(server) == server.poll

@@ -6,14 +6,15 @@ library's framing is the reference), so a parser bug cannot hide behind a matchi
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 
 import pytest
 from wsproto.frame_protocol import FrameProtocol, Opcode as WsOpcode
 
-from duplexrt.wsframes import (Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame,
-                               frame_header, unmask)
+from duplexrt.wsframes import (BUFFER_SIZE, Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload,
+                               frame, frame_header, unmask)
 
 MASK = b"\x11\x22\x33\x44"
 
@@ -51,6 +52,77 @@ def server_parser(max_message: int = 1 << 20) -> FrameParser:
 def test_masked_binary_messages_of_every_length_class_come_back_whole(size):
     payload = os.urandom(size)
     assert events(server_parser(), raw(Opcode.BINARY, payload)) == [payload]
+
+
+def read_into(parser: FrameParser, data: bytes, sizes) -> list:
+    """``data`` as a socket would hand it over: each read at most the next of ``sizes`` bytes,
+    written into the parser's own ``room`` (never more than it offers)."""
+    out = []
+    sizes = iter(sizes)
+    while data:
+        room = parser.room()
+        count = min(len(room), len(data), next(sizes))
+        room[:count] = data[:count]
+        parser.received(count)
+        data = data[count:]
+        while (event := parser.next()) is not None:
+            out.append(event)
+    return out
+
+
+def test_reads_into_the_parsers_buffer_parse_every_size_at_every_alignment():
+    # Payloads at every offset modulo 4 from the buffer's start (a 1- to 3-byte message before
+    # them), of lengths with and without a tail past their last 32-bit word, read in pieces
+    # that cut headers, mask keys and payloads anywhere.
+    payloads = [os.urandom(size) for size in (1, 2, 3, 7680, 64, 65, 66, 67, 3841, 125, 126, 127, 7681, 40000)]
+    data = b"".join(raw(Opcode.BINARY, p) for p in payloads)
+    for reads in ([len(data)], [1], [7], [4096], [7689, 13, 5000], [BUFFER_SIZE]):
+        parser = server_parser()
+        assert read_into(parser, data, itertools.cycle(reads)) == payloads
+        assert parser.buffered == 0
+
+
+def test_a_large_message_grows_the_buffer_as_it_arrives_and_the_buffer_shrinks_after_it():
+    payload = os.urandom(300_000)
+    data = raw(Opcode.BINARY, payload)
+    parser = server_parser()
+    assert len(parser.room()) == BUFFER_SIZE
+    parser.feed(data[:14])  # the header alone reserves nothing past the usual buffer
+    assert len(parser.room()) <= BUFFER_SIZE
+    assert read_into(parser, data[14:], itertools.repeat(BUFFER_SIZE)) == [payload]
+    # Offered room never ran more than twice past what had arrived; afterwards, the usual size.
+    assert len(parser.room()) == BUFFER_SIZE
+    assert read_into(parser, raw(Opcode.TEXT, b"next"), [100]) == ["next"]
+
+
+def test_a_large_message_never_gets_room_more_than_double_what_arrived():
+    data = raw(Opcode.BINARY, os.urandom(200_000))
+    parser = server_parser()
+    arrived = 0
+    while arrived < len(data):
+        room = parser.room()
+        assert len(room) + parser.buffered <= max(BUFFER_SIZE, 4 * (parser.buffered + 1))
+        count = min(len(room), len(data) - arrived)
+        room[:count] = data[arrived:arrived + count]
+        parser.received(count)
+        arrived += count
+        parser.next()
+
+
+def test_a_reader_behind_gets_the_room_it_asks_for_and_the_buffer_shrinks_once_it_catches_up():
+    messages = [os.urandom(15360) for _ in range(8)]
+    data = b"".join(raw(Opcode.BINARY, m) for m in messages)
+    parser = server_parser()
+    room = parser.room(1 << 16)  # a backlog: several messages in one read
+    assert len(room) >= 1 << 16
+    room[:1 << 16] = data[:1 << 16]
+    parser.received(1 << 16)
+    out = []
+    while (event := parser.next()) is not None:
+        out.append(event)
+    assert out == messages[:len(out)] and len(out) == 4
+    assert read_into(parser, data[1 << 16:], itertools.repeat(1 << 16)) == messages[4:]
+    assert len(parser.room()) == BUFFER_SIZE
 
 
 def test_unmask_matches_a_byte_at_a_time_xor_for_odd_lengths():

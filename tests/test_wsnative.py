@@ -60,6 +60,20 @@ async def test_messages_that_arrive_together_are_taken_in_one_wake_up():
     assert server.received == 3
 
 
+async def test_poll_takes_parsed_messages_then_answers_none_and_counts_what_it_took():
+    server, peer = _hand_pair()
+    await peer.stream.send_all(frame(Opcode.BINARY, b"one", masked=True) + frame(Opcode.TEXT, b"two", masked=True))
+    assert await server.receive() == b"one"
+    assert server.poll() == "two"
+    assert server.poll() is None and server.received == 2
+    await peer.send(Opcode.CLOSE, struct.pack("!H", 1000))
+    with pytest.raises(TransportClosed):
+        await server.receive()
+    with pytest.raises(TransportClosed) as closed:  # gone: poll says so, as receive_nowait does
+        server.poll()
+    assert closed.value.code == 1000
+
+
 async def test_both_ends_exchange_messages_and_a_close_with_its_code_and_reason():
     server, client = _pair()
     async with trio.open_nursery() as nursery:

@@ -56,9 +56,11 @@ class Framer:
         if samples.ndim != 1:
             raise ValueError(f"expected 1-D samples, got shape {samples.shape}")
         size = self._frame_size
-        carry = self._carry
         pending = self._pending
         count = samples.shape[0]
+        if count == size and not pending:  # a client that sends one frame per message
+            return [samples]
+        carry = self._carry
 
         if pending + count < size:  # still no complete frame: just stash
             if count:  # (decoders often return nothing; skip the no-op copy)

@@ -33,7 +33,7 @@ from typing import Protocol
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed
+from duplexrt.transport import Message, Transport, TransportClosed, poller
 
 #: Random bytes in a token's secret: 144 bits, far past guessing; urlsafe base64 has no ``.``.
 TOKEN_BYTES = 18
@@ -97,6 +97,7 @@ class ResumableTransport:
         self.drops = 0
         self.resumes = 0
         self._current: Transport | None = transport
+        self._poll_current = poller(transport)
         self._window = window_s
         self._journal_s = journal_s
         self._max_journal_bytes = max_journal_bytes
@@ -151,6 +152,17 @@ class ResumableTransport:
         except TransportClosed:
             raise trio.WouldBlock from None  # receive() tells a drop from an end
         self.taken += 1
+        return message
+
+    def poll(self) -> Message | None:
+        if self._current is None:
+            return None
+        try:
+            message = self._poll_current()
+        except TransportClosed:
+            return None  # receive() tells a drop from an end
+        if message is not None:
+            self.taken += 1
         return message
 
     async def send(self, message: Message) -> None:
@@ -269,6 +281,7 @@ class ResumableTransport:
         finally:
             self._attaching = False
         self._current = transport
+        self._poll_current = poller(transport)
         self.token = token
         self.resumes += 1
         self._attached.set()

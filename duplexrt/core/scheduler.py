@@ -122,11 +122,14 @@ class SlotLease:
     def released(self) -> bool:
         return self._released
 
-    def submit_nowait(self, frame: np.ndarray) -> bool:
-        """Queue ``frame`` without waiting; False if the slot's inbox is full."""
+    def submit_nowait(self, frame: np.ndarray, stamp: int | None = None) -> bool:
+        """Queue ``frame`` (submitted at ``stamp``, now by default) without waiting; False if
+        the slot's inbox is full.  A plain call: a session's reader tries it first and awaits
+        ``submit`` only when it says no, so a frame that fits costs no coroutine."""
         if self._released:
             raise SlotClosedError("the session's slot was released")
-        return self._inbox.put_nowait(self.slot, self.owner, frame, time.perf_counter_ns())
+        return self._inbox.put_nowait(self.slot, self.owner, frame,
+                                      time.perf_counter_ns() if stamp is None else stamp)
 
     async def submit(self, frame: np.ndarray, stamp: int | None = None) -> None:
         """Queue ``frame`` (submitted at ``stamp``, perf_counter_ns, now by default), waiting on

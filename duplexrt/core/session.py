@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from time import perf_counter_ns as _perf_counter_ns
 from collections import deque
 from collections.abc import Sequence
 
@@ -61,7 +62,7 @@ from duplexrt.protocols.events import (
     SessionEnd,
 )
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed
+from duplexrt.transport import Message, Transport, TransportClosed, poller
 
 
 log = logging.getLogger("duplexrt.session")
@@ -284,7 +285,8 @@ class Session:
     @property
     def _taking_no_more(self) -> bool:
         """No more input is taken: stopping, the input ended, or ending."""
-        return rank(self.state) >= _STOPPING_RANK
+        state = self.state  # identity tests: an enum's hash (for a rank lookup) is Python code
+        return not (state is _OPEN or state is _DETACHED or state is _OPENING)
 
     def _advance(self, state: SessionState) -> None:
         """Move forward to ``state``; never back (a later stop does not reopen an ended input)."""
@@ -417,7 +419,7 @@ class Session:
     # -- reader ----------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        transport = self._transport
+        poll = poller(self._transport)
         protocol = self._protocol
         try:
             message = await self._receive()
@@ -438,9 +440,8 @@ class Session:
                         await self._wait_for_room()
                 if self._taking_no_more:
                     break  # every frame of every message taken is submitted; nothing after them
-                try:
-                    message = transport.receive_nowait()  # a backlog costs one wake-up, not one each
-                except trio.WouldBlock:
+                message = poll()  # a backlog costs one wake-up, not one each
+                if message is None:
                     message = await self._receive()
         except TransportClosed as closed:
             self._transport_closed(closed)
@@ -633,9 +634,13 @@ class Session:
                or self._in_flight >= self._max_in_flight):
             await self._credit.park()
         self._in_flight += 1
-        started = time.perf_counter_ns()
+        started = _perf_counter_ns()
+        lease = self.lease
         try:
-            await self.lease.submit(frame, started)
+            # A frame that fits goes in with a plain call; only a full inbox (or offload =
+            # "always") takes the awaited path, and its worker thread.
+            if self._always_offload or not lease.submit_nowait(frame, started):
+                await lease.submit(frame, started)
         except SlotClosedError:
             self._in_flight -= 1
             self._finish(FinishReason.SHUTDOWN, "the runtime is stopping", CloseCode.GOING_AWAY)
@@ -849,10 +854,12 @@ class Session:
             self._finish(closed.finish_reason, None, closed.code)
 
 
+_OPENING = SessionState.OPENING
+_OPEN = SessionState.OPEN
+_DETACHED = SessionState.DETACHED
 _CLOSING = SessionState.CLOSING
 _CLOSED = SessionState.CLOSED
 _INPUT_ENDED = SessionState.INPUT_ENDED
-_STOPPING_RANK = rank(SessionState.STOPPING)
 
 
 def _only_cancellation(exc: BaseException) -> bool:
