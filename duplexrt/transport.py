@@ -171,11 +171,9 @@ def poller(transport: Transport) -> Callable[[], Message | None]:
     poll = getattr(transport, "poll", None)
     if poll is not None:
         return poll
-    receive_nowait = transport.receive_nowait
-
     def poll_by_raising() -> Message | None:
         try:
-            return receive_nowait()
+            return transport.receive_nowait()  # looked up when asked: a stand-in may lack it
         except trio.WouldBlock:
             return None
 
