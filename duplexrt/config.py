@@ -121,6 +121,12 @@ class RuntimeConfig:
     #: is filled.  Longer than the audio one client message carries, or on-time messages get filled.
     fill_after_ms: float = attrs.field(
         default=240.0, validator=_float_range("runtime.fill_after_ms", 0.0, 60_000.0))
+    #: A client message of several frames gets its answer as one message: the output of its
+    #: first frames waits (on the server) for that of its last, which is already queued and comes
+    #: a step or two later.  Half the messages, syscalls and translator calls per frame for a
+    #: client that sends 160 ms; the first frame of each message is that much later.  Off: each
+    #: step's output goes out as soon as it is made.
+    coalesce_output: bool = True
     #: Resume after a dropped connection: how long a session whose connection dropped without
     #: a clean end keeps its slot, waiting for its client to reconnect with the session's resume
     #: token (0: no resume, a drop ends the session).  Input waits per ``late_input`` meanwhile.

@@ -143,6 +143,11 @@ class Session:
         # A batch sent from a delivery whose end the transport still holds: the writer counts it
         # as sent once it is out (``flush``).
         self._unflushed: list[_Output] | None = None
+        # runtime.coalesce_output: the output of a client message's frames goes out together, as
+        # the message came; the delivery holds it until this many frames are delivered (the
+        # count submitted once the message's last frame was in).
+        self._coalesce = config.runtime.coalesce_output
+        self._hold_until = 0
         self._metrics = services.metrics
         self._in_flight = 0  # submitted and not yet sent
         self._submitted = 0
@@ -392,6 +397,8 @@ class Session:
         transport sends without yielding; otherwise the writer is woken to send them."""
         if not self._outbox or not self._writer_lot:
             return  # nothing new, or the writer is awake (or ending) and takes the outbox itself
+        if self._delivered < self._hold_until:
+            return  # the rest of the client message's frames are a step or two behind: one answer
         if (self._send_nowait is not None and not self._pending and self._unflushed is None
                 and not self._encoding):
             self._send_directly()
@@ -594,6 +601,10 @@ class Session:
                 self._metrics.frames_dropped_late += 1
                 continue
             await self._submit(frame)
+        if self._coalesce and len(frames) > 1:
+            # Set once every frame is in, never before: a hold over frames not yet submitted
+            # could keep the credits the reader waits for.
+            self._hold_until = self._submitted
 
     async def _fill_loop(self, scope: trio.CancelScope) -> None:
         with scope:
