@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, Transport, TransportClosed
@@ -62,20 +63,23 @@ class Conversation:
         self._idle_scope: trio.CancelScope | None = None
 
     async def run(self, count: int, message_at: Callable[[int], Buffer], *,
-                  interval: float | None = None, offset: float = 0.0) -> None:
+                  interval: float | None = None, offset: float = 0.0, pacer: Pacer | None = None) -> None:
         """Send ``count`` audio payloads (``message_at(i)``, already in the protocol's input format)
         and receive until the conversation is over.  ``interval``: paced, one message every that
-        many seconds from ``offset`` seconds after now; None: as fast as the transport takes them."""
+        many seconds from ``offset`` seconds after now; None: as fast as the transport takes them.
+        ``pacer``: paced conversations wait on it (one timer shared by many) instead of a timer
+        of their own."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._send, count, message_at, interval, offset)
+            nursery.start_soon(self._send, count, message_at, interval, offset, pacer)
             await self._receive()
             nursery.cancel_scope.cancel()
 
     # -- sending --------------------------------------------------------------------------------
 
     async def _send(self, count: int, message_at: Callable[[int], Buffer], interval: float | None,
-                    offset: float) -> None:
+                    offset: float, pacer: Pacer | None) -> None:
         transport = self.transport
+        sleep_until = pacer.wait_until if pacer is not None else trio.sleep_until
         wrap = self.protocol.audio
         send_nowait = getattr(transport, "send_nowait", None)
         send_times = self.send_times
@@ -83,7 +87,7 @@ class Conversation:
         try:
             for i in range(count):
                 if interval is not None:
-                    await trio.sleep_until(start + (i + 1) * interval)
+                    await sleep_until(start + (i + 1) * interval)
                 now = time.perf_counter()
                 if self.first_send is None:
                     self.first_send = now
