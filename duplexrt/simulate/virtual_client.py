@@ -5,7 +5,6 @@ transport, keeps a CRC per output frame for the guards and, paced, measures each
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
 
 import numpy as np
@@ -22,8 +21,9 @@ from duplexrt.simulate.checker import OutputRecord
 from duplexrt.simulate.workload import Workload
 
 #: Paced virtual clients share one ``Pacer`` that wakes at most once per this many seconds: a
-#: message goes out at most this much after its time (its lag is counted from when it went).
-PACING_TICK = float(os.environ.get("DUPLEXRT_PACING_TICK", "0.002"))
+#: message goes out at most this much after its time (its lag is counted from when it went, so
+#: the figures stay exact); trio's own timers are only as fine as epoll's millisecond anyway.
+PACING_TICK = 0.002
 
 
 class LagMeter:
