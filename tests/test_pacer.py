@@ -108,10 +108,32 @@ def test_a_negative_tick_is_refused():
         Pacer(tick=-0.001)
 
 
-async def test_a_paced_conversation_on_a_pacer_sends_each_message_when_it_is_due(autojump_clock):
+class _NoDirectPaths:
+    """A transport with only the awaited paths (no send_nowait, no receive_nowait or poll)."""
+
+    def __init__(self, transport) -> None:
+        self._transport = transport
+
+    async def send(self, message) -> None:
+        await self._transport.send(message)
+
+    async def receive(self):
+        return await self._transport.receive()
+
+    def receive_nowait(self):
+        raise trio.WouldBlock
+
+    async def close(self, *args) -> None:
+        await self._transport.close(*args)
+
+
+@pytest.mark.parametrize("path", ["direct", "woken"])
+async def test_a_paced_conversation_on_a_pacer_sends_each_message_when_it_is_due(autojump_clock, path):
     """What paced means, on the shared timer: message i goes out at start + offset + (i + 1) x
-    interval, within a tick, never before."""
+    interval, within a tick, never before; over a transport that sends without yielding the
+    pacer's task sends it (no wake-up of the sender), otherwise it wakes the sender."""
     client_end, server_end = memory_transport_pair(capacity=16)
+    transport = client_end if path == "direct" else _NoDirectPaths(client_end)
     spec = AudioSpec("pcm_f32le", 24000)
     frame = np.zeros(1920, np.float32).tobytes()
     sent_at: list[float] = []
@@ -127,16 +149,86 @@ async def test_a_paced_conversation_on_a_pacer_sends_each_message_when_it_is_due
         await server_end.close()
 
     pacer = Pacer(tick=tick)
-    conversation = Conversation(client_end, DuplexClient(spec, greets=False), on_audio=lambda item, now: None)
+    conversation = Conversation(transport, DuplexClient(spec, greets=False), on_audio=lambda item, now: None)
     async with trio.open_nursery() as nursery:
         await nursery.start(pacer.run)
         nursery.start_soon(server)
         start = trio.current_time()
         await conversation.run(count, lambda i: frame, interval=interval, offset=offset, pacer=pacer)
         nursery.cancel_scope.cancel()
-    assert conversation.outcome == ENDED
+    assert conversation.outcome == ENDED and conversation.messages_sent == count
+    assert len(conversation.send_times) == count and conversation.input_done
     due = [start + offset + (i + 1) * interval for i in range(count)]
     assert len(sent_at) == count
     for at, when in zip(sent_at, due):
         assert when <= at <= when + tick + 1e-9
-    assert pacer.statistics().released == count
+    stats = pacer.statistics()
+    assert (stats.sent, stats.released) == ((count, 0) if path == "direct" else (0, count))
+
+
+async def test_a_message_that_cannot_go_at_once_is_sent_by_its_sender_in_order(autojump_clock):
+    """send_due: when the transport cannot take a message without waiting, the pacer hands it
+    back to the sender's task, which waits to send it; then the pacer goes on with the next."""
+    client_end, server_end = memory_transport_pair(capacity=1)
+    pacer = Pacer()
+    sent: list[int] = []
+    refused: list[int] = []
+
+    def send_now(i: int) -> bool:
+        try:
+            client_end.send_nowait(f"m{i}")
+        except trio.WouldBlock:
+            refused.append(i)
+            return False
+        sent.append(i)
+        return True
+
+    taken: list[str] = []
+
+    async def slow_server() -> None:
+        await trio.sleep(0.35)  # the first messages pile up: the channel holds one
+        while len(taken) < 5:
+            taken.append(await server_end.receive())
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        nursery.start_soon(slow_server)
+        start = trio.current_time()
+        i = 0
+        while i < 5:
+            i = await pacer.send_due(i, 5, lambda k: start + 0.1 * (k + 1), send_now)
+            if i < 5:
+                await client_end.send(f"m{i}")  # waits for room
+                sent.append(i)
+                i += 1
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert refused and sent == [0, 1, 2, 3, 4] and taken == [f"m{k}" for k in range(5)]
+
+
+async def test_what_the_send_raises_reaches_the_sender_and_the_pacer_goes_on(autojump_clock):
+    pacer = Pacer()
+
+    def broken(i: int) -> bool:
+        raise RuntimeError(f"cannot send {i}")
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        start = trio.current_time()
+        with pytest.raises(RuntimeError, match="cannot send 0"):
+            await pacer.send_due(0, 3, lambda k: start + 0.1 * (k + 1), broken)
+        await pacer.wait_until(start + 1.0)  # the pacer still runs
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cancelled_send_due_sends_nothing_more(autojump_clock):
+    pacer = Pacer()
+    sent: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        start = trio.current_time()
+        with trio.move_on_at(start + 0.25):
+            await pacer.send_due(0, 10, lambda k: start + 0.1 * (k + 1), lambda i: sent.append(i) is None)
+        await pacer.wait_until(start + 2.0)
+        nursery.cancel_scope.cancel()
+    assert sent == [0, 1] and pacer.statistics().waiting == 0
