@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, Transport, TransportClosed
@@ -62,28 +63,57 @@ class Conversation:
         self._idle_scope: trio.CancelScope | None = None
 
     async def run(self, count: int, message_at: Callable[[int], Buffer], *,
-                  interval: float | None = None, offset: float = 0.0) -> None:
+                  interval: float | None = None, offset: float = 0.0, pacer: Pacer | None = None) -> None:
         """Send ``count`` audio payloads (``message_at(i)``, already in the protocol's input format)
         and receive until the conversation is over.  ``interval``: paced, one message every that
-        many seconds from ``offset`` seconds after now; None: as fast as the transport takes them."""
+        many seconds from ``offset`` seconds after now; None: as fast as the transport takes them.
+        ``pacer``: paced conversations wait on it (one timer shared by many) instead of a timer
+        of their own."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._send, count, message_at, interval, offset)
+            nursery.start_soon(self._send, count, message_at, interval, offset, pacer)
             await self._receive()
             nursery.cancel_scope.cancel()
 
     # -- sending --------------------------------------------------------------------------------
 
     async def _send(self, count: int, message_at: Callable[[int], Buffer], interval: float | None,
-                    offset: float) -> None:
+                    offset: float, pacer: Pacer | None) -> None:
         transport = self.transport
+        sleep_until = pacer.wait_until if pacer is not None else trio.sleep_until
         wrap = self.protocol.audio
         send_nowait = getattr(transport, "send_nowait", None)
         send_times = self.send_times
         start = trio.current_time() + offset
+
+        def due(i: int) -> float:
+            return start + (i + 1) * interval
+
+        def send_now(i: int) -> bool:
+            """In the pacer's task: message ``i`` if it goes without waiting."""
+            message = wrap(message_at(i))
+            now = time.perf_counter()
+            try:
+                send_nowait(message)
+            except trio.WouldBlock:
+                return False
+            if self.first_send is None:
+                self.first_send = now
+            send_times.append(now)
+            self.messages_sent = i + 1
+            return True
+
+        # Paced on a pacer over a transport that can send without yielding: the pacer's task
+        # sends, and this one wakes only for a message that must wait (or at the end).
+        direct = interval is not None and pacer is not None and send_nowait is not None
         try:
-            for i in range(count):
-                if interval is not None:
-                    await trio.sleep_until(start + (i + 1) * interval)
+            i = 0
+            while i < count:
+                if direct:
+                    i = await pacer.send_due(i, count, due, send_now)
+                    if i >= count:
+                        break
+                elif interval is not None:
+                    await sleep_until(due(i))
                 now = time.perf_counter()
                 if self.first_send is None:
                     self.first_send = now
@@ -96,7 +126,8 @@ class Conversation:
                         await transport.send(message)
                 else:
                     await transport.send(message)
-                self.messages_sent = i + 1
+                i += 1
+                self.messages_sent = i
             for message in self.protocol.end_input():
                 await transport.send(message)
         except TransportClosed:
@@ -135,12 +166,20 @@ class Conversation:
         on_audio = self.on_audio
         caught_up = self.caught_up if protocol.needs_catch_up else None
         idle_timeout = self.idle_timeout
+        # A transport's poll answers None where receive_nowait raises: on a paced connection
+        # nothing is waiting after nearly every message, and a raise each time costs more.
+        poll = getattr(transport, "poll", None)
         while True:
             try:
-                try:
-                    message = transport.receive_nowait()
-                except trio.WouldBlock:
-                    message = await transport.receive()
+                if poll is not None:
+                    message = poll()
+                    if message is None:
+                        message = await transport.receive()
+                else:
+                    try:
+                        message = transport.receive_nowait()
+                    except trio.WouldBlock:
+                        message = await transport.receive()
             except TransportClosed as closed:
                 self.closed = closed
                 if self.outcome is None:

@@ -101,6 +101,13 @@ class ResumingTransport:
         #: Messages the new connection brought while this end was sending again (``_resume``),
         #: not yet handed on: ``receive`` gives them first.
         self._early: deque[Message] = deque()
+        # The paths that do not yield, offered only where the connection offers them (every
+        # connection comes from the same ``connect``), so that a caller who finds none does not
+        # pay for a refusal on every message.
+        if hasattr(transport, "send_nowait"):
+            self.send_nowait = self._send_nowait
+        if hasattr(transport, "poll"):
+            self.poll = self._poll
 
     @property
     def current(self) -> Transport | None:
@@ -145,6 +152,34 @@ class ResumingTransport:
             raise trio.WouldBlock from None  # receive() tells a drop from an end
         self._count(message)
         return message
+
+    def _poll(self) -> Message | None:
+        """A message already in, or None (``Transport.poll``)."""
+        if self._early:
+            message = self._early.popleft()
+            self._count(message)
+            return message
+        transport = self._current
+        if transport is None:
+            return None
+        try:
+            message = transport.poll()
+        except TransportClosed:
+            return None  # receive() tells a drop from an end
+        if message is not None:
+            self._count(message)
+        return message
+
+    def _send_nowait(self, message: Message) -> None:
+        """Send without yielding, or raise ``trio.WouldBlock`` having taken nothing: then the
+        caller ``send``s it, which also resumes a connection that dropped."""
+        transport = self._current
+        if transport is not None:
+            try:
+                transport.send_nowait(message)
+            except TransportClosed:
+                raise trio.WouldBlock from None
+        self._keep(message)  # reconnecting: the resume sends it, in order, as send() does
 
     async def send(self, message: Message) -> None:
         self._keep(message)

@@ -52,6 +52,12 @@ class OutputRecord:
         if size is None:
             self.chunks.append(data)
             return 0
+        if len(data) == size and not self._carry:  # nearly every message: one whole frame
+            count = self.count
+            if count < len(self.crcs):
+                self.crcs[count] = zlib.crc32(data)
+                self.count = count + 1
+                return 1
         if self._carry:
             data = self._carry + data
         whole = len(data) // size

@@ -11,6 +11,7 @@ import trio
 
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.backends import Backend
+from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import DuplexClient
 from duplexrt.config import Config
 from duplexrt.core.histogram import Summary
@@ -22,6 +23,7 @@ from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict
 from duplexrt.simulate.options import SimulateOptions, Usage, search_options
 from duplexrt.simulate.report import InProcessFigures, RoundReport, SimulationReport
 from duplexrt.simulate.virtual_client import (
+    PACING_TICK,
     LagMeter,
     VirtualClient,
     end_failures,
@@ -86,10 +88,13 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
         # The raw protocol, as runtime.serve speaks it by default: no greeting.
         protocol = DuplexClient(spec, spec, greets=False)
         await clients[index].converse(transport, protocol, workload, paced=paced,
-                                      offset=(index / options.concurrency) * frame_seconds)
+                                      offset=(index / options.concurrency) * frame_seconds, pacer=pacer)
 
     total_frames = options.concurrency * options.frames
+    pacer = Pacer(tick=PACING_TICK) if paced else None
     async with trio.open_nursery() as outer:
+        if pacer is not None:
+            await outer.start(pacer.run)
         if progress:
             frames_out = lambda: runtime.statistics().frames.frames_out - before.frames.frames_out  # noqa: E731
             outer.start_soon(show_progress, label, frames_out, total_frames)

@@ -19,6 +19,7 @@ from duplexrt.client.connection import ConnectError, open_connection
 from duplexrt.client.resume import ResumingTransport
 from duplexrt.client.conversation import CLOSED, COMPLETE, IDLE, Conversation
 from duplexrt.client.metrics import MetricsSnapshot, read_ready, scrape_metrics
+from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import (
     ClientProtocol,
     DuplexClient,
@@ -37,6 +38,7 @@ from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict
 from duplexrt.simulate.options import ROUTE_FORMATS, SimulateOptions, Usage, search_options
 from duplexrt.simulate.report import RoundReport, ServerFigures, SimulationReport
 from duplexrt.simulate.virtual_client import (
+    PACING_TICK,
     LagMeter,
     OpusFrames,
     VirtualClient,
@@ -216,14 +218,17 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
                 await state.converse(transport, protocol, workload, paced=paced,
                                      offset=(index / concurrency) * frame_seconds,
                                      caught_up_at=options.frames if protocol.needs_catch_up else None,
-                                     idle_timeout=idle_timeout)
+                                     idle_timeout=idle_timeout, pacer=pacer)
         except ConnectError as exc:
             state.error = exc
             if index not in connected:
                 settle()
 
     total_frames = concurrency * options.frames
+    pacer = Pacer(tick=PACING_TICK) if paced else None
     async with trio.open_nursery() as outer:
+        if pacer is not None:
+            await outer.start(pacer.run)
         async with trio.open_nursery() as nursery:
             for index in range(concurrency):
                 nursery.start_soon(session, index)
