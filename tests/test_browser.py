@@ -162,7 +162,9 @@ async def test_talk_page_in_firefox_echoes_the_microphone_and_shows_text(nursery
         # Firefox's fake microphone is a tone at a tenth of full scale: it came back as that tone
         # (not silence) and went through the jitter buffer.
         assert 0.05 < state["receivedPeak"] <= 0.11 and 0.05 < state["playedPeak"] <= 0.11
-        assert 0 < state["ttfaMs"] < 5000 and 0 < state["lagMs"] < 5000
+        # Echo answers within a millisecond on loopback now that output leaves from the delivery,
+        # and Firefox rounds its clock (reduced timer precision): a lag of 0 ms is measured, not missing.
+        assert 0 < state["ttfaMs"] < 5000 and state["lagMs"] is not None and 0 <= state["lagMs"] < 5000
         assert "hello hello" in await talk.evaluate("document.getElementById('text').textContent")
         await talk.evaluate("document.getElementById('stop').click()")
         await talk.wait_for("duplexrt.state === 'idle'", "the session to end")
