@@ -108,6 +108,48 @@ def frame_header(opcode: int, size: int, mask: bytes | None = None) -> bytes:
     return header + mask if mask is not None else header
 
 
+def masked_frame(opcode: int, payload: bytes | bytearray | memoryview, mask: bytes) -> bytes | bytearray:
+    """A client's frame: the header, then the payload masked straight into the same buffer (one
+    copy of the payload, where header + ``unmask`` made three)."""
+    if type(payload) is memoryview and payload.format != "B":
+        payload = payload.cast("B")  # sliced by bytes below
+    size = len(payload)
+    header = frame_header(opcode, size, mask)
+    if size < _NUMPY_FROM:
+        return header + unmask(payload, mask)
+    start = len(header)
+    out = bytearray(start + size)
+    out[:start] = header
+    words = size >> 2
+    # The header is 8 bytes for the usual 126..65535-byte message: the words are aligned then.
+    np.bitwise_xor(np.frombuffer(payload, np.uint32, words), np.frombuffer(mask, np.uint32)[0],
+                   out=np.frombuffer(out, np.uint32, words, start))
+    if size & 3:
+        at = words * 4
+        out[start + at:] = bytes(b ^ m for b, m in zip(bytes(payload[at:]), mask))
+    return out
+
+
+class MaskKeys:
+    """A client connection's masking keys: from the system's random source, as RFC 6455 asks (a
+    page script must not predict them), but ``batch`` keys a draw instead of a syscall a frame."""
+
+    __slots__ = ("_batch", "_pool", "_at")
+
+    def __init__(self, batch: int = 256) -> None:
+        self._batch = batch
+        self._pool = b""
+        self._at = 0
+
+    def next(self) -> bytes:
+        at = self._at
+        if at >= len(self._pool):
+            self._pool = os.urandom(4 * self._batch)
+            at = 0
+        self._at = at + 4
+        return self._pool[at:at + 4]
+
+
 def frame(opcode: int, payload: bytes, *, masked: bool = False) -> bytes:
     """One whole final frame: what a client (``masked``) or a server puts on the wire."""
     if masked:

@@ -26,8 +26,8 @@ import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, TransportClosed, wait_for_silence
-from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload, frame,
-                               frame_header, unmask)
+from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
+                               frame, frame_header, masked_frame)
 
 DEFAULT_CLOSE_TIMEOUT = 3.0
 #: A read that filled all the room it had asks for this much next: a backlog (a session that fell
@@ -46,6 +46,7 @@ class NativeWebSocket:
                  received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None) -> None:
         self._stream = stream
         self._client = client
+        self._mask_keys = MaskKeys() if client else None
         self._parser = FrameParser(masked=not client, max_message=max_message)
         if received:
             self._parser.feed(received)
@@ -174,12 +175,13 @@ class NativeWebSocket:
         if type(message) is str:
             payload = message.encode()
             opcode = Opcode.TEXT
+        elif self._client:  # masked into a buffer of its own anyway: no copy of a view first
+            return masked_frame(Opcode.BINARY, message, self._mask_keys.next()), b""
         else:
             payload = message if type(message) is bytes else bytes(message)
             opcode = Opcode.BINARY
         if self._client:
-            mask = os.urandom(4)
-            return frame_header(opcode, len(payload), mask) + unmask(payload, mask), b""
+            return masked_frame(opcode, payload, self._mask_keys.next()), b""
         return frame_header(opcode, len(payload)), payload
 
     async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:

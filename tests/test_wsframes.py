@@ -10,11 +10,12 @@ import itertools
 import os
 import struct
 
+import numpy as np
 import pytest
 from wsproto.frame_protocol import FrameProtocol, Opcode as WsOpcode
 
 from duplexrt.wsframes import (BUFFER_SIZE, Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload,
-                               frame, frame_header, unmask)
+                               frame, frame_header, masked_frame, MaskKeys, unmask)
 
 MASK = b"\x11\x22\x33\x44"
 
@@ -240,3 +241,30 @@ def test_close_payload_cuts_a_long_reason_on_a_character_boundary():
     assert struct.unpack("!H", payload[:2])[0] == 1000
     payload[2:].decode()  # still valid UTF-8
     assert close_payload(1005) == b""
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 125, 126, 1000, 7679, 7680, 7683, 65535, 65536, 70001])
+def test_a_masked_frame_is_its_header_and_payload_masked_in_one_buffer(size):
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    for data in (payload, bytearray(payload), memoryview(payload)):
+        built = masked_frame(Opcode.BINARY, data, MASK)
+        assert bytes(built) == frame_header(Opcode.BINARY, size, MASK) + unmask(payload, MASK)
+    parser = FrameParser(masked=True, max_message=1 << 20)
+    parser.feed(bytes(masked_frame(Opcode.BINARY, payload, MASK)))
+    assert parser.next() == payload
+
+
+def test_mask_keys_are_drawn_from_the_system_s_random_source_a_batch_at_a_time(monkeypatch):
+    draws: list[int] = []
+    real = os.urandom
+
+    def counting(n: int) -> bytes:
+        draws.append(n)
+        return real(n)
+
+    monkeypatch.setattr("duplexrt.wsframes.os.urandom", counting)
+    keys = MaskKeys(batch=64)
+    taken = [keys.next() for _ in range(150)]
+    assert all(len(key) == 4 for key in taken)
+    assert draws == [256, 256, 256]  # 64 keys a draw: one syscall per 64 frames, not one each
+    assert len(set(taken)) > 140  # random keys: a repeat among 150 is possible, many are not
