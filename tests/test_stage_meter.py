@@ -30,10 +30,25 @@ def test_jitter_is_how_far_a_send_strays_from_one_period_per_frame():
     metrics = FrameMetrics()
     meter = StageMeter(metrics, frame_seconds=0.08)
     meter.batch_sent([item(0)], now=10 * MS, last_sent_ns=0)
-    meter.batch_sent([item(120 * MS), item(130 * MS)], now=180 * MS, last_sent_ns=10 * MS)
+    for k in range(1, 4):  # on time, one frame a period; not among the batches sampled
+        meter.batch_sent([item(k * 80 * MS)], now=(10 + k * 80) * MS, last_sent_ns=(10 + (k - 1) * 80) * MS)
+    meter.batch_sent([item(340 * MS), item(350 * MS)], now=420 * MS, last_sent_ns=250 * MS)  # the fifth
     assert metrics.jitter.count == 1
     assert metrics.jitter.total == 10 * MS  # 170 ms after the previous send, for two frames (160)
     assert metrics.late_frames == 0
+
+
+def test_step_to_sent_and_jitter_are_sampled_one_batch_in_four_latency_never():
+    metrics = FrameMetrics()
+    meter = StageMeter(metrics, frame_seconds=0.08)
+    meter._opened_ns = 0
+    for k in range(12):  # one-frame batches, each frame 90 ms old (late) when it goes
+        meter.batch_sent([item(k * 80 * MS, k * 80 * MS)], now=(k * 80 + 90) * MS, last_sent_ns=((k - 1) * 80 + 90) * MS)
+    meter.batch_sent([item(960 * MS), item(1000 * MS)], now=1050 * MS, last_sent_ns=970 * MS)  # the 13th
+    assert metrics.latency.count == 14 and metrics.latency.total == (12 * 90 + 90 + 50) * MS
+    assert metrics.late_frames == 13 and meter.describe(14).endswith("max 90.0 ms, 13 late")
+    assert metrics.step_to_sent.count == 4  # batches 1, 5, 9 and 13
+    assert metrics.jitter.count == 3  # 5, 9 and 13 (the first send has nothing to stray from)
 
 
 def test_one_message_in_four_and_one_frame_in_eight_are_timed():

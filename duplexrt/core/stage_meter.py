@@ -8,7 +8,9 @@ histograms (``FrameMetrics``) and a constant-size summary of this session for it
 What it costs per frame is what collection costs, so each figure is taken as rarely as its
 percentiles allow: the decode of one message in four and the submit of one frame in eight are
 timed (both cost the same message after message), and a batch that was sent is recorded with
-one histogram call for all its frames (``Histogram.record_many``), not one per frame.
+one histogram call for all its frames (``Histogram.record_many``), not one per frame; the time
+from step to send and the send jitter are taken from one batch in four.  Frame latency and the
+late count are exact: every frame is recorded.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _now = time.perf_counter_ns
 class StageMeter:
     """Stage timing of one session: read on the trio thread only, so plain ints are exact."""
 
-    __slots__ = ("_metrics", "_frame_ns", "_opened_ns", "_messages", "_latency_sum_ns",
+    __slots__ = ("_metrics", "_frame_ns", "_opened_ns", "_messages", "_batches", "_latency_sum_ns",
                  "_latency_max_ns", "_late", "_first_audio_ns")
 
     def __init__(self, metrics: FrameMetrics, frame_seconds: float) -> None:
@@ -35,6 +37,7 @@ class StageMeter:
         self._frame_ns = int(frame_seconds * 1e9)
         self._opened_ns = 0
         self._messages = 0
+        self._batches = 0
         self._latency_sum_ns = 0
         self._latency_max_ns = 0
         self._late = 0
@@ -62,8 +65,22 @@ class StageMeter:
         """A batch of the session's outbox items, ``(audio, text, submitted_ns, stepped_ns)``,
         was handed to the transport at ``now``; the previous batch went at ``last_sent_ns``."""
         metrics = self._metrics
-        # Once per batch: the frames of one batch were stepped together or just before.
-        metrics.step_to_sent.record(now - items[0][3])
+        self._batches += 1
+        sampled = self._batches & 3 == 1  # the first batch, the fifth, ...
+        if sampled:  # one batch in four: its percentiles need no more, and it costs a record each
+            # The frames of one batch were stepped together or just before.
+            metrics.step_to_sent.record(now - items[0][3])
+        if len(items) == 1:  # the usual batch: one frame, no list to build and reduce
+            latency = now - items[0][2]
+            metrics.latency.record(latency)
+            self._latency_sum_ns += latency
+            if latency > self._latency_max_ns:
+                self._latency_max_ns = latency
+            if latency > self._frame_ns:
+                self._late += 1
+                metrics.late_frames += 1
+            self._sent_at(metrics, now, last_sent_ns, 1, sampled)
+            return
         latencies = [now - item[2] for item in items]
         metrics.latency.record_many(latencies)
         self._latency_sum_ns += sum(latencies)
@@ -75,9 +92,13 @@ class StageMeter:
             late = sum(1 for value in latencies if value > frame_ns)
             self._late += late
             metrics.late_frames += late
+        self._sent_at(metrics, now, last_sent_ns, len(latencies), sampled)
+
+    def _sent_at(self, metrics: FrameMetrics, now: int, last_sent_ns: int, frames: int, sampled: bool) -> None:
         if self._first_audio_ns:
-            # Jitter: how far this send strays from one frame period after the previous one.
-            metrics.jitter.record(abs(now - last_sent_ns - frame_ns * len(latencies)))
+            if sampled:
+                # Jitter: how far this send strays from one frame period per frame after the previous one.
+                metrics.jitter.record(abs(now - last_sent_ns - self._frame_ns * frames))
         else:
             self._first_audio_ns = now
             metrics.first_audio.record(now - self._opened_ns)
