@@ -18,7 +18,7 @@ from conftest import FRAME, INPUT_END, PATIENCE, make_config
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.transport import TransportClosed
-from test_session_direct import _one_session, _socket_pair
+from test_session_direct import _socket_pair
 
 ECHO = ("backend.name=echo", "backend.options.delay_frames=0", "runtime.slots=2")
 #: Steps 20 ms apart: the first frame's output reaches trio well before the second is stepped, so
