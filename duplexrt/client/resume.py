@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed
+from duplexrt.transport import Message, Transport, TransportClosed, poller
 
 __all__ = ["ResumingTransport", "token_in"]
 
@@ -139,22 +139,13 @@ class ResumingTransport:
             return message
 
     def receive_nowait(self) -> Message:
-        if self._early:
-            message = self._early.popleft()
-            self._count(message)
-            return message
-        transport = self._current
-        if transport is None:
+        message = self._poll()
+        if message is None:
             raise trio.WouldBlock
-        try:
-            message = transport.receive_nowait()
-        except TransportClosed:
-            raise trio.WouldBlock from None  # receive() tells a drop from an end
-        self._count(message)
         return message
 
     def _poll(self) -> Message | None:
-        """A message already in, or None (``Transport.poll``)."""
+        """A message already in, or None (``Transport.poll``; ``receive_nowait`` without the raise)."""
         if self._early:
             message = self._early.popleft()
             self._count(message)
@@ -163,7 +154,7 @@ class ResumingTransport:
         if transport is None:
             return None
         try:
-            message = transport.poll()
+            message = poller(transport)()
         except TransportClosed:
             return None  # receive() tells a drop from an end
         if message is not None:
