@@ -93,22 +93,9 @@ class Pacer:
         if when <= trio.current_time():
             await trio.lowlevel.checkpoint()
             return
-        task = trio.lowlevel.current_task()
-        entry = [when, next(self._sequence), task, None]
-        heapq.heappush(self._heap, entry)
-        self._waiting += 1
-        sleep = self._sleep
-        if sleep is not None:
-            at = self._wake_time(when)
-            if at < sleep.deadline:
-                sleep.deadline = at
-
-        def abort(_raise_cancel) -> trio.lowlevel.Abort:
-            entry[2] = None
-            self._waiting -= 1
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        entry = [when, next(self._sequence), trio.lowlevel.current_task(), None]
+        self._schedule(entry)
+        await trio.lowlevel.wait_task_rescheduled(self._withdraw(entry))
 
     async def send_due(self, first: int, count: int, due: Callable[[int], float],
                        send: Callable[[int], bool]) -> int:
@@ -123,17 +110,24 @@ class Pacer:
             return count
         job = _Job(first, count, due, send, trio.lowlevel.current_task())
         self._push(due(first), job)
+        # The job is pushed anew for each message: a cancel withdraws whichever entry it has then.
+        return await trio.lowlevel.wait_task_rescheduled(lambda raise_cancel: self._withdraw(job.entry)(raise_cancel))
 
-        def abort(_raise_cancel) -> trio.lowlevel.Abort:
-            job.entry[2] = None
+    def _withdraw(self, entry: list) -> Callable[[object], trio.lowlevel.Abort]:
+        """The abort for a cancelled wait: its entry stays in the heap, marked as nobody's."""
+        def abort(_raise_cancel: object) -> trio.lowlevel.Abort:
+            entry[2] = None
             self._waiting -= 1
             return trio.lowlevel.Abort.SUCCEEDED
-
-        return await trio.lowlevel.wait_task_rescheduled(abort)
+        return abort
 
     def _push(self, when: float, job: _Job) -> None:
-        entry = [when, next(self._sequence), job.task, job]
-        job.entry = entry
+        job.entry = [when, next(self._sequence), job.task, job]
+        self._schedule(job.entry)
+
+    def _schedule(self, entry: list) -> None:
+        """Into the heap, and the pacer's next wake-up moved earlier if this one is due first."""
+        when = entry[0]
         heapq.heappush(self._heap, entry)
         self._waiting += 1
         sleep = self._sleep

@@ -81,6 +81,7 @@ class ResumingTransport:
     def __init__(self, transport: Transport, url: str, connect: Connect, *, notices: int = 1,
                  window: float = 10.0, keep_s: float = KEEP_S, max_kept_bytes: int = MAX_KEPT_BYTES) -> None:
         self._current: Transport | None = transport
+        self._poll_current = poller(transport)  # every connection comes from the same connect
         self._url = url
         self._connect = connect
         self._notices = notices
@@ -154,7 +155,7 @@ class ResumingTransport:
         if transport is None:
             return None
         try:
-            message = poller(transport)()
+            message = self._poll_current()
         except TransportClosed:
             return None  # receive() tells a drop from an end
         if message is not None:
@@ -277,6 +278,7 @@ class ResumingTransport:
                     await transport.send(self._kept[number - self._kept_first][1])
                     number += 1
                 self._current = transport
+                self._poll_current = poller(transport)
             except TransportClosed as exc:
                 failed = exc
             nursery.cancel_scope.cancel()

@@ -193,11 +193,10 @@ class ResumableTransport:
         if transport is None:
             self._record(message)
             return True  # kept in the journal for the client's return
-        send_nowait = getattr(transport, "send_nowait", None)
-        if send_nowait is None:
+        if not self.offers_send_nowait:
             raise trio.WouldBlock
         try:
-            whole = send_nowait(message)
+            whole = transport.send_nowait(message)  # type: ignore[attr-defined]
         except TransportClosed as closed:
             self._record(message)
             if self._window > 0 and is_drop(closed):
@@ -282,6 +281,7 @@ class ResumableTransport:
             self._attaching = False
         self._current = transport
         self._poll_current = poller(transport)
+        self.offers_send_nowait = bool(getattr(transport, "offers_send_nowait", False))
         self.token = token
         self.resumes += 1
         self._attached.set()
