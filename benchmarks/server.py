@@ -7,6 +7,9 @@
    alternated so that they share the machine's load: ``native`` and ``trio-websocket`` (this
    checkout's server with ``server.websocket_impl`` set to each; this checkout's load generator)
    and, with ``--before-bin``, ``before`` (another checkout's ``duplexrt``, server and load).
+   ``bare`` (benchmarks/bare_echo.py, /v1/duplex only) is the floor: trio and the WebSocket layer
+   echoing with no runtime behind them, measured by the same load generator and the same /metrics
+   series, so that the difference to ``native`` is what the runtime adds.
 2. Capacity: the largest number of paced sessions one server process keeps real-time (p99 frame
    lag under 80 ms, no late frames beyond 1 %, no connection errors) on ``/v1/duplex``, trying
    each of ``--capacity`` in turn (this checkout, native), ``--capacity-frames`` frames a session
@@ -32,15 +35,21 @@ from pathlib import Path
 BIN = Path(sys.executable).parent / "duplexrt"
 
 
+BARE_ECHO = Path(__file__).with_name("bare_echo.py")
+
+
 class RunningServer:
     def __init__(self, *args: str, bin: Path = BIN) -> None:
-        self.proc = subprocess.Popen(
+        if bin == BARE_ECHO:
+            command = [sys.executable, str(BARE_ECHO), "--port", "0"]
+        else:
             # The load generator opens every session at once: past 256 that is more handshakes at
             # a time than the flood guard (server.max_pending_handshakes) lets wait, and the rest
             # would be refused with 503 before the steady state this measures.
-            [str(bin), "serve", "--port", "0", "--log-level", "info", "--slots", "1024", "--no-log-stats",
-             "--set", "server.max_pending_handshakes=4096", *args],
-            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            command = [str(bin), "serve", "--port", "0", "--log-level", "info", "--slots", "1024", "--no-log-stats",
+                       "--set", "server.max_pending_handshakes=4096", *args]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         for line in self.proc.stderr:
             if "port(s)" in line:
                 self.port = int(line.split("port(s) ")[1].split()[0])
@@ -59,6 +68,8 @@ class RunningServer:
 
 
 def simulate(url: str, concurrency: int, frames: int, bin: Path = BIN) -> dict:
+    if bin == BARE_ECHO:
+        bin = BIN  # the floor is driven by this checkout's load generator
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     proc = subprocess.run([str(bin), "simulate", "--url", url, "--mode", "paced", "--concurrency", str(concurrency),
@@ -90,7 +101,8 @@ def main() -> None:
     parser.add_argument("--routes", default="/v1/duplex,/v1/realtime?duplex=1&continuous=1,/v1/live/sessions")
     parser.add_argument("--sessions", default="96,256")
     parser.add_argument("--variants", default="native,trio-websocket",
-                        help="which of native, trio-websocket to run (before is added by --before-bin)")
+                        help="which of native, trio-websocket and bare to run (before is added by --before-bin); "
+                             "bare is benchmarks/bare_echo.py, the floor with no runtime, on /v1/duplex only")
     parser.add_argument("--before-bin", type=Path, default=None,
                         help="another checkout's duplexrt (e.g. main's .venv/bin/duplexrt): server and load generator")
     parser.add_argument("--capacity", default="256,512,768,1024", help="'' to skip")
@@ -98,7 +110,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     variants: list[tuple[str, Path, list[str]]] = [
-        (name, BIN, ["--set", f"server.websocket_impl={name}"]) for name in args.variants.split(",") if name]
+        (name, BARE_ECHO, []) if name == "bare" else (name, BIN, ["--set", f"server.websocket_impl={name}"])
+        for name in args.variants.split(",") if name]
     if args.before_bin is not None:
         variants.insert(0, ("before", args.before_bin, []))
     results: dict = {"cpu": [], "capacity": [], "load_average_before": _loadavg()}
@@ -107,6 +120,8 @@ def main() -> None:
     for route in (r for r in args.routes.split(",") if r):
         for concurrency in (int(n) for n in args.sessions.split(",") if n):
             for name, bin, serve_args in variants:
+                if bin == BARE_ECHO and not route.startswith("/v1/duplex"):
+                    continue  # the floor speaks /v1/duplex only
                 round_, code = run_once(bin, serve_args, route, concurrency, args.frames)
                 lag = round_["frame_lag_ms"] or {"p99": float("nan")}
                 row = {"route": route, "sessions": concurrency, "variant": name,
