@@ -6,10 +6,12 @@ import attrs
 import numpy as np
 import pytest
 
+from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.backends.base import BackendInfo
 from duplexrt.backends.synthetic import SyntheticBackend
 from duplexrt.config import load_config
 from duplexrt.simulate.runner import SimulateOptions, run_simulation
+from duplexrt.simulate.workload import Workload
 
 
 def _config(*overrides: str):
@@ -134,3 +136,14 @@ async def test_an_in_process_round_carries_its_own_figures_and_none_of_a_server_
     assert row["server_cpu_us_per_frame"] is None and row["sessions_connected"] is None
     assert row["connection_errors"] == {} and row["notes"] == [] and row["target"] == "in-process"
     assert "measured" not in row and "lag_samples" not in row
+
+
+@pytest.mark.parametrize("message_ms", [80.0, 160.0, 240.0])
+def test_paced_sessions_start_spread_over_one_message_period(message_ms):
+    """Live callers arrive at random phases: the first messages of N sessions tile one message
+    period evenly, whatever its length, so that a message period has no empty part and no burst."""
+    spec = AudioSpec.create(AudioFormat.PCM_F32LE, 24000, model_rate=24000)
+    workload = Workload(spec, model_rate=24000, frame_size=1920, frames=8, message_ms=message_ms)
+    phases = [workload.phase(i, 4) for i in range(4)]
+    assert phases == pytest.approx([i * message_ms / 4000 for i in range(4)])
+    assert max(phases) < workload.message_seconds

@@ -88,7 +88,7 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
         # The raw protocol, as runtime.serve speaks it by default: no greeting.
         protocol = DuplexClient(spec, spec, greets=False)
         await clients[index].converse(transport, protocol, workload, paced=paced,
-                                      offset=(index / options.concurrency) * frame_seconds, pacer=pacer)
+                                      offset=workload.phase(index, options.concurrency), pacer=pacer)
 
     total_frames = options.concurrency * options.frames
     pacer = Pacer(tick=PACING_TICK) if paced else None

@@ -216,7 +216,7 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
                 if index in drop_at:
                     transport = _CutOnce(transport, drop_at[index])
                 await state.converse(transport, protocol, workload, paced=paced,
-                                     offset=(index / concurrency) * frame_seconds,
+                                     offset=workload.phase(index, concurrency),
                                      caught_up_at=options.frames if protocol.needs_catch_up else None,
                                      idle_timeout=idle_timeout, pacer=pacer)
         except ConnectError as exc:

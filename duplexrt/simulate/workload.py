@@ -66,6 +66,15 @@ class Workload:
         messages.append(encoder.flush())
         return [m for m in messages if m]
 
+    def phase(self, session: int, sessions: int) -> float:
+        """Seconds after the start at which paced session ``session`` (of ``sessions``) sends its
+        first message.  Live callers arrive at random phases, so the sessions' first messages are
+        spread evenly over one message period: the server sees a steady stream, as it would in
+        production.  Spread over one model frame instead, with messages of several frames, every
+        message of a period would land in its first frame's worth of time, in bursts no real
+        crowd of callers makes."""
+        return session / sessions * self.message_seconds
+
     def message(self, session: int, index: int) -> memoryview | bytes:
         """Message ``index`` of session ``session``: a slice of the pool (no copy for PCM)."""
         if self._shared is not None:
