@@ -83,14 +83,21 @@ class Inbox:
         self.depth = depth
         self._count_wake = count_wake
         self._lock = threading.Lock()
-        self._has_work = threading.Condition(self._lock)
+        # The scheduler's sleep: a lock kept held, that a signal releases (and the scheduler takes
+        # back on waking).  One sleeper only, so this is all a condition variable would do, without
+        # the new lock and the waiter list a ``threading.Condition`` builds in Python per wait.
+        self._wakeup = threading.Lock()
+        self._wakeup.acquire()
+        self._sleeping = False
         self._has_space = threading.Condition(self._lock)
         self._queues: list[deque[tuple[np.ndarray, int]]] = [deque() for _ in range(slots)]
         self._owners: list[SlotOwner | None] = [None] * slots
         self._accepting = [False] * slots
         self._open_slots: list[int] = []  # ascending
         self._controls: list[Control] = []
-        self._ready = 0  # open slots with at least one frame queued
+        #: Open slots with at least one frame queued: a step visits these, not every open slot
+        #: (at paced load a step finds a few frames among hundreds of sessions).
+        self._ready: set[int] = set()
         self._starved = 0  # slots still sending input that have nothing queued
         self._state = _State.BUSY
         self._space_waiters = 0
@@ -128,7 +135,7 @@ class Inbox:
             queue = self._queues[slot]
             dropped = len(queue)
             if dropped:
-                self._ready -= 1
+                self._ready.discard(slot)
                 queue.clear()
             elif self._accepting[slot]:
                 self._starved -= 1
@@ -152,7 +159,7 @@ class Inbox:
             queue = self._queues[slot]
             if len(queue) >= self.depth:
                 return False
-            self._append(queue, frame, stamp)
+            self._append(slot, queue, frame, stamp)
             return True
 
     # -- worker thread (a submit that found its queue full) ----------------------------------
@@ -168,7 +175,7 @@ class Inbox:
                         or (ticket is not None and ticket.withdrawn)):
                     return False
                 if len(queue) < self.depth:
-                    self._append(queue, frame, stamp)
+                    self._append(slot, queue, frame, stamp)
                     if ticket is not None:
                         ticket.queued = True
                     return True
@@ -189,11 +196,11 @@ class Inbox:
                 self._has_space.notify_all()
             return False
 
-    def _append(self, queue: deque[tuple[np.ndarray, int]], frame: np.ndarray, stamp: int) -> None:
+    def _append(self, slot: int, queue: deque[tuple[np.ndarray, int]], frame: np.ndarray, stamp: int) -> None:
         # Lock held.  The wake rule lives here, so every kind of put obeys it.
         queue.append((frame, stamp))
         if len(queue) == 1:
-            self._ready += 1
+            self._ready.add(slot)
             self._starved -= 1
             if self._state is _State.IDLE or (self._state is _State.GATHERING and self._starved == 0):
                 self._signal()
@@ -205,12 +212,33 @@ class Inbox:
     def _signal(self) -> None:
         self._state = _State.BUSY  # signalled once: later puts need not signal again
         self._count_wake()
-        self._has_work.notify()
+        self._rouse()
+
+    def _rouse(self) -> None:
+        # Lock held.  Released once per sleep: ``_sleeping`` is cleared with it.
+        if self._sleeping:
+            self._sleeping = False
+            self._wakeup.release()
+
+    def _sleep(self, timeout: float | None) -> None:
+        """Lock held: let it go and sleep until roused or ``timeout`` seconds pass; returns with
+        the lock held again and ``_wakeup`` held, as before."""
+        self._sleeping = True
+        self._lock.release()
+        try:
+            roused = self._wakeup.acquire() if timeout is None else self._wakeup.acquire(timeout=timeout)
+        finally:
+            self._lock.acquire()
+        if not roused:
+            if self._sleeping:
+                self._sleeping = False  # nobody came
+            else:
+                self._wakeup.acquire()  # roused between the timeout and the lock: take it back
 
     def stop(self) -> None:
         with self._lock:
             self._stopping = True
-            self._has_work.notify_all()
+            self._rouse()
             self._has_space.notify_all()
 
     # -- scheduler thread --------------------------------------------------------------------
@@ -237,31 +265,30 @@ class Inbox:
                     elif now >= deadline:
                         break
                     self._state = _State.GATHERING
-                    self._has_work.wait(deadline - now)
+                    self._sleep(deadline - now)
                 elif self._controls:
                     break  # apply opens and closes now, while there is nothing else to do
                 else:
                     self._state = _State.IDLE
-                    self._has_work.wait()
+                    self._sleep(None)
             self._state = _State.BUSY
             controls, self._controls = self._controls, []
-            rows: list[int] = []
-            owners: list[SlotOwner] = []
+            rows = sorted(self._ready)
+            owners = [self._owners[slot] for slot in rows]
             frames: list[np.ndarray] = []
             stamps: list[int] = []
             queues = self._queues
-            for slot in self._open_slots:
+            ready = self._ready
+            accepting = self._accepting
+            for slot in rows:
                 queue = queues[slot]
-                if queue:
-                    frame, stamp = queue.popleft()
-                    rows.append(slot)
-                    owners.append(self._owners[slot])
-                    frames.append(frame)
-                    stamps.append(stamp)
-                    if not queue:
-                        self._ready -= 1
-                        if self._accepting[slot]:
-                            self._starved += 1
+                frame, stamp = queue.popleft()
+                frames.append(frame)
+                stamps.append(stamp)
+                if not queue:
+                    ready.discard(slot)
+                    if accepting[slot]:
+                        self._starved += 1
             if self._space_waiters and rows:
                 self._has_space.notify_all()
             return Batch(controls, rows, owners, frames, stamps)
