@@ -8,6 +8,7 @@ same session code a network connection will.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Protocol
 
@@ -17,6 +18,22 @@ import trio
 from duplexrt.reasons import CloseCode, FinishReason
 
 Message = bytes | str
+
+
+class Taken(enum.Enum):
+    """What a ``serve_messages`` sink answers for a message handed to it."""
+
+    #: Taken and dealt with: serving goes on.
+    DONE = "done"
+    #: Taken (it counts as received), but what it asks for has to wait: ``serve_messages``
+    #: returns None so that the caller's task can do it.
+    HELD = "held"
+    #: Not taken, nothing done with it: ``serve_messages`` returns it to the caller.
+    LEFT = "left"
+
+
+#: Takes one message where it is read, without yielding; must not raise.
+Sink = Callable[[Message], Taken]
 
 
 class TransportClosed(Exception):
@@ -40,7 +57,14 @@ class Transport(Protocol):
     it can, and sends everything later after it; raises ``trio.WouldBlock``, taking nothing,
     when it cannot take the message now) and ``async flush()`` (returns once everything taken is
     out; raises TransportClosed where ``send`` would).  ``NativeWebSocket``, ``ResumableTransport``
-    over it and ``MemoryTransport`` do."""
+    over it and ``MemoryTransport`` do.
+
+    A transport may also offer ``async serve_messages(sink) -> Message | None``: each message as
+    it is read is handed to ``sink`` right where it was read (a server's read hub), so that the
+    waiting task is not woken for the ones the sink deals with (``Taken.DONE``); it returns the
+    first one the sink leaves (``Taken.LEFT``), or None after one the sink holds for the caller
+    (``Taken.HELD``).  Without a hub it is ``receive``.  ``NativeWebSocket`` and
+    ``ResumableTransport`` over it do."""
 
     async def receive(self) -> Message:
         """The next whole message; raises TransportClosed once the peer has closed."""

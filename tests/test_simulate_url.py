@@ -41,10 +41,16 @@ async def _simulate(url: str, config=None, **options):
         return await run_url_simulation(config or _described(), SimulateOptions(**options), url)
 
 
+#: The server takes messages where its read hub reads them, or each session reads its own: both
+#: must pass every guard.
+READ_PATHS = pytest.mark.parametrize("read_hub", [True, False], ids=["read-hub", "session-reads"])
+
+
+@READ_PATHS
 @pytest.mark.parametrize("mode", ["burst", "paced"])
 @pytest.mark.parametrize("route", list(ROUTES))
-async def test_every_route_passes_the_guards_with_server_figures(nursery, route, mode):
-    base = await _serve(nursery)
+async def test_every_route_passes_the_guards_with_server_figures(nursery, route, mode, read_hub):
+    base = await _serve(nursery, f"server.read_hub={str(read_hub).lower()}")
     report = await _simulate(base + route, format=ROUTES[route], mode=mode,
                              message_ms=80 if mode == "paced" else 160)
     (round_,) = report.rounds
@@ -54,7 +60,8 @@ async def test_every_route_passes_the_guards_with_server_figures(nursery, route,
     # Client side: every frame sent and heard.  Server side, from /metrics: the same frames.
     assert round_.frames_in == round_.frames_out == 40
     assert server.server_frames_in == server.server_frames_out == 40
-    assert server.server_cpu_us_per_frame > 0 and server.load_generator_cpu_us_per_frame > 0
+    # Both CPU figures come from clock ticks (10 ms here): a 40-frame burst may fit in none.
+    assert server.server_cpu_us_per_frame >= 0 and server.load_generator_cpu_us_per_frame >= 0
     assert round_.steps > 0 and 1 <= round_.mean_batch <= 4
     assert round_.mean_batch == pytest.approx(40 / round_.steps)
     assert server.server_step_ms_mean is not None
@@ -137,9 +144,10 @@ async def test_options_that_do_not_fit_the_route_are_refused():
             await _simulate(url, format=fmt)
 
 
+@READ_PATHS
 @pytest.mark.parametrize("route", list(ROUTES))
-async def test_drop_rate_cuts_connections_and_every_session_resumes_with_no_frame_lost_or_twice(nursery, route):
-    base = await _serve(nursery, "runtime.slots=8")
+async def test_drop_rate_cuts_connections_and_every_session_resumes_with_no_frame_lost_or_twice(nursery, route, read_hub):
+    base = await _serve(nursery, "runtime.slots=8", f"server.read_hub={str(read_hub).lower()}")
     report = await _simulate(base + route, format=ROUTES[route], concurrency=8, frames=30, message_ms=80,
                              drop_rate=1.0)
     (round_,) = report.rounds

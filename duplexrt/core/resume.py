@@ -33,7 +33,7 @@ from typing import Protocol
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed, poller
+from duplexrt.transport import Message, Sink, Taken, Transport, TransportClosed, poller
 
 #: Random bytes in a token's secret: 144 bits, far past guessing; urlsafe base64 has no ``.``.
 TOKEN_BYTES = 18
@@ -124,13 +124,27 @@ class ResumableTransport:
     # -- the session's side ----------------------------------------------------------------------
 
     async def receive(self) -> Message:
+        message = await self._next(None)
+        assert message is not None  # only a sink holds messages
+        return message
+
+    async def serve_messages(self, sink: Sink) -> Message | None:
+        """``receive``, handing messages to ``sink`` where the connection in use can (its
+        ``serve_messages``); each one the sink takes is counted as taken, as a received one is."""
+        return await self._next(sink)
+
+    async def _next(self, sink: Sink | None) -> Message | None:
         while True:
             transport = self._current
             if transport is None:
                 await self._wait_for_client()
                 continue
+            serve = getattr(transport, "serve_messages", None) if sink is not None else None
             try:
-                message = await transport.receive()
+                if serve is None:
+                    message = await transport.receive()
+                else:
+                    message = await serve(self._counting(transport, sink))
             except TransportClosed as closed:
                 if transport is not self._current:
                     continue  # that connection was already given up
@@ -138,10 +152,23 @@ class ResumableTransport:
                     self._drop(transport)
                     continue
                 raise
+            if message is None:
+                return None  # held by the sink: taken and counted, whatever became of its connection
             if transport is not self._current:
                 continue  # arrived on a connection given up: the client sends it again
             self.taken += 1
             return message
+
+    def _counting(self, transport: Transport, sink: Sink) -> Sink:
+        def counted(message: Message) -> Taken:
+            if transport is not self._current:
+                return Taken.LEFT  # read on a connection given up: the client sends it again
+            taken = sink(message)
+            if taken is not Taken.LEFT:
+                self.taken += 1
+            return taken
+
+        return counted
 
     def receive_nowait(self) -> Message:
         transport = self._current

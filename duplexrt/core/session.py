@@ -62,7 +62,7 @@ from duplexrt.protocols.events import (
     SessionEnd,
 )
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed, poller
+from duplexrt.transport import Message, Taken, Transport, TransportClosed, poller
 
 
 log = logging.getLogger("duplexrt.session")
@@ -113,6 +113,7 @@ class Session:
         self._decoder = self._new_decoder(protocol.input_spec)
         self._encoder = make_encoder(protocol.output_spec, self._model_rate)
         self._framer = Framer(config.audio.frame_size)
+        self._frame_size = config.audio.frame_size
         self._always_offload = config.runtime.offload == "always"
         self._inbox_depth = config.runtime.inbox_depth
         # A parked reader resumes only once half its inbox has drained, so that each wake-up
@@ -140,6 +141,14 @@ class Session:
         self._send_nowait = (transport.send_nowait  # type: ignore[attr-defined]
                              if getattr(transport, "offers_send_nowait", False) and not self._always_offload
                              else None)
+        # The read side's twin: where the transport serves messages (``serve_messages``: a server's
+        # read hub), ``_take_nowait`` takes each one as it is read, and the reader task is woken
+        # only for what has to wait (held here for it, parsed).
+        self._serve_messages = getattr(transport, "serve_messages", None)
+        self._held: Event | None = None
+        #: Frames of a message taken where it was read that had no credit yet, and how many
+        #: frames the message made: the reader submits them (``_submit_rest``).
+        self._unsubmitted: tuple[list[np.ndarray], int] | None = None
         # A batch sent from a delivery whose end the transport still holds: the writer counts it
         # as sent once it is out (``flush``).
         self._unflushed: list[_Output] | None = None
@@ -431,7 +440,10 @@ class Session:
         try:
             message = await self._receive()
             while True:
-                event = protocol.parse(message)
+                if message is not None:
+                    event = protocol.parse(message)
+                else:  # taken where it was read (``_take_nowait``): what it needs is done here
+                    event, self._held = self._held, None
                 kind = type(event)
                 if kind is AudioIn:
                     await self._take_audio(event.payload)
@@ -441,6 +453,10 @@ class Session:
                         await self._wait_for_room()
                 elif kind is InputEnd:
                     break
+                elif event is None:  # taken where it was read: what had to wait is done here
+                    await self._submit_rest()
+                    if self._pending_bytes > MAX_PENDING_BYTES:
+                        await self._wait_for_room()
                 elif kind is not Ignored:
                     await self._handle(event)
                     if self._queue_full():
@@ -455,14 +471,46 @@ class Session:
             return
         await self._end_input()
 
-    async def _receive(self) -> Message:
-        """Wait for the next message: the one place where a stop may cancel the reader."""
+    async def _receive(self) -> Message | None:
+        """Wait for the next message: the one place where a stop may cancel the reader.  Where
+        the transport serves messages (a server's read hub), this waits while ``_take_nowait``
+        takes them as they are read, and returns None for one it held (``self._held``)."""
         if self._taking_no_more and self._reader_scope is not None:
             self._reader_scope.cancel()  # asked before the reader got here: a stop cancels only a waiter
         self._between_messages = True
-        message = await self._transport.receive()
+        serve = self._serve_messages
+        message = await (self._transport.receive() if serve is None else serve(self._take_nowait))
         self._between_messages = False
         return message
+
+    def _take_nowait(self, message: Message) -> Taken:
+        """The reader's work for one message, done where the message was read, so that the
+        reader task is not woken for it: audio that decodes inline and fits the credits left.
+        Anything else is handed to the reader, parsed (``Taken.HELD``, in ``self._held``) or
+        not (``Taken.LEFT``, when the reader must stop or wait first).  Runs while the reader
+        waits for a message, so what it does is what the reader would do with it, in order."""
+        if self._taking_no_more or self._queue_full() or self._pending_bytes > MAX_PENDING_BYTES:
+            return Taken.LEFT
+        try:
+            event = self._protocol.parse(message)
+            kind = type(event)
+            if kind is AudioIn and self._take_audio_nowait(event.payload):
+                if event.messages:
+                    self._queue(event.messages)
+                # Frames past the credits, or a queue the client does not read: the reader
+                # submits them, or waits for room, before the next message.
+                if self._unsubmitted is not None or self._pending_bytes > MAX_PENDING_BYTES:
+                    return Taken.HELD
+                self._metrics.messages_taken_inline += 1
+                return Taken.DONE
+            if kind is Ignored:
+                return Taken.DONE
+            self._held = event
+            return Taken.HELD
+        except Exception:
+            log.exception("session %s failed", self.lease.session_id)
+            self._finish(FinishReason.ERROR, "internal error", CloseCode.INTERNAL_ERROR)
+            return Taken.DONE
 
     async def _handle(self, event: Event) -> None:
         """Everything but audio: rare, so clarity over speed."""
@@ -583,25 +631,78 @@ class Session:
                 # (numpy releases the GIL over large arrays) does not hold up every other session.
                 samples = await self._services.handoffs.offload(
                     HandoffKind.LARGE_DECODE_OFFLOAD, decoder.decode, bytes(payload))
-        except AudioTooLongError as exc:
-            # Fatal only when the decoder had to stop inside the message (an Ogg stream).
-            self._reject(ProtocolError("audio_too_long", str(exc),
-                                       close_code=CloseCode.MESSAGE_TOO_BIG, fatal=exc.stream_lost))
-            return
         except AudioFormatError as exc:
-            self._reject(ProtocolError("invalid_audio", str(exc)))
+            self._refuse_audio(exc)
             return
         frames = self._framer.push(samples)
         if started:
             meter.message_framed(started)
         for frame in frames:
             if self._fill_debt:  # this time was already filled with silence
-                self._fill_debt -= 1
-                self._frames_dropped_late += 1
-                self._metrics.frames_dropped_late += 1
+                self._drop_filled()
                 continue
             await self._submit(frame)
-        if self._coalesce and len(frames) > 1:
+        self._hold_for(len(frames))
+
+    async def _submit_rest(self) -> None:
+        """The frames ``_take_audio_nowait`` had no credit for, submitted waiting as ``_take_audio``
+        would have."""
+        rest, self._unsubmitted = self._unsubmitted, None
+        if rest is not None:
+            frames, count = rest
+            for frame in frames:
+                if self._fill_debt:
+                    self._drop_filled()
+                else:
+                    await self._submit(frame)
+            self._hold_for(count)
+
+    def _take_audio_nowait(self, payload: bytes | bytearray | memoryview) -> bool:
+        """``_take_audio`` where nothing in it has to wait: PCM decoded inline, and credit for
+        every frame the message can make.  False, with nothing done, otherwise."""
+        decoder = self._decoder
+        if decoder.is_encoded or self._always_offload or len(payload) > decoder.inline_bytes:
+            return False
+        frames_possible = (self._framer.pending + decoder.samples_at_most(len(payload))) // self._frame_size
+        if (self._submitted - self._delivered + frames_possible > self._inbox_depth
+                or self._in_flight + frames_possible > self._max_in_flight):
+            return False
+        meter = self._meter
+        started = meter.message_started() if meter is not None else 0
+        try:
+            samples = decoder.decode(payload)
+        except AudioFormatError as exc:
+            self._refuse_audio(exc)
+            return True
+        frames = self._framer.push(samples)
+        if started:
+            meter.message_framed(started)
+        for at, frame in enumerate(frames):
+            if self._fill_debt:
+                self._drop_filled()
+            elif self._submitted - self._delivered < self._inbox_depth and self._in_flight < self._max_in_flight:
+                self._submit_nowait(frame)
+            else:  # more frames than the bound said: the reader submits the rest, waiting as it must
+                self._unsubmitted = (frames[at:], len(frames))
+                return True
+        self._hold_for(len(frames))
+        return True
+
+    def _refuse_audio(self, exc: AudioFormatError) -> None:
+        if isinstance(exc, AudioTooLongError):
+            # Fatal only when the decoder had to stop inside the message (an Ogg stream).
+            self._reject(ProtocolError("audio_too_long", str(exc),
+                                       close_code=CloseCode.MESSAGE_TOO_BIG, fatal=exc.stream_lost))
+        else:
+            self._reject(ProtocolError("invalid_audio", str(exc)))
+
+    def _drop_filled(self) -> None:
+        self._fill_debt -= 1
+        self._frames_dropped_late += 1
+        self._metrics.frames_dropped_late += 1
+
+    def _hold_for(self, frames: int) -> None:
+        if self._coalesce and frames > 1:
             # Set once every frame is in, never before: a hold over frames not yet submitted
             # could keep the credits the reader waits for.
             self._hold_until = self._submitted
@@ -635,11 +736,7 @@ class Session:
             await self._submit(self._silence)
 
     async def _submit(self, frame: np.ndarray) -> None:
-        if self._max_frames is not None and self._submitted >= self._max_frames:
-            # The session has had all the audio it may have: answer what was taken, then end
-            # with reason "length".  The rest of the message is skipped here, frame by frame,
-            # and the reader stops at the end of it.
-            self._stop_input(FinishReason.LENGTH, CloseCode.NORMAL_CLOSURE)
+        if self._at_frame_limit():
             return
         while (self._submitted - self._delivered >= self._inbox_depth
                or self._in_flight >= self._max_in_flight):
@@ -653,10 +750,41 @@ class Session:
             if self._always_offload or not lease.submit_nowait(frame, started):
                 await lease.submit(frame, started)
         except SlotClosedError:
-            self._in_flight -= 1
-            self._finish(FinishReason.SHUTDOWN, "the runtime is stopping", CloseCode.GOING_AWAY)
+            self._slot_gone()
             await trio.lowlevel.checkpoint()  # the cancellation just requested lands here...
             raise  # ... so this only runs if the reader was shielded: the slot is gone either way
+        self._submitted_one(started)
+
+    def _submit_nowait(self, frame: np.ndarray) -> None:
+        """``_submit`` for a frame the caller has credit for (so its inbox has room)."""
+        if self._at_frame_limit():
+            return
+        self._in_flight += 1
+        started = _perf_counter_ns()
+        try:
+            queued = self.lease.submit_nowait(frame, started)
+        except SlotClosedError:
+            self._slot_gone()
+            return
+        if not queued:  # the credits say there is room: a broken promise, not backpressure
+            self._in_flight -= 1
+            raise RuntimeError("the inbox refused a frame the session had credit for")
+        self._submitted_one(started)
+
+    def _at_frame_limit(self) -> bool:
+        if self._max_frames is not None and self._submitted >= self._max_frames:
+            # The session has had all the audio it may have: answer what was taken, then end
+            # with reason "length".  The rest of the message is skipped here, frame by frame,
+            # and the reader stops at the end of it.
+            self._stop_input(FinishReason.LENGTH, CloseCode.NORMAL_CLOSURE)
+            return True
+        return False
+
+    def _slot_gone(self) -> None:
+        self._in_flight -= 1
+        self._finish(FinishReason.SHUTDOWN, "the runtime is stopping", CloseCode.GOING_AWAY)
+
+    def _submitted_one(self, started: int) -> None:
         if not self._submitted:
             self._first_submit_ns = started
             if self._fill:

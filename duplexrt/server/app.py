@@ -28,6 +28,7 @@ from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, spl
 from duplexrt.core.runtime import Runtime, open_runtime
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import ProtocolError
+from duplexrt.readhub import ReadHub
 from duplexrt.reasons import CloseCode
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
@@ -84,6 +85,9 @@ class Server:
         self.replica_id = config.server.replica_id
         #: Sessions a client may resume, by their token's secret: (transport, translator, path).
         self._resumable: dict[str, tuple[ResumableTransport, Translator, str]] = {}
+        #: Reads every native session's socket (``server.read_hub``; Linux), for the life of ``run``.
+        self._hub = (ReadHub() if config.server.websocket_impl == "native" and config.server.read_hub
+                     and ReadHub.available() else None)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(lambda: self.statistics() if self.runtime is not None else None))
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
@@ -117,21 +121,29 @@ class Server:
             listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
             self.ports = sorted({listener.socket.getsockname()[1] for listener in listeners})
             self.replica_id = self.replica_id or f"{socket.gethostname()}:{self.ports[0]}"
-            async with trio.open_nursery() as connections:
-                if self.config.metrics.log_stats:
-                    connections.start_soon(log_stats, runtime, self.config.metrics.log_stats_interval_s)
-                async with trio.open_nursery() as accepting:
-                    self._accept_scope = accepting.cancel_scope
-                    accepting.start_soon(partial(trio.serve_listeners, self._handle, listeners,
-                                                 handler_nursery=connections))
-                    task_status.started(self)
-                    await self._drain_requested.wait()
-                    # Still listening while the sessions finish: a balancer's health check gets
-                    # /readyz 503 "draining" (not a refused connection it might retry), and a new
-                    # session gets a 503 it can take elsewhere.
-                    await self._drain()
-                    accepting.cancel_scope.cancel()
-                connections.cancel_scope.cancel()
+            async with trio.open_nursery() as hubs:
+                if self._hub is not None:
+                    hubs.start_soon(self._hub.run)
+                await self._serve(runtime, listeners, task_status)
+                hubs.cancel_scope.cancel()  # every connection it read is closed by now
+
+    async def _serve(self, runtime: Runtime, listeners: list[trio.SocketListener],
+                     task_status: trio.TaskStatus[Server]) -> None:
+        async with trio.open_nursery() as connections:
+            if self.config.metrics.log_stats:
+                connections.start_soon(log_stats, runtime, self.config.metrics.log_stats_interval_s)
+            async with trio.open_nursery() as accepting:
+                self._accept_scope = accepting.cancel_scope
+                accepting.start_soon(partial(trio.serve_listeners, self._handle, listeners,
+                                             handler_nursery=connections))
+                task_status.started(self)
+                await self._drain_requested.wait()
+                # Still listening while the sessions finish: a balancer's health check gets
+                # /readyz 503 "draining" (not a refused connection it might retry), and a new
+                # session gets a 503 it can take elsewhere.
+                await self._drain()
+                accepting.cancel_scope.cancel()
+            connections.cancel_scope.cancel()
 
     def shutdown(self) -> None:
         """Stop accepting, tell every session it is closing, and let ``run`` drain and return."""
@@ -342,7 +354,7 @@ class Server:
         first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
         transport = NativeWebSocket(stream, max_message=max_message, first_message_timeout=first_message_timeout,
                                     close_timeout=settings.close_timeout_s, received=after_head(received),
-                                    subprotocol=subprotocol)
+                                    subprotocol=subprotocol, hub=self._hub)
         self._transports.add(transport)
         try:
             if self._draining:  # shutdown began while this client's handshake was under way

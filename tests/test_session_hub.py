@@ -1,0 +1,197 @@
+"""Sessions whose messages are taken where the server's read hub reads them (``serve_messages``
+and ``Session._take_nowait``), over real sockets: a ``NativeWebSocket`` on a running ``ReadHub``
+on the server side, a native WebSocket client on the other, the real runtime in between.
+
+The read path must make no difference a client can see: the same output, in the same order,
+the same usage, the same errors and limits, as a session that reads every message in its own
+task (tests/test_session.py); and the messages that can be taken where they are read must be."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from conftest import (
+    FRAME,
+    PATIENCE,
+    ClientLog,
+    make_config,
+    noise,
+    model_frames,
+    run_client,
+    send_all,
+    receive_all,
+    synthetic_out,
+    synthetic_wire,
+)
+from test_session import SYNTHETIC, pcm_workload
+from duplexrt.core.runtime import open_runtime
+from duplexrt.readhub import ReadHub
+from duplexrt.wsnative import NativeWebSocket
+
+def noise_frames(count: int, seed: int) -> list[np.ndarray]:
+    return list(noise(count * FRAME, seed).astype(np.float32).reshape(count, FRAME))
+
+
+pytestmark = pytest.mark.skipif(not ReadHub.available(), reason="the read hub needs epoll (Linux)")
+
+
+@contextlib.asynccontextmanager
+async def served_runtime(*overrides: str):
+    """A runtime and a read hub running beside it, as ``duplexrt serve`` has them."""
+    config = make_config(*overrides)
+    hub = ReadHub()
+    async with open_runtime(config) as runtime:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.run)
+            yield runtime, hub
+            nursery.cancel_scope.cancel()
+
+
+def socket_pair(hub: ReadHub) -> tuple[NativeWebSocket, NativeWebSocket]:
+    """``(client, server)``: the server end on ``hub``."""
+    a, b = trio.socket.socketpair()
+    server = NativeWebSocket(trio.SocketStream(a), hub=hub)
+    client = NativeWebSocket(trio.SocketStream(b), client=True)
+    return client, server
+
+
+async def run_hub_session(runtime, hub, messages, wire, session_id=None, *, client_log=None, transform=None):
+    """One session over the hub; ``transform(session)`` may change the server session first."""
+    client, server = socket_pair(hub)
+    outcome = {}
+
+    async def serve() -> None:
+        outcome["end"] = await runtime.serve(server, input_spec=wire, output_spec=wire, session_id=session_id)
+
+    log = client_log if client_log is not None else ClientLog()
+    with trio.fail_after(PATIENCE):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            if transform is not None:
+                await trio.testing.wait_all_tasks_blocked()
+                transform(next(iter(runtime.sessions)))
+            await run_client(client, messages, log)
+    return outcome["end"], log
+
+
+async def test_sixteen_sessions_over_the_hub_get_exactly_their_own_output_and_most_messages_are_taken_inline():
+    async with served_runtime("runtime.slots=16", "runtime.inbox_depth=3", "runtime.outbox_depth=2",
+                              *SYNTHETIC) as (runtime, hub):
+        workloads = [(*pcm_workload("pcm_f32le", 9 + (i * 5) % 11 + 0.37, seed=i), 1 + 3 * i) for i in range(16)]
+        results: list = [None] * 16
+
+        async def one(i: int) -> None:
+            messages, wire, session_id = workloads[i]
+            results[i] = await run_hub_session(runtime, hub, messages, wire, session_id)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        stats = runtime.statistics()
+    sent = 0
+    for (messages, wire, session_id), (end, log) in zip(workloads, results, strict=True):
+        frames = model_frames(messages, wire)
+        sent += len(messages)
+        assert end.reason == "stop" and end.frames_in == end.frames_out == len(frames)
+        assert log.end["usage"]["frames_out"] == len(frames) and log.errors == [] and log.close_code == 1000
+        assert bytes(log.audio) == synthetic_wire(frames, session_id, wire)
+    assert stats.handoffs.offloads == 0
+    # The first message of each session is its reader's (it has the first-message deadline);
+    # a client that sends as fast as it can outruns the credits now and then, and those wait
+    # in the reader: the rest were taken where they were read.
+    assert 0 < stats.frames.messages_taken_inline <= sent - 16
+    assert hub.callbacks > 0
+
+
+async def test_a_message_with_more_frames_than_the_credits_is_left_to_the_reader_and_answered_whole():
+    async with served_runtime("runtime.slots=2", "runtime.inbox_depth=2", "runtime.outbox_depth=2",
+                              *SYNTHETIC) as (runtime, hub):
+        wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+        frames = noise_frames(11, seed=6)
+        big = np.concatenate(frames).astype("<f4").tobytes()  # eleven frames, credit for two
+        messages = [frames[0].astype("<f4").tobytes(), big, frames[1].astype("<f4").tobytes()]
+        end, log = await run_hub_session(runtime, hub, messages, wire, session_id=9)
+    sent_frames = [frames[0], *frames, frames[1]]
+    assert end.reason == "stop" and end.frames_out == len(sent_frames)
+    assert bytes(log.audio) == synthetic_wire(sent_frames, 9, wire)
+
+
+async def test_frames_past_a_decoder_bound_that_was_short_are_submitted_by_the_reader():
+    """``samples_at_most`` is what lets a message be taken inline; were it ever short, the frames
+    past the credits must still go in, in order (here it is made to say one frame)."""
+    async with served_runtime("runtime.slots=1", "runtime.inbox_depth=2", "runtime.outbox_depth=2",
+                              *SYNTHETIC) as (runtime, hub):
+        wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+        frames = noise_frames(9, seed=7)
+        messages = [frames[0].astype("<f4").tobytes()] + [
+            np.concatenate(frames[k:k + 4]).astype("<f4").tobytes() for k in (1, 5)]
+
+        def short_bound(session) -> None:
+            class ShortBound(type(session._decoder)):
+                __slots__ = ()
+
+                def samples_at_most(self, size: int) -> int:
+                    return FRAME
+
+            session._decoder.__class__ = ShortBound
+
+        end, log = await run_hub_session(runtime, hub, messages, wire, session_id=4, transform=short_bound)
+    assert end.reason == "stop" and end.frames_out == 9
+    assert bytes(log.audio) == synthetic_wire(frames, 4, wire)
+
+
+async def test_control_messages_and_bad_audio_are_answered_in_order_between_audio_taken_inline():
+    async with served_runtime("runtime.slots=1", *SYNTHETIC) as (runtime, hub):
+        wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+        frames = noise_frames(4, seed=8)
+        audio = [frame.astype("<f4").tobytes() for frame in frames]
+        nan = np.full(FRAME, np.nan, dtype="<f4").tobytes()
+        messages = [audio[0], audio[1], json.dumps({"type": "ping"}), nan, audio[2], audio[3]]
+        end, log = await run_hub_session(runtime, hub, messages, wire, session_id=2)
+    assert log.pongs == 1 and [e["code"] for e in log.errors] == ["invalid_audio"]
+    assert end.reason == "stop" and end.frames_in == 4
+    assert bytes(log.audio) == synthetic_wire(frames, 2, wire)
+
+
+async def test_the_length_limit_reached_inline_ends_the_session_with_every_taken_frame_answered():
+    async with served_runtime("runtime.slots=1", "runtime.max_session_seconds=0.4", *SYNTHETIC) as (runtime, hub):
+        wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+        frames = noise_frames(8, seed=9)
+        messages = [frame.astype("<f4").tobytes() for frame in frames]
+        end, log = await run_hub_session(runtime, hub, messages, wire, session_id=3)
+    assert end.reason == "length" and end.frames_in == end.frames_out == 5
+    assert log.end["reason"] == "length"
+    assert bytes(log.audio) == synthetic_wire(frames[:5], 3, wire)
+
+
+async def test_a_shutdown_answers_every_frame_the_hub_took_and_nothing_after():
+    async with served_runtime("runtime.slots=1", *SYNTHETIC) as (runtime, hub):
+        wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+        frames = noise_frames(6, seed=10)
+        client, server = socket_pair(hub)
+        log = ClientLog()
+        outcome = {}
+
+        async def serve() -> None:
+            outcome["end"] = await runtime.serve(server, input_spec=wire, output_spec=wire, session_id=5)
+
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve)
+                nursery.start_soon(receive_all, client, log)
+                await send_all(client, [frame.astype("<f4").tobytes() for frame in frames[:4]], log,
+                               end_input=False)
+                while runtime.metrics.frames_in < 4:
+                    await trio.sleep(0.001)
+                next(iter(runtime.sessions)).shutdown()
+    end = outcome["end"]
+    assert end.reason == "shutdown" and end.frames_in == end.frames_out == 4
+    got = np.frombuffer(bytes(log.audio), dtype="<f4").reshape(-1, FRAME)
+    for k in range(4):
+        np.testing.assert_array_equal(got[k], synthetic_out(frames[k], 5, k))
