@@ -142,7 +142,7 @@ async def test_no_free_slot_until_one_is_released():
 # -- gathering ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("step_ms", "gathers"), [(0, True), (5, False)])
+@pytest.mark.parametrize(("step_ms", "gathers"), [(5, False)])
 async def test_frames_queued_during_a_step_dearer_than_the_gather_window_are_not_held_for_it(step_ms, gathers):
     # The synthetic model's configured cost seeds the capacity estimate, so whether a step costs
     # more than the 2 ms window is known before any step runs: no timing in the test.
@@ -158,9 +158,9 @@ async def test_frames_queued_during_a_step_dearer_than_the_gather_window_are_not
         #: (a batch of controls alone, such as the slot opening, leaves the flag as it was).
         calls: list[list] = []
 
-        def next_batch(window: float, *, gather_queued: bool = True):
+        def next_batch(window: float, *, gather_queued: bool = True, **rest):
             calls.append([gather_queued, 0])  # at the call: the last one may still be waiting
-            batch = real_next_batch(window, gather_queued=gather_queued)
+            batch = real_next_batch(window, gather_queued=gather_queued, **rest)
             calls[-1][1] = len(batch.rows) if batch is not None else 0
             return batch
 
@@ -173,6 +173,30 @@ async def test_frames_queued_during_a_step_dearer_than_the_gather_window_are_not
     after_a_step = [asked for (asked, _), (_, rows) in zip(calls[1:], calls) if rows]
     assert len(after_a_step) >= 2  # the thread went through the spy after its steps
     assert all(a is gathers for a in after_a_step)
+
+
+async def test_frames_queued_behind_a_cheap_step_are_stepped_in_the_same_wake_up_and_cross_in_one_delivery():
+    """A client's message of three frames: three steps, in order, one frame each, and one crossing
+    into trio for all three (the wake-up and the crossing are most of what a cheap step costs)."""
+    config = make_config("runtime.slots=2", "backend.name=synthetic", "runtime.gather_window_ms=1000")
+    async with open_runtime(config) as runtime:
+        scheduler = runtime.scheduler
+        sender, quiet = RecordingOwner(), RecordingOwner()
+        lease, quiet_lease = scheduler.open_slot(sender), scheduler.open_slot(quiet)
+        await trio.testing.wait_all_tasks_blocked()  # the slots are open on the thread
+        assert scheduler.gathers_after(1)
+        deliveries = runtime.handoffs.statistics()[HandoffKind.OUTPUT_DELIVERY]
+        frames = [frame_of(0.1 * k) for k in (1, 2, 3)]
+        for frame in frames:  # queued while the scheduler gathers for the quiet slot
+            assert lease.submit_nowait(frame)
+        quiet_lease.end_input()  # nothing more to gather for: it steps now
+        await sender.wait_for(outputs=3)
+        assert runtime.handoffs.statistics()[HandoffKind.OUTPUT_DELIVERY] == deliveries + 1
+        assert scheduler.statistics().steps == 3
+        for k, (output, frame) in enumerate(zip(sender.outputs, frames, strict=True)):
+            np.testing.assert_array_equal(output, synthetic_out(frame, lease.session_id, k))
+        lease.release()
+        quiet_lease.release()
 
 
 # -- failures ------------------------------------------------------------------------------------------

@@ -243,14 +243,28 @@ class Inbox:
 
     # -- scheduler thread --------------------------------------------------------------------
 
-    def next_batch(self, gather_window: float, *, gather_queued: bool = True) -> Batch | None:
+    def queued_batch(self) -> Batch | None:
+        """The frames waiting now (with any controls before them), without waiting: None when
+        no frame is waiting, or once stopped."""
+        with self._lock:
+            if self._stopping or not self._ready:
+                return None
+            return self._take()
+
+    def next_batch(self, gather_window: float, *, gather_queued: bool = True,
+                   gather_until: float | None = None) -> Batch | None:
         """Block until there is a step to run (or controls to apply); None once stopped.
 
         With ``gather_queued=False``, frames already waiting when it is called are taken at once,
         without waiting for the slots that have none: they queued while the model was stepping
-        and have waited that long already.  After an idle wait it gathers as usual."""
+        and have waited that long already.  After an idle wait it gathers as usual.
+
+        ``gather_until`` (``time.monotonic()``) gathers until then, whether or not a frame is
+        waiting yet: the scheduler's next cycle after cheap steps, so that frames that keep coming
+        are taken once a window, with no signal for any of them; if none came by then, it waits
+        idle."""
         with self._lock:
-            deadline: float | None = None
+            deadline: float | None = gather_until
             if not gather_queued and self._ready:
                 gather_window = 0.0
             while True:
@@ -258,12 +272,15 @@ class Inbox:
                     return None
                 if self._ready and (self._starved <= 0 or gather_window <= 0):
                     break
-                if self._ready:
+                if self._ready or deadline is not None:
                     now = time.monotonic()
                     if deadline is None:
                         deadline = now + gather_window
                     elif now >= deadline:
-                        break
+                        if self._ready:
+                            break
+                        deadline = None  # the window passed with nothing: wait idle
+                        continue
                     self._state = _State.GATHERING
                     self._sleep(deadline - now)
                 elif self._controls:
@@ -271,27 +288,31 @@ class Inbox:
                 else:
                     self._state = _State.IDLE
                     self._sleep(None)
-            self._state = _State.BUSY
-            controls, self._controls = self._controls, []
-            rows = sorted(self._ready)
-            owners = [self._owners[slot] for slot in rows]
-            frames: list[np.ndarray] = []
-            stamps: list[int] = []
-            queues = self._queues
-            ready = self._ready
-            accepting = self._accepting
-            for slot in rows:
-                queue = queues[slot]
-                frame, stamp = queue.popleft()
-                frames.append(frame)
-                stamps.append(stamp)
-                if not queue:
-                    ready.discard(slot)
-                    if accepting[slot]:
-                        self._starved += 1
-            if self._space_waiters and rows:
-                self._has_space.notify_all()
-            return Batch(controls, rows, owners, frames, stamps)
+            return self._take()
+
+    def _take(self) -> Batch:
+        # Lock held: the controls so far, and one frame of every slot that has one.
+        self._state = _State.BUSY
+        controls, self._controls = self._controls, []
+        rows = sorted(self._ready)
+        owners = [self._owners[slot] for slot in rows]
+        frames: list[np.ndarray] = []
+        stamps: list[int] = []
+        queues = self._queues
+        ready = self._ready
+        accepting = self._accepting
+        for slot in rows:
+            queue = queues[slot]
+            frame, stamp = queue.popleft()
+            frames.append(frame)
+            stamps.append(stamp)
+            if not queue:
+                ready.discard(slot)
+                if accepting[slot]:
+                    self._starved += 1
+        if self._space_waiters and rows:
+            self._has_space.notify_all()
+        return Batch(controls, rows, owners, frames, stamps)
 
     # -- inspection ----------------------------------------------------------------------------
 

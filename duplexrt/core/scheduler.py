@@ -411,16 +411,40 @@ class Scheduler:
 
     def _serve(self) -> None:
         inbox = self.inbox
+        window = self.gather_window
         gather_queued = True
+        gather_until: float | None = None
         while True:
-            batch = inbox.next_batch(self.gather_window, gather_queued=gather_queued)
+            batch = inbox.next_batch(window, gather_queued=gather_queued, gather_until=gather_until)
             if batch is None:
                 return
-            for control in batch.controls:
-                self._apply(control)
+            cycle = time.monotonic()
+            outcomes = self._run(batch)
+            gather_until = None
             if batch.rows:
-                self._step(batch)
                 gather_queued = self.gathers_after(len(batch.rows))
+                if gather_queued:
+                    # A cheap step costs the host more than the model: the wake-up that started
+                    # it and the crossing that delivers it.  So the frames already queued behind
+                    # this one (a client's message of several frames) are stepped now, in order,
+                    # one frame per slot per step as always, and the whole cycle crosses to trio
+                    # in one delivery; the next cycle gathers until a window after this one began,
+                    # so frames that keep coming are taken once a window without a signal each.
+                    # No frame waits longer than one window, as with gathering alone.
+                    gather_until = cycle + window
+                    while (gather_queued and time.monotonic() < gather_until
+                           and (batch := inbox.queued_batch()) is not None):
+                        outcomes += self._run(batch)
+                        gather_queued = self.gathers_after(len(batch.rows))
+            if outcomes:
+                self._publish(outcomes)
+
+    def _run(self, batch: Batch) -> list[StepOutcome]:
+        """Apply ``batch``'s controls, then step its rows: the outcomes for trio."""
+        outcomes = [outcome for control in batch.controls if (outcome := self._apply(control)) is not None]
+        if batch.rows:
+            outcomes.append(self._step(batch))
+        return outcomes
 
     def gathers_after(self, rows: int) -> bool:
         """Whether the frames that queued during a step of ``rows`` rows wait for the gather window.
@@ -433,7 +457,8 @@ class Scheduler:
         at zero cost) keep gathering, which is what keeps their batches whole in a burst."""
         return self.capacity.estimate.cost_ms(rows) < self.gather_window * 1e3
 
-    def _apply(self, control: Control) -> None:
+    def _apply(self, control: Control) -> StepOutcome | None:
+        """Open or close a slot; an outcome for trio only when an open failed."""
         try:
             if control.op is ControlOp.OPEN:
                 self.backend.open_slot(control.slot, control.payload)
@@ -447,10 +472,10 @@ class Scheduler:
                 self._step_failed()
                 error = BackendStepError(error_id, "the model failed to open this session")
                 error.__cause__ = exc
-                outcome = StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), error)
-                self._publish(outcome)
+                return StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), error)
+        return None
 
-    def _step(self, batch: Batch) -> None:
+    def _step(self, batch: Batch) -> StepOutcome:
         n = len(batch.rows)
         rows = self._rows[:n]
         inputs = self._inputs[:n]
@@ -492,7 +517,7 @@ class Scheduler:
             self._max_batch = n
         self._step_time.record(stepped - started)
         self.batch_sizes.record(n)
-        self._publish(outcome)
+        return outcome
 
     def _step_failed(self) -> None:
         self._failed_steps += 1
@@ -501,10 +526,10 @@ class Scheduler:
             log.error("the model failed %d steps in a row: not ready until a step works",
                       self._consecutive_failures)
 
-    def _publish(self, outcome: StepOutcome) -> None:
-        """Queue a step for trio; only the first of a run of undelivered steps crosses over."""
+    def _publish(self, outcomes: list[StepOutcome]) -> None:
+        """Queue steps for trio; only the first of a run of undelivered steps crosses over."""
         with self._undelivered_lock:
-            self._undelivered.append(outcome)
-            first = len(self._undelivered) == 1
+            first = not self._undelivered
+            self._undelivered += outcomes
         if first:
             self._to_trio(HandoffKind.OUTPUT_DELIVERY, self._take_deliveries)
