@@ -17,6 +17,7 @@ every slot fits, or one does.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable
 
@@ -105,6 +106,8 @@ class CapacityEstimator:
         # one to a numpy array, and the scheduler thread does two per step.
         self._mean = [0.0] * (slots + 1)
         self._count = [0] * (slots + 1)
+        #: The batch sizes seen so far, ascending: a refit reads these, not every possible size.
+        self._sizes: list[int] = []
         self._since_fit = 0
         self._steps = 0
         self.estimate = self._publish(None, 0)
@@ -132,18 +135,21 @@ class CapacityEstimator:
     def _add(self, rows: int, ms: float) -> None:
         count = self._count[rows] + 1
         self._count[rows] = count
+        if count == 1:
+            bisect.insort(self._sizes, rows)
         self._mean[rows] += (ms - self._mean[rows]) / min(count, _WINDOW)
 
     def refit(self, source: str = "steps") -> CapacityEstimate:
         self._since_fit = 0
-        counts = np.asarray(self._count, dtype=np.float64)
-        sizes = np.flatnonzero(counts)
-        if len(sizes) == 0:
+        seen = self._sizes
+        if not seen:
             return self.estimate
-        means = np.asarray(self._mean, dtype=np.float64)[sizes]
-        weights = np.minimum(counts[sizes], _MAX_WEIGHT)
-        base, slope = fit_line(sizes.astype(np.float64), means, weights)
-        self.estimate = self._publish((base, slope), int(counts.sum()), len(sizes), source)
+        counts = [self._count[size] for size in seen]
+        sizes = np.array(seen, dtype=np.float64)
+        means = np.array([self._mean[size] for size in seen], dtype=np.float64)
+        weights = np.minimum(np.array(counts, dtype=np.float64), _MAX_WEIGHT)
+        base, slope = fit_line(sizes, means, weights)
+        self.estimate = self._publish((base, slope), sum(counts), len(seen), source)
         return self.estimate
 
     def _publish(self, line: tuple[float, float] | None, samples: int, sizes: int = 0,

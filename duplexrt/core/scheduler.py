@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import attrs
 import numpy as np
@@ -63,9 +64,9 @@ def new_error_id() -> str:
     return f"err_{secrets.token_hex(6)}"
 
 
-@attrs.frozen
-class StepOutcome:
-    """One step's results, handed to trio as one immutable object."""
+class StepOutcome(NamedTuple):
+    """One step's results, handed to trio as one immutable object (a tuple: made once per step
+    on the scheduler thread, it costs a tuple's construction, not a frozen class's)."""
 
     owners: Sequence[SlotOwner]
     stamps: Sequence[int]
