@@ -142,7 +142,7 @@ async def test_no_free_slot_until_one_is_released():
 # -- gathering ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("step_ms", "gathers"), [(5, False)])
+@pytest.mark.parametrize(("step_ms", "gathers"), [(0.5, True), (5, False)])
 async def test_frames_queued_during_a_step_dearer_than_the_gather_window_are_not_held_for_it(step_ms, gathers):
     # The synthetic model's configured cost seeds the capacity estimate, so whether a step costs
     # more than the 2 ms window is known before any step runs: no timing in the test.
@@ -151,6 +151,7 @@ async def test_frames_queued_during_a_step_dearer_than_the_gather_window_are_not
     async with open_runtime(config, backend=None) as runtime:
         scheduler = runtime.scheduler
         assert scheduler.gathers_after(1) is gathers
+        assert not scheduler.drains_after(1)  # each step goes through next_batch, as spied below
         inbox = scheduler.inbox
         real_next_batch = inbox.next_batch
         #: Each call the thread made: whether it asked to gather queued frames, and how many rows
@@ -184,7 +185,7 @@ async def test_frames_queued_behind_a_cheap_step_are_stepped_in_the_same_wake_up
         sender, quiet = RecordingOwner(), RecordingOwner()
         lease, quiet_lease = scheduler.open_slot(sender), scheduler.open_slot(quiet)
         await trio.testing.wait_all_tasks_blocked()  # the slots are open on the thread
-        assert scheduler.gathers_after(1)
+        assert scheduler.gathers_after(1) and scheduler.drains_after(1)
         deliveries = runtime.handoffs.statistics()[HandoffKind.OUTPUT_DELIVERY]
         frames = [frame_of(0.1 * k) for k in (1, 2, 3)]
         for frame in frames:  # queued while the scheduler gathers for the quiet slot

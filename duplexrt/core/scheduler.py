@@ -32,6 +32,10 @@ from duplexrt.core.slot_owner import SlotOwner
 log = logging.getLogger("duplexrt.scheduler")
 
 THREAD_NAME = "duplexrt-scheduler"
+#: Steps estimated below this (milliseconds) step what queued behind them in the same cycle: a
+#: cycle's wake-up and delivery cost the host about 0.1-0.2 ms here (docs/benchmarks.md), so for
+#: such a model the cycle, not the step, is the cost (echo, a model at zero cost, a tiny CPU one).
+DRAIN_BELOW_MS = 0.1
 
 
 class NoFreeSlotError(RuntimeError):
@@ -424,21 +428,31 @@ class Scheduler:
             gather_until = None
             if batch.rows:
                 gather_queued = self.gathers_after(len(batch.rows))
-                if gather_queued:
-                    # A cheap step costs the host more than the model: the wake-up that started
-                    # it and the crossing that delivers it.  So the frames already queued behind
-                    # this one (a client's message of several frames) are stepped now, in order,
+                if self.drains_after(len(batch.rows)):
+                    # A step this cheap costs the host more than the model: the wake-up that
+                    # started it and the crossing that delivers it.  So the frames already queued
+                    # behind it (a client's message of several frames) are stepped now, in order,
                     # one frame per slot per step as always, and the whole cycle crosses to trio
                     # in one delivery; the next cycle gathers until a window after this one began,
                     # so frames that keep coming are taken once a window without a signal each.
                     # No frame waits longer than one window, as with gathering alone.
                     gather_until = cycle + window
-                    while (gather_queued and time.monotonic() < gather_until
-                           and (batch := inbox.queued_batch()) is not None):
+                    while (time.monotonic() < gather_until and (batch := inbox.queued_batch()) is not None):
                         outcomes += self._run(batch)
-                        gather_queued = self.gathers_after(len(batch.rows))
+                        if not self.drains_after(len(batch.rows)):
+                            gather_queued = self.gathers_after(len(batch.rows))
+                            gather_until = None
+                            break
             if outcomes:
                 self._publish(outcomes)
+
+    def drains_after(self, rows: int) -> bool:
+        """Whether the frames already queued behind a step of ``rows`` rows are stepped at once,
+        in the same cycle (see ``_serve``): only for steps cheaper than ``DRAIN_BELOW_MS``, less
+        than what the cycle's wake-up and crossing cost the host.  A dearer one keeps its batches
+        whole: stepping a few queued rows at a time would cost a flat-cost model (a GPU's batch)
+        a step each."""
+        return self.capacity.estimate.cost_ms(rows) < DRAIN_BELOW_MS
 
     def _run(self, batch: Batch) -> list[StepOutcome]:
         """Apply ``batch``'s controls, then step its rows: the outcomes for trio."""
