@@ -454,3 +454,16 @@ def test_decode_then_frame_yields_model_frames(fmt: str, rate: int) -> None:
     frames += framer.push(decoder.flush())
     assert all(f.shape == (1920,) and f.dtype == np.float32 for f in frames)
     assert len(frames) == 24000 // 1920
+
+
+@pytest.mark.parametrize("wire", ["pcm_f32le", "pcm_s16le", "g711_ulaw"])
+@pytest.mark.parametrize("rate", [24000, 16000])
+def test_encoding_rows_is_encoding_them_joined(wire, rate):
+    """``encode_rows`` (what a session sends a batch of frames with) gives exactly the bytes of
+    ``encode`` over the frames joined, whether or not the format can skip the join."""
+    rng = np.random.default_rng(7)
+    rows = list(np.clip(rng.standard_normal((3, 1920)) * 0.3, -1, 1).astype(np.float32))
+    spec = AudioSpec.create(AudioFormat(wire), rate, model_rate=24000)
+    joined, by_rows = make_encoder(spec, 24000), make_encoder(spec, 24000)
+    expected = joined.encode(np.concatenate(rows[:2])) + joined.encode(rows[2])
+    assert by_rows.encode_rows(rows[:2]) + by_rows.encode_rows(rows[2:]) == expected

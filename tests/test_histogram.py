@@ -300,3 +300,16 @@ def test_record_many_of_nothing_changes_nothing():
     histogram = Histogram()
     histogram.record_many([])
     assert histogram.summary() == Histogram().summary() and histogram.min == -1
+
+
+def test_record_many_with_the_callers_total_and_largest_matches_record_many_without():
+    values = [5, 900, 33, 70_000, 12]
+    told, found = Histogram(), Histogram()
+    told.record_many(values, sum(values), max(values))
+    found.record_many(values)
+    assert (told.count, told.total, told.max, told.min) == (found.count, found.total, found.max, found.min)
+    assert told.summary() == found.summary()
+    # Negative values count as 0: a total and a largest taken over them are not used.
+    clamped = Histogram()
+    clamped.record_many([-5, 10], 5, 10)
+    assert (clamped.total, clamped.max, clamped.min) == (10, 10, 0)

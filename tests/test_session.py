@@ -18,6 +18,7 @@ import trio.testing
 
 from conftest import (
     FRAME,
+    INPUT_END,
     MODEL_RATE,
     PATIENCE,
     ClientLog,
@@ -40,6 +41,8 @@ from conftest import (
 from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.core.handoffs import OFFLOAD_KINDS, HandoffKind
 from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.protocols.events import AudioIn
+from duplexrt.protocols.raw import RawProtocol
 from duplexrt.reasons import CloseCode
 from duplexrt.transport import TransportClosed, memory_transport_pair
 
@@ -508,3 +511,62 @@ async def test_a_reconfigure_event_carries_the_new_formats_to_the_session():
             await client.close()
     assert len(out) == FRAME * 2  # two bytes a sample: encoded as the event said
     assert np.abs(np.frombuffer(out, "<i2") / 32768 - frame).max() < 1e-3
+
+
+# -- what the translator says, in the order it says it ----------------------------------------------
+
+
+class FlipOnSecondAudio(RawProtocol):
+    """A translator whose reading of an audio message changes what ``audio_out`` says, as the
+    Realtime server VAD does when a pause ends a turn and opens a response: the second audio
+    message comes with "flipped", and every batch of output after it is announced by "after"."""
+
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self.audio_read = 0
+
+    def parse(self, message):
+        event = super().parse(message)
+        if isinstance(event, AudioIn):
+            self.audio_read += 1
+            if self.audio_read == 2:
+                return AudioIn(event.payload, (json.dumps({"type": "flipped"}),))
+        return event
+
+    def audio_out(self, payload: bytes, frames: int):
+        said = super().audio_out(payload, frames)
+        return [json.dumps({"type": "after"}), *said] if self.audio_read >= 2 else said
+
+
+async def test_what_reading_an_audio_message_said_goes_out_before_output_delivered_while_it_waits_for_credit():
+    """The second message waits for credit (inbox depth 1) while the first frame's step is
+    delivered: that output, already announced as "after" by the translator, must follow the
+    "flipped" the translator said while reading the message."""
+    config = make_config("runtime.slots=1", "runtime.inbox_depth=1", "runtime.outbox_depth=1")
+    backend = ControlledBackend(config, stalled=True)
+    wire = spec("pcm_f32le")
+    frame = noise(FRAME, seed=12)
+    async with open_runtime(config, backend=backend) as runtime:
+        client, server = memory_transport_pair()
+        texts: list[str] = []
+
+        async def serve() -> None:
+            await runtime.serve(server, FlipOnSecondAudio(wire), session_id=1)
+
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve)
+                await client.send(frame.tobytes())
+                await backend.wait_stalled()  # frame 1 is in its step
+                await client.send(frame.tobytes())  # read: "flipped"; then it waits for credit
+                await trio.testing.wait_all_tasks_blocked()
+                backend.release()
+                await client.send(INPUT_END)
+                while True:
+                    try:
+                        message = await client.receive()
+                    except TransportClosed:
+                        break
+                    if isinstance(message, str):
+                        texts.append(json.loads(message)["type"])
+    assert texts.index("flipped") < texts.index("after")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,9 @@ import trio.testing
 
 from conftest import (
     FRAME,
+    INPUT_END,
     PATIENCE,
+    ControlledBackend,
     ClientLog,
     make_config,
     noise,
@@ -31,6 +34,8 @@ from conftest import (
 )
 from test_session import SYNTHETIC, pcm_workload
 from duplexrt.core.runtime import open_runtime
+from duplexrt.protocols.events import Reply
+from duplexrt.protocols.raw import RawProtocol
 from duplexrt.readhub import ReadHub
 from duplexrt.wsnative import NativeWebSocket
 
@@ -195,3 +200,91 @@ async def test_a_shutdown_answers_every_frame_the_hub_took_and_nothing_after():
     got = np.frombuffer(bytes(log.audio), dtype="<f4").reshape(-1, FRAME)
     for k in range(4):
         np.testing.assert_array_equal(got[k], synthetic_out(frames[k], 5, k))
+
+
+class FlippingProtocol(RawProtocol):
+    """A translator whose ``parse`` changes what ``audio_out`` says, as Realtime's
+    ``response.create`` does (it opens the response the next deltas belong to): after the text
+    message "flip" it answers "flipped", and every later batch of audio is announced by "after"."""
+
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self.flipped = False
+
+    def parse(self, message):
+        if message == "flip":
+            self.flipped = True
+            return Reply((json.dumps({"type": "flipped"}),))
+        return super().parse(message)
+
+    def audio_out(self, payload: bytes, frames: int):
+        return [json.dumps({"type": "after"}), *super().audio_out(payload, frames)] if self.flipped else \
+            super().audio_out(payload, frames)
+
+
+async def test_output_delivered_while_a_read_event_waits_for_the_reader_goes_out_after_what_the_event_says():
+    """The hub parsed "flip" (the translator's state moved on) and left it for the reader; a
+    step's delivery lands before the reader runs.  What the translator said for "flip" must still
+    reach the client before the output that came after it (Realtime: response.created before the
+    response's first delta)."""
+    config = make_config("runtime.slots=1")
+    backend = ControlledBackend(config, stalled=True)
+    hub = ReadHub()
+    wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+    frame = noise_frames(1, seed=11)[0]
+    texts: list[str] = []
+    async with open_runtime(config, backend=backend) as runtime:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.run)
+            client, server = socket_pair(hub)
+            protocol = FlippingProtocol(wire)
+            outcome = {}
+
+            async def serve() -> None:
+                outcome["end"] = await runtime.serve(server, protocol, session_id=1)
+
+            nursery.start_soon(serve)
+            await _wait_for(lambda: runtime.sessions)
+            session = next(iter(runtime.sessions))
+            real_take = session._take_nowait
+
+            def take_then_deliver(message):
+                taken = real_take(message)
+                if isinstance(session._held, Reply):  # "flip", left for the reader: a delivery now
+                    backend.release()
+                    scheduler = runtime.scheduler
+                    deadline = time.monotonic() + PATIENCE
+                    while not scheduler._undelivered:
+                        assert time.monotonic() < deadline, "the step never finished"
+                        time.sleep(0.001)
+                    scheduler._take_deliveries()  # as the crossing would, before the reader runs
+                return taken
+
+            session._take_nowait = take_then_deliver  # before the reader first serves
+            await client.send(frame.astype("<f4").tobytes())  # the first message: the reader's
+            await backend.wait_stalled()
+            backend.release()  # the first step goes; the second frame will stall it again
+            await _wait_for(lambda: runtime.metrics.frames_out == 1)
+            backend.stall()
+            await client.send(frame.astype("<f4").tobytes())  # taken where read: stalls the model
+            await backend.wait_stalled()
+            await client.send("flip")
+            with trio.fail_after(PATIENCE):
+                while "after" not in texts:
+                    message = await client.receive()
+                    if isinstance(message, str):
+                        texts.append(json.loads(message)["type"])
+            await client.send(INPUT_END)
+            with trio.fail_after(PATIENCE):
+                while "session.end" not in texts:
+                    message = await client.receive()
+                    if isinstance(message, str):
+                        texts.append(json.loads(message)["type"])
+            nursery.cancel_scope.cancel()
+    assert texts.index("flipped") < texts.index("after")
+
+
+async def _wait_for(predicate) -> None:
+    with trio.fail_after(PATIENCE):
+        while not predicate():
+            await trio.sleep(0.001)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from conftest import FRAME, make_config, noise, run_session, spec, wire_messages
 from duplexrt.core.metrics import FrameMetrics
+from duplexrt.core.runtime import open_runtime
 from duplexrt.core.stage_meter import StageMeter
 
 MS = 1_000_000
@@ -59,10 +61,18 @@ def test_one_message_in_four_and_one_frame_in_eight_are_timed():
     for stamp in stamps:
         if stamp:
             meter.message_framed(stamp)
-    for submitted in range(1, 17):
-        meter.frame_submitted(submitted, started=1)
     assert metrics.preprocess.count == 2
-    assert metrics.enqueue.count == 2
+
+
+async def test_a_session_times_the_submit_of_one_frame_in_eight():
+    """The sampling is the session's (no call for the frames not timed): 16 frames, 2 timed."""
+    config = make_config("runtime.slots=1", "backend.name=synthetic")
+    wire = spec("pcm_f32le")
+    messages = wire_messages(noise(16 * FRAME, seed=3), wire, [FRAME * 2] * 8)
+    async with open_runtime(config) as runtime:
+        run = await run_session(runtime, messages, wire, session_id=1)
+        assert run.end.frames_in == 16
+        assert runtime.metrics.enqueue.count == 2
 
 
 def test_the_log_line_summarises_the_session():

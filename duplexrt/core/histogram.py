@@ -78,7 +78,7 @@ class Histogram:
         if value < self.min or self.min < 0:
             self.min = value
 
-    def record_many(self, values: list[int]) -> None:
+    def record_many(self, values: list[int], total: int | None = None, high: int | None = None) -> None:
         """``record`` each of ``values``: a writer's whole batch in one call.
 
         The moments (count, total, max, min) are kept at once, with the builtins over the list;
@@ -87,7 +87,8 @@ class Histogram:
         thread is one list append in C, where ``record`` costs a few hundred nanoseconds of
         Python: that is what stage timing costs per frame.  The buckets are then only exact on
         the thread that writes, so a histogram fed this way is read on that thread (the frame
-        histograms are: both sides are the trio thread).
+        histograms are: both sides are the trio thread).  A caller that has summed the values
+        or found their largest already (a session's own totals) passes ``total`` and ``high``.
         """
         if not values:
             return
@@ -95,12 +96,14 @@ class Histogram:
         if low < 0:
             values = [value if value > 0 else 0 for value in values]
             low = 0
+            total = high = None  # the caller's were over the negative values
         self._pending.extend(values)
         if len(self._pending) >= _FOLD_AT:
             self._fold()
         self.count += len(values)
-        self.total += sum(values)
-        high = max(values)
+        self.total += sum(values) if total is None else total
+        if high is None:
+            high = max(values)
         if high > self.max:
             self.max = high
         if low < self.min or self.min < 0:

@@ -406,6 +406,11 @@ class Session:
         transport sends without yielding; otherwise the writer is woken to send them."""
         if not self._outbox or not self._writer_lot:
             return  # nothing new, or the writer is awake (or ending) and takes the outbox itself
+        if self._held is not None:
+            # An event read and parsed ahead of this output waits for the reader (the translator
+            # may have opened a response for it whose creation is not queued yet): the output
+            # goes once the reader has taken it, in the order the translator made things.
+            return
         if self._delivered < self._hold_until:
             return  # the rest of the client message's frames are a step or two behind: one answer
         if (self._send_nowait is not None and not self._pending and self._unflushed is None
@@ -444,11 +449,19 @@ class Session:
                     event = protocol.parse(message)
                 else:  # taken where it was read (``_take_nowait``): what it needs is done here
                     event, self._held = self._held, None
+                    if self._outbox and self._writer_lot:
+                        # Output held back while the event waited for this task (delivery_done):
+                        # the writer takes it once this task next waits, after what the event
+                        # queues (everything below queues before its first wait).
+                        self._writer_lot.unpark_all()
                 kind = type(event)
                 if kind is AudioIn:
-                    await self._take_audio(event.payload)
+                    # What the translator said while reading it (the server VAD's events, a turn
+                    # it opened) goes in the queue now, ahead of any output a step delivers while
+                    # the audio waits for credit: a response's deltas never precede its creation.
                     if event.messages:
                         self._queue(event.messages)
+                    await self._take_audio(event.payload)
                     if self._pending_bytes > MAX_PENDING_BYTES:  # errors for bad audio, unread
                         await self._wait_for_room()
                 elif kind is InputEnd:
@@ -496,7 +509,7 @@ class Session:
             kind = type(event)
             if kind is AudioIn and self._take_audio_nowait(event.payload):
                 if event.messages:
-                    self._queue(event.messages)
+                    self._queue(event.messages)  # (before: frames only reach the model)
                 # Frames past the credits, or a queue the client does not read: the reader
                 # submits them, or waits for room, before the next message.
                 if self._unsubmitted is not None or self._pending_bytes > MAX_PENDING_BYTES:
@@ -517,12 +530,12 @@ class Session:
         if isinstance(event, ProtocolError):
             self._reject(event)
         elif isinstance(event, Reply):
+            self._queue(event.messages)  # before any wait: the translator's order is the client's
             if self._flush_frames and isinstance(event, EndTurn):  # else the input is one stream
                 last = self._framer.flush()
                 if last is not None:
                     await self._submit(last)
                 await self._feed_flush()
-            self._queue(event.messages)
         elif isinstance(event, Reconfigure):
             await self._reconfigure(event)
         elif isinstance(event, ClearInput):
@@ -792,8 +805,8 @@ class Session:
                 self._clock_started.set()
         self._submitted += 1
         self._metrics.frames_in += 1
-        if self._meter is not None:
-            self._meter.frame_submitted(self._submitted, started)
+        if self._meter is not None and not self._submitted & StageMeter.SUBMIT_SAMPLE_MASK:
+            self._meter.frame_submitted(started)
 
     async def _end_input(self) -> None:
         """Submit what the decoder and framer still hold, then let the writer finish."""
@@ -879,25 +892,25 @@ class Session:
                     await self._transport.flush()  # type: ignore[attr-defined]
                     items, self._unflushed = self._unflushed, None
                     self._batch_sent(items)
-                if not outbox:
-                    if self._outbox_done:
+                if not outbox or self._held is not None:  # (held: see delivery_done)
+                    if not outbox and self._outbox_done:
                         break
                     await self._writer_lot.park()
                     metrics.writer_wakeups += 1
                     continue
-                items, samples = self._next_batch()
+                items, rows = self._next_batch()
                 encoder = self._encoder  # a format switch replaces it between two batches
                 if self._always_offload:
                     self._encoding = True
                     try:
                         payload = await self._services.handoffs.offload(
-                            HandoffKind.CONVERT_OFFLOAD, encoder.encode, samples)
+                            HandoffKind.CONVERT_OFFLOAD, encoder.encode_rows, rows)
                     finally:
                         self._encoding = False
                         if self._encoded:
                             self._encoded.unpark_all()
                 else:
-                    payload = encoder.encode(samples)
+                    payload = encoder.encode_rows(rows)
                 self._tell(items, payload)
                 await self._send_pending()
                 self._batch_sent(items)
@@ -917,8 +930,8 @@ class Session:
         outbox = self._outbox
         try:
             while outbox:
-                items, samples = self._next_batch()
-                self._tell(items, self._encoder.encode(samples))
+                items, rows = self._next_batch()
+                self._tell(items, self._encoder.encode_rows(rows))
                 if not self._send_pending_nowait():
                     self._unflushed = items
                     self._writer_lot.unpark_all()
@@ -933,10 +946,10 @@ class Session:
 
     # -- one batch of output: what the writer and the direct path share ------------------------
 
-    def _next_batch(self) -> tuple[list[_Output], np.ndarray]:
-        """The outbox's next batch and its samples: all of it, but never across a turn's end
-        (``next_boundary``), so that each response carries exactly its frames; the rest waits
-        for the next batch."""
+    def _next_batch(self) -> tuple[list[_Output], list[np.ndarray]]:
+        """The outbox's next batch and its rows of audio: all of it, but never across a turn's
+        end (``next_boundary``), so that each response carries exactly its frames; the rest
+        waits for the next batch."""
         outbox = self._outbox
         count = len(outbox)
         answered = self._told + self._dropped
@@ -947,8 +960,7 @@ class Session:
         else:
             items = list(outbox)
             outbox.clear()
-        samples = items[0][0] if count == 1 else np.concatenate([item[0] for item in items])
-        return items, samples
+        return items, [item[0] for item in items]
 
     def _tell(self, items: list[_Output], payload: bytes) -> None:
         """Hand a batch to the translator, its messages into the queue behind everything before."""

@@ -56,10 +56,14 @@ class StageMeter:
     def message_framed(self, started: int) -> None:
         self._metrics.preprocess.record(_now() - started)
 
-    def frame_submitted(self, submitted: int, started: int) -> None:
-        """The ``submitted``-th frame went into the inbox, its submit begun at ``started``."""
-        if not submitted & 7:
-            self._metrics.enqueue.record(_now() - started)
+    #: Frames whose submit is timed: the session calls ``frame_submitted`` only for a frame
+    #: number with none of these bits set (one in eight), so the others cost no call.
+    SUBMIT_SAMPLE_MASK = 7
+
+    def frame_submitted(self, started: int) -> None:
+        """A sampled frame (see ``SUBMIT_SAMPLE_MASK``) went into the inbox, its submit begun at
+        ``started``."""
+        self._metrics.enqueue.record(_now() - started)
 
     def batch_sent(self, items: Sequence[tuple[Any, Any, int, int]], now: int, last_sent_ns: int) -> None:
         """A batch of the session's outbox items, ``(audio, text, submitted_ns, stepped_ns)``,
@@ -82,9 +86,10 @@ class StageMeter:
             self._sent_at(metrics, now, last_sent_ns, 1, sampled)
             return
         latencies = [now - item[2] for item in items]
-        metrics.latency.record_many(latencies)
-        self._latency_sum_ns += sum(latencies)
+        total = sum(latencies)
         longest = max(latencies)
+        metrics.latency.record_many(latencies, total, longest)
+        self._latency_sum_ns += total
         if longest > self._latency_max_ns:
             self._latency_max_ns = longest
         frame_ns = self._frame_ns
