@@ -5,7 +5,8 @@
    ``duplexrt simulate --url`` in another; the server's CPU comes from its own /metrics
    (process_cpu_seconds_total).  Each (route, sessions) is run once per variant, the variants
    alternated so that they share the machine's load: ``native`` and ``trio-websocket`` (this
-   checkout's server with ``server.websocket_impl`` set to each; this checkout's load generator)
+   checkout's server with ``server.websocket_impl`` set to each; this checkout's load generator),
+   ``native-no-hub`` (native with ``server.read_hub = false``: each session reads its own socket)
    and, with ``--before-bin``, ``before`` (another checkout's ``duplexrt``, server and load).
    ``bare`` (benchmarks/bare_echo.py, /v1/duplex only) is the floor: trio and the WebSocket layer
    echoing with no runtime behind them, measured by the same load generator and the same /metrics
@@ -91,6 +92,15 @@ def run_once(bin: Path, serve_args: list[str], url_path: str, concurrency: int, 
     return round_, code
 
 
+def _variant(name: str) -> tuple[str, Path, list[str]]:
+    """A variant's server: this checkout's with one setting, or the floor."""
+    if name == "bare":
+        return name, BARE_ECHO, []
+    if name == "native-no-hub":  # each session reads its own socket (server.read_hub = false)
+        return name, BIN, ["--set", "server.websocket_impl=native", "--set", "server.read_hub=false"]
+    return name, BIN, ["--set", f"server.websocket_impl={name}"]
+
+
 def _loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -101,17 +111,16 @@ def main() -> None:
     parser.add_argument("--routes", default="/v1/duplex,/v1/realtime?duplex=1&continuous=1,/v1/live/sessions")
     parser.add_argument("--sessions", default="96,256")
     parser.add_argument("--variants", default="native,trio-websocket",
-                        help="which of native, trio-websocket and bare to run (before is added by --before-bin); "
-                             "bare is benchmarks/bare_echo.py, the floor with no runtime, on /v1/duplex only")
+                        help="which of native, native-no-hub (server.read_hub=false), trio-websocket and bare to "
+                             "run (before is added by --before-bin); bare is benchmarks/bare_echo.py, the floor "
+                             "with no runtime, on /v1/duplex only")
     parser.add_argument("--before-bin", type=Path, default=None,
                         help="another checkout's duplexrt (e.g. main's .venv/bin/duplexrt): server and load generator")
     parser.add_argument("--capacity", default="256,512,768,1024", help="'' to skip")
     parser.add_argument("--capacity-frames", type=int, default=300, help="frames a session in the capacity step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    variants: list[tuple[str, Path, list[str]]] = [
-        (name, BARE_ECHO, []) if name == "bare" else (name, BIN, ["--set", f"server.websocket_impl={name}"])
-        for name in args.variants.split(",") if name]
+    variants: list[tuple[str, Path, list[str]]] = [_variant(name) for name in args.variants.split(",") if name]
     if args.before_bin is not None:
         variants.insert(0, ("before", args.before_bin, []))
     results: dict = {"cpu": [], "capacity": [], "load_average_before": _loadavg()}
