@@ -7,6 +7,7 @@ stall gate and injected failures to the synthetic model where a test needs them.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -198,6 +199,35 @@ async def test_frames_queued_behind_a_cheap_step_are_stepped_in_the_same_wake_up
             np.testing.assert_array_equal(output, synthetic_out(frame, lease.session_id, k))
         lease.release()
         quiet_lease.release()
+
+
+@pytest.mark.parametrize(("cycle_ms", "expected_s"), [(40.0, 0.040), (0.0, 0.030)])
+async def test_after_a_cheap_cycle_the_next_one_gathers_until_a_cycle_period_after_it_began(cycle_ms, expected_s):
+    """``runtime.cheap_step_cycle_ms`` (0: the gather window, here 30 ms) bounds how long a frame
+    waits between cycles of cheap steps: the call after a cycle gathers until that long after the
+    cycle began, frame or no frame yet."""
+    config = make_config("runtime.slots=1", "backend.name=synthetic", "runtime.gather_window_ms=30",
+                         f"runtime.cheap_step_cycle_ms={cycle_ms}")
+    async with open_runtime(config) as runtime:
+        scheduler = runtime.scheduler
+        assert scheduler.cheap_cycle == pytest.approx(expected_s)
+        inbox = scheduler.inbox
+        real_next_batch = inbox.next_batch
+        asked: list[float | None] = []
+
+        def next_batch(window: float, *, gather_queued: bool = True, gather_until=None):
+            asked.append(None if gather_until is None else gather_until - time.monotonic())
+            return real_next_batch(window, gather_queued=gather_queued, gather_until=gather_until)
+
+        inbox.next_batch = next_batch
+        owner = RecordingOwner()
+        lease = scheduler.open_slot(owner)
+        assert lease.submit_nowait(frame_of(0.2))
+        await owner.wait_for(outputs=1)
+        await trio.testing.wait_all_tasks_blocked()
+        lease.release()
+    after_the_step = [left for left in asked if left is not None]
+    assert after_the_step and 0 < after_the_step[0] <= expected_s
 
 
 # -- failures ------------------------------------------------------------------------------------------
