@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import abc
 import json
-from binascii import a2b_base64, b2a_base64
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -41,6 +40,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import attrs
 
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+from duplexrt.protocols import b64codec
 from duplexrt.protocols import moshi as moshi_wire
 from duplexrt.protocols.options import duplex_specs, wants_duplex
 from duplexrt.reasons import FinishReason
@@ -174,14 +174,14 @@ class ClientProtocol(abc.ABC):
 def _append_event(kind: str, payload: Buffer) -> str:
     """A JSON append event carrying base64 audio, formatted by hand: base64 needs no escaping,
     and json.dumps would scan every byte again (the load generator sends one per frame)."""
-    return '{"type":"' + kind + '","audio":"' + b2a_base64(payload, newline=False).decode("ascii") + '"}'
+    return '{"type":"' + kind + '","audio":"' + b64codec.encode(payload) + '"}'
 
 
 def _delta_audio(kind: str, data: dict) -> bytes | ServerError:
     """The audio of a JSON delta event (Realtime, Live), or the error its bad base64 is."""
     delta = data.get("delta")
     try:
-        return a2b_base64(delta) if isinstance(delta, str) else b""
+        return b64codec.decode(delta) if isinstance(delta, str) else b""
     except ValueError:
         return ServerError("invalid_base64", f"{kind} carried audio that is not base64")
 

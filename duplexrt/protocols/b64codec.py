@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from binascii import a2b_base64, b2a_base64
 
-__all__ = ["decode_strict", "encode"]
+__all__ = ["decode", "decode_strict", "encode"]
 
 try:
     from pybase64 import b64decode as _fast_decode
@@ -31,6 +31,17 @@ def decode_strict(text: str) -> bytes:
         except ValueError:
             pass  # binascii decides (and words the error): it accepts a few things pybase64 does not
     return a2b_base64(text, strict_mode=True)
+
+
+def decode(text: str) -> bytes:
+    """``binascii.a2b_base64(text)``, lenient as it is (what a client reads from a server): the
+    same bytes, the same ValueError."""
+    if _fast_decode is not None:
+        try:
+            return _fast_decode(text, validate=True)
+        except ValueError:
+            pass  # not strict base64: binascii reads it its own lenient way, or refuses it
+    return a2b_base64(text)
 
 
 def encode(data: bytes | bytearray | memoryview) -> str:
