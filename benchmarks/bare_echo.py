@@ -9,11 +9,13 @@ model's default ``delay_frames``, ``session.end`` with usage after ``input.end``
 CPU per frame is measured exactly as the server's is.
 
 The difference between this and ``duplexrt serve`` on the same load is what the runtime adds; what
-this costs is a floor no change inside the runtime can go below, given trio's one wake-up per
-received message and one socket operation each way.  ``benchmarks/server.py --variants bare,...``
-runs it beside the others.
+this costs is a floor no change inside the runtime can go below, given one socket operation each
+way.  ``--read-hub`` answers each message where duplexrt's ``ReadHub`` reads it (no task woken per
+message), as ``duplexrt serve`` does with ``server.read_hub``; without it each connection's task
+reads its own socket.  ``benchmarks/server.py --variants bare,bare-hub,...`` runs both beside the
+others.
 
-Usage: python benchmarks/bare_echo.py [--port 0]   (prints "listening on port(s) N" on stderr)
+Usage: python benchmarks/bare_echo.py [--port 0] [--read-hub]   (prints "listening on port(s) N" on stderr)
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import sys
 
 import trio
 
-from duplexrt.transport import TransportClosed
+from duplexrt.readhub import ReadHub
+from duplexrt.transport import Message, Taken, TransportClosed
 from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request
 from duplexrt.wsnative import NativeWebSocket
 
@@ -67,28 +70,57 @@ def _plain_response(status: str, body: bytes = b"") -> bytes:
             "connection: close\r\n\r\n").encode() + body
 
 
-async def _echo(ws: NativeWebSocket, counters: Counters) -> None:
-    """Echo every binary message two frames late; ``input.end`` ends the session."""
-    held = bytes(DELAY_BYTES)
-    frames_in = 0
-    while True:
-        message = await ws.receive()
-        if isinstance(message, str):
-            if json.loads(message).get("type") == "input.end":
-                break
-            continue
+class _Echo:
+    """One connection's echo: every binary message two frames late; ``input.end`` ends it."""
+
+    def __init__(self, ws: NativeWebSocket, counters: Counters) -> None:
+        self.ws = ws
+        self.counters = counters
+        self.held = bytes(DELAY_BYTES)
+        self.frames_in = 0
+        self.ended = False
+
+    def _answer(self, message: bytes) -> bytes:
         size = len(message)
-        counters.bytes_in += size
-        frames_in += size // FRAME_BYTES
-        stream = held + message
-        held = stream[size:]
-        await ws.send(stream[:size])
-        counters.bytes_out += size
-    await ws.send(json.dumps({"type": "session.end", "reason": "stop",
-                              "usage": {"frames_in": frames_in, "frames_out": frames_in}}))
+        self.counters.bytes_in += size
+        self.frames_in += size // FRAME_BYTES
+        stream = self.held + message
+        self.held = stream[size:]
+        self.counters.bytes_out += size
+        return stream[:size]
+
+    def _ends(self, message: str) -> bool:
+        return json.loads(message).get("type") == "input.end"
+
+    def take(self, message: Message) -> Taken:
+        """The read hub's sink (``--read-hub``): answer ``message`` where it was read."""
+        if isinstance(message, str):
+            if self._ends(message):
+                self.ended = True
+                return Taken.HELD  # the goodbye is the connection's task's
+            return Taken.DONE
+        if not self.ws.send_nowait(self._answer(message)):
+            return Taken.HELD  # the socket took part of it: the task waits for the rest
+        return Taken.DONE
+
+    async def run(self, hub: ReadHub | None) -> None:
+        ws = self.ws
+        while not self.ended:
+            if hub is None:  # the connection's own task reads every message
+                message = await ws.receive()
+                if isinstance(message, str):
+                    self.ended = self._ends(message)
+                else:
+                    await ws.send(self._answer(message))
+                continue
+            message = await ws.serve_messages(self.take)  # None: the sink held one for this task
+            if (message is None or self.take(message) is Taken.HELD) and not self.ended:
+                await ws.flush()
+        await ws.send(json.dumps({"type": "session.end", "reason": "stop",
+                                  "usage": {"frames_in": self.frames_in, "frames_out": self.frames_in}}))
 
 
-async def _connection(stream: trio.SocketStream, counters: Counters) -> None:
+async def _connection(stream: trio.SocketStream, counters: Counters, hub: ReadHub | None) -> None:
     try:
         received = await _read_head(stream)
         lines = received.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
@@ -110,10 +142,10 @@ async def _connection(stream: trio.SocketStream, counters: Counters) -> None:
     except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
         await stream.aclose()
         return
-    ws = NativeWebSocket(stream, received=after_head(received))
+    ws = NativeWebSocket(stream, received=after_head(received), hub=hub)
     try:
         await ws.send(_GREETING)
-        await _echo(ws, counters)
+        await _Echo(ws, counters).run(hub)
     except TransportClosed:
         pass
     finally:
@@ -121,11 +153,14 @@ async def _connection(stream: trio.SocketStream, counters: Counters) -> None:
             await ws.close()
 
 
-async def serve(port: int) -> None:
+async def serve(port: int, read_hub: bool = False) -> None:
     counters = Counters()
+    hub = ReadHub() if read_hub else None
     async with trio.open_nursery() as nursery:
+        if hub is not None:
+            nursery.start_soon(hub.run)
         listeners = await nursery.start(
-            lambda task_status: trio.serve_tcp(lambda stream: _connection(stream, counters), port,
+            lambda task_status: trio.serve_tcp(lambda stream: _connection(stream, counters, hub), port,
                                                host="127.0.0.1", task_status=task_status))
         bound = listeners[0].socket.getsockname()[1]
         print(f"bare echo listening on port(s) {bound}", file=sys.stderr, flush=True)
@@ -138,8 +173,11 @@ async def serve(port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--read-hub", action="store_true",
+                        help="answer each message where duplexrt's read hub reads it (as the server's "
+                             "server.read_hub does), instead of in each connection's own task")
     args = parser.parse_args()
-    trio.run(serve, args.port)
+    trio.run(serve, args.port, args.read_hub)
 
 
 if __name__ == "__main__":

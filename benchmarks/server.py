@@ -9,7 +9,7 @@
    ``native-no-hub`` (native with ``server.read_hub = false``: each session reads its own socket)
    and, with ``--before-bin``, ``before`` (another checkout's ``duplexrt``, server and load).
    ``bare`` (benchmarks/bare_echo.py, /v1/duplex only) is the floor: trio and the WebSocket layer
-   echoing with no runtime behind them, measured by the same load generator and the same /metrics
+   echoing with no runtime behind them (``bare-hub``: answered where the read hub reads each message), measured by the same load generator and the same /metrics
    series, so that the difference to ``native`` is what the runtime adds.
 2. Capacity: the largest number of paced sessions one server process keeps real-time (p99 frame
    lag under 80 ms, no late frames beyond 1 %, no connection errors) on ``/v1/duplex``, trying
@@ -42,7 +42,7 @@ BARE_ECHO = Path(__file__).with_name("bare_echo.py")
 class RunningServer:
     def __init__(self, *args: str, bin: Path = BIN) -> None:
         if bin == BARE_ECHO:
-            command = [sys.executable, str(BARE_ECHO), "--port", "0"]
+            command = [sys.executable, str(BARE_ECHO), "--port", "0", *args]
         else:
             # The load generator opens every session at once: past 256 that is more handshakes at
             # a time than the flood guard (server.max_pending_handshakes) lets wait, and the rest
@@ -96,6 +96,8 @@ def _variant(name: str) -> tuple[str, Path, list[str]]:
     """A variant's server: this checkout's with one setting, or the floor."""
     if name == "bare":
         return name, BARE_ECHO, []
+    if name == "bare-hub":  # the floor answered where the read hub reads each message
+        return name, BARE_ECHO, ["--read-hub"]
     if name == "native-no-hub":  # each session reads its own socket (server.read_hub = false)
         return name, BIN, ["--set", "server.websocket_impl=native", "--set", "server.read_hub=false"]
     return name, BIN, ["--set", f"server.websocket_impl={name}"]
@@ -111,9 +113,9 @@ def main() -> None:
     parser.add_argument("--routes", default="/v1/duplex,/v1/realtime?duplex=1&continuous=1,/v1/live/sessions")
     parser.add_argument("--sessions", default="96,256")
     parser.add_argument("--variants", default="native,trio-websocket",
-                        help="which of native, native-no-hub (server.read_hub=false), trio-websocket and bare to "
-                             "run (before is added by --before-bin); bare is benchmarks/bare_echo.py, the floor "
-                             "with no runtime, on /v1/duplex only")
+                        help="which of native, native-no-hub (server.read_hub=false), trio-websocket, bare and "
+                             "bare-hub to run (before is added by --before-bin); bare is benchmarks/bare_echo.py, "
+                             "the floor with no runtime, on /v1/duplex only, bare-hub the same through the read hub")
     parser.add_argument("--before-bin", type=Path, default=None,
                         help="another checkout's duplexrt (e.g. main's .venv/bin/duplexrt): server and load generator")
     parser.add_argument("--capacity", default="256,512,768,1024", help="'' to skip")

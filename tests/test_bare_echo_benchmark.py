@@ -26,3 +26,15 @@ def test_the_floor_echoes_every_frame_and_reports_its_cpu_like_a_server(tmp_path
     assert row["guards_ok"], proc.stderr
     assert row["late_frames"] == 0 and row["server_exit_code"] == 0, row
     assert row["server_cpu_us_per_frame"] is not None and row["server_cpu_us_per_frame"] >= 0, row
+
+
+def test_the_floor_through_the_read_hub_echoes_every_frame(tmp_path):
+    out = tmp_path / "server.json"
+    proc = subprocess.run(
+        [sys.executable, str(SERVER_BENCHMARK), "--variants", "bare-hub", "--routes", "/v1/duplex",
+         "--sessions", "2", "--frames", "6", "--capacity", "", "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["cpu"]
+    assert row["variant"] == "bare-hub" and row["guards_ok"], proc.stderr
+    assert row["late_frames"] == 0 and row["server_exit_code"] == 0, row
