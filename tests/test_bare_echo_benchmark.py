@@ -1,6 +1,7 @@
-"""benchmarks/bare_echo.py (the floor under ``duplexrt serve``) through benchmarks/server.py, as
-small as it goes: two paced sessions of four frames from the real load generator, whose guards
-check every echoed frame, and the floor's CPU per frame read from its /metrics as a server's is."""
+"""benchmarks/server.py's variants, as small as they go: the floor under ``duplexrt serve``
+(benchmarks/bare_echo.py, with a task per connection or through the read hub) and the server with
+and without its read hub, each driven by the real load generator, whose guards check every
+echoed frame, and each one's CPU per frame read from its /metrics as a server's is."""
 
 from __future__ import annotations
 
@@ -12,29 +13,29 @@ from pathlib import Path
 SERVER_BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "server.py"
 
 
-def test_the_floor_echoes_every_frame_and_reports_its_cpu_like_a_server(tmp_path):
+def _run(tmp_path: Path, variants: str, routes: str = "/v1/duplex", frames: int = 4) -> tuple[str, list[dict]]:
+    """Two paced sessions per route and variant; (what it logged, its CPU rows)."""
     out = tmp_path / "server.json"
     proc = subprocess.run(
-        [sys.executable, str(SERVER_BENCHMARK), "--variants", "bare", "--routes", "/v1/duplex,/v1/realtime",
-         "--sessions", "2", "--frames", "4", "--capacity", "", "--json", str(out)],
+        [sys.executable, str(SERVER_BENCHMARK), "--variants", variants, "--routes", routes,
+         "--sessions", "2", "--frames", str(frames), "--capacity", "", "--json", str(out)],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    rows = json.loads(out.read_text())["cpu"]
+    return proc.stderr, json.loads(out.read_text())["cpu"]
+
+
+def test_the_floor_echoes_every_frame_and_reports_its_cpu_like_a_server(tmp_path):
+    log, rows = _run(tmp_path, "bare", routes="/v1/duplex,/v1/realtime")
     # The floor speaks /v1/duplex only: the Realtime route is skipped, not run against it.
     assert [(row["route"], row["sessions"], row["variant"]) for row in rows] == [("/v1/duplex", 2, "bare")]
     row = rows[0]
-    assert row["guards_ok"], proc.stderr
+    assert row["guards_ok"], log
     assert row["late_frames"] == 0 and row["server_exit_code"] == 0, row
     assert row["server_cpu_us_per_frame"] is not None and row["server_cpu_us_per_frame"] >= 0, row
 
 
-def test_the_floor_through_the_read_hub_echoes_every_frame(tmp_path):
-    out = tmp_path / "server.json"
-    proc = subprocess.run(
-        [sys.executable, str(SERVER_BENCHMARK), "--variants", "bare-hub", "--routes", "/v1/duplex",
-         "--sessions", "2", "--frames", "6", "--capacity", "", "--json", str(out)],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    (row,) = json.loads(out.read_text())["cpu"]
-    assert row["variant"] == "bare-hub" and row["guards_ok"], proc.stderr
-    assert row["late_frames"] == 0 and row["server_exit_code"] == 0, row
+def test_the_floor_through_the_read_hub_and_the_server_with_and_without_it_serve_every_frame(tmp_path):
+    log, rows = _run(tmp_path, "bare-hub,native,native-no-hub", frames=6)
+    assert [row["variant"] for row in rows] == ["bare-hub", "native", "native-no-hub"]
+    for row in rows:
+        assert row["guards_ok"] and row["late_frames"] == 0 and row["server_exit_code"] == 0, (row, log)

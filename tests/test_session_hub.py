@@ -37,6 +37,7 @@ from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.events import Reply
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.readhub import ReadHub
+from duplexrt.transport import Taken
 from duplexrt.wsnative import NativeWebSocket
 
 def noise_frames(count: int, seed: int) -> list[np.ndarray]:
@@ -288,3 +289,41 @@ async def _wait_for(predicate) -> None:
     with trio.fail_after(PATIENCE):
         while not predicate():
             await trio.sleep(0.001)
+
+
+async def test_a_shutdown_right_after_the_hub_left_a_message_to_the_reader_still_answers_all_of_it():
+    """The hub read a message the credits could not take at once (six frames, inbox depth 2) and
+    left it to the reader; a shutdown lands before the reader runs.  That message was read: the
+    reader finishes it, every frame answered, and stops after it."""
+    async with served_runtime("runtime.slots=1", "runtime.inbox_depth=2", "runtime.outbox_depth=2",
+                              *SYNTHETIC) as (runtime, hub):
+        wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+        frames = noise_frames(7, seed=13)
+        client, server = socket_pair(hub)
+        log = ClientLog()
+        outcome = {}
+
+        async def serve() -> None:
+            outcome["end"] = await runtime.serve(server, input_spec=wire, output_spec=wire, session_id=6)
+
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve)
+                await _wait_for(lambda: runtime.sessions)
+                session = next(iter(runtime.sessions))
+                real_take = session._take_nowait
+
+                def take_then_stop(message):
+                    taken = real_take(message)
+                    if taken is Taken.HELD:
+                        session.shutdown()  # before the reader gets the message it was left
+                    return taken
+
+                session._take_nowait = take_then_stop
+                nursery.start_soon(receive_all, client, log)
+                await client.send(frames[0].astype("<f4").tobytes())  # the reader's, as the first
+                await _wait_for(lambda: runtime.metrics.frames_out == 1)
+                await client.send(np.concatenate(frames[1:]).astype("<f4").tobytes())
+    end = outcome["end"]
+    assert end.reason == "shutdown" and end.frames_in == end.frames_out == 7
+    assert bytes(log.audio) == synthetic_wire(frames, 6, wire)[:7 * FRAME * 4]

@@ -509,17 +509,16 @@ class Session:
             kind = type(event)
             if kind is AudioIn and self._take_audio_nowait(event.payload):
                 if event.messages:
-                    self._queue(event.messages)  # (before: frames only reach the model)
+                    self._queue(event.messages)  # no wait since the parse: nothing came between
                 # Frames past the credits, or a queue the client does not read: the reader
                 # submits them, or waits for room, before the next message.
                 if self._unsubmitted is not None or self._pending_bytes > MAX_PENDING_BYTES:
-                    return Taken.HELD
+                    return self._hold(None)
                 self._metrics.messages_taken_inline += 1
                 return Taken.DONE
             if kind is Ignored:
                 return Taken.DONE
-            self._held = event
-            return Taken.HELD
+            return self._hold(event)
         except Exception:
             log.exception("session %s failed", self.lease.session_id)
             self._finish(FinishReason.ERROR, "internal error", CloseCode.INTERNAL_ERROR)
@@ -623,6 +622,14 @@ class Session:
         while self._queue_full():
             await self._credit.park()
         self._between_messages = False
+
+    def _hold(self, event: Event | None) -> Taken:
+        """Leave the rest of a message taken where it was read to the reader.  The reader is in
+        the middle of that message from now on, as if it had read it itself: a stop lets it
+        finish the message (``_stop_input``), and the fill loop does not fill under it."""
+        self._held = event
+        self._between_messages = False
+        return Taken.HELD
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
         meter = self._meter
