@@ -327,3 +327,15 @@ async def test_a_shutdown_right_after_the_hub_left_a_message_to_the_reader_still
     end = outcome["end"]
     assert end.reason == "shutdown" and end.frames_in == end.frames_out == 7
     assert bytes(log.audio) == synthetic_wire(frames, 6, wire)[:7 * FRAME * 4]
+
+
+async def test_a_session_whose_messages_all_go_through_a_worker_thread_reads_its_own_socket():
+    """With ``offload = "always"`` (as with Opus, decoded on a worker thread) nothing could be taken
+    where the hub reads it: the session reads its own socket, and the hub never calls it back."""
+    async with served_runtime("runtime.slots=1", "runtime.offload=always", *SYNTHETIC) as (runtime, hub):
+        messages, wire = pcm_workload("pcm_f32le", 4.5, seed=14)
+        end, log = await run_hub_session(runtime, hub, messages, wire, session_id=8)
+        stats = runtime.statistics()
+    frames = model_frames(messages, wire)
+    assert end.reason == "stop" and bytes(log.audio) == synthetic_wire(frames, 8, wire)
+    assert hub.callbacks == 0 and stats.frames.messages_taken_inline == 0

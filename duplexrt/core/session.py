@@ -492,7 +492,12 @@ class Session:
             self._reader_scope.cancel()  # asked before the reader got here: a stop cancels only a waiter
         self._between_messages = True
         serve = self._serve_messages
-        message = await (self._transport.receive() if serve is None else serve(self._take_nowait))
+        if serve is None or self._decoder.is_encoded or self._always_offload:
+            # Nothing it reads could be taken where it was read (an Opus message decodes on a
+            # worker thread): the hub would only wake this task for each one, a step later.
+            message = await self._transport.receive()
+        else:
+            message = await serve(self._take_nowait)
         self._between_messages = False
         return message
 
