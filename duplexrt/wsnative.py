@@ -184,10 +184,7 @@ class NativeWebSocket:
         except OSError:  # reset by the peer
             count = 0
         if not count:
-            if self._read_shut:
-                self._eof = True  # this end stopped reading (idle): sending still works
-            else:
-                self._lost()
+            self._stream_ended()
             self._stop_serving()
             return
         parser.received(count)
@@ -413,10 +410,7 @@ class NativeWebSocket:
             if self._read_lot:
                 self._read_lot.unpark_all()
         if not count:
-            if self._read_shut:
-                self._eof = True  # this end stopped reading (idle): sending still works
-            else:
-                self._lost()
+            self._stream_ended()
             return
         if self._parser_failed:
             return  # after a broken frame, only the end of the connection matters
@@ -526,6 +520,13 @@ class NativeWebSocket:
         self._end(finish, error.code, error.reason)
         with trio.move_on_after(self._close_timeout):
             await self._send_close(error.code, error.reason)
+
+    def _stream_ended(self) -> None:
+        """A read found the end of the stream (whoever read: the hub or a task)."""
+        if self._read_shut:
+            self._eof = True  # this end stopped reading (idle): sending still works
+        else:
+            self._lost()
 
     def _lost(self) -> None:
         if self._gone is None:

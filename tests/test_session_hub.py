@@ -67,18 +67,26 @@ def socket_pair(hub: ReadHub) -> tuple[NativeWebSocket, NativeWebSocket]:
     return client, server
 
 
-async def run_hub_session(runtime, hub, messages, wire, session_id=None, *, client_log=None, transform=None):
-    """One session over the hub; ``transform(session)`` may change the server session first."""
+def start_session(nursery: trio.Nursery, runtime, hub: ReadHub, session_id: int, wire=None, protocol=None):
+    """Serve one session over the hub in ``nursery``: ``(client, outcome)``, where ``outcome["end"]``
+    is the session's end once it is over."""
     client, server = socket_pair(hub)
-    outcome = {}
+    outcome: dict = {}
 
     async def serve() -> None:
-        outcome["end"] = await runtime.serve(server, input_spec=wire, output_spec=wire, session_id=session_id)
+        outcome["end"] = await runtime.serve(server, protocol, input_spec=wire, output_spec=wire,
+                                             session_id=session_id)
 
+    nursery.start_soon(serve)
+    return client, outcome
+
+
+async def run_hub_session(runtime, hub, messages, wire, session_id=None, *, client_log=None, transform=None):
+    """One session over the hub; ``transform(session)`` may change the server session first."""
     log = client_log if client_log is not None else ClientLog()
     with trio.fail_after(PATIENCE):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve)
+            client, outcome = start_session(nursery, runtime, hub, session_id, wire)
             if transform is not None:
                 await trio.testing.wait_all_tasks_blocked()
                 transform(next(iter(runtime.sessions)))
@@ -180,16 +188,10 @@ async def test_a_shutdown_answers_every_frame_the_hub_took_and_nothing_after():
     async with served_runtime("runtime.slots=1", *SYNTHETIC) as (runtime, hub):
         wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
         frames = noise_frames(6, seed=10)
-        client, server = socket_pair(hub)
         log = ClientLog()
-        outcome = {}
-
-        async def serve() -> None:
-            outcome["end"] = await runtime.serve(server, input_spec=wire, output_spec=wire, session_id=5)
-
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve)
+                client, outcome = start_session(nursery, runtime, hub, 5, wire)
                 nursery.start_soon(receive_all, client, log)
                 await send_all(client, [frame.astype("<f4").tobytes() for frame in frames[:4]], log,
                                end_input=False)
@@ -237,14 +239,7 @@ async def test_output_delivered_while_a_read_event_waits_for_the_reader_goes_out
     async with open_runtime(config, backend=backend) as runtime:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hub.run)
-            client, server = socket_pair(hub)
-            protocol = FlippingProtocol(wire)
-            outcome = {}
-
-            async def serve() -> None:
-                outcome["end"] = await runtime.serve(server, protocol, session_id=1)
-
-            nursery.start_soon(serve)
+            client, outcome = start_session(nursery, runtime, hub, 1, protocol=FlippingProtocol(wire))
             await _wait_for(lambda: runtime.sessions)
             session = next(iter(runtime.sessions))
             real_take = session._take_nowait
@@ -299,16 +294,10 @@ async def test_a_shutdown_right_after_the_hub_left_a_message_to_the_reader_still
                               *SYNTHETIC) as (runtime, hub):
         wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
         frames = noise_frames(7, seed=13)
-        client, server = socket_pair(hub)
         log = ClientLog()
-        outcome = {}
-
-        async def serve() -> None:
-            outcome["end"] = await runtime.serve(server, input_spec=wire, output_spec=wire, session_id=6)
-
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve)
+                client, outcome = start_session(nursery, runtime, hub, 6, wire)
                 await _wait_for(lambda: runtime.sessions)
                 session = next(iter(runtime.sessions))
                 real_take = session._take_nowait

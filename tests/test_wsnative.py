@@ -379,19 +379,16 @@ class TestServing:
             await trio.testing.wait_all_tasks_blocked()
             assert outcome[0].code == CloseCode.INTERNAL_ERROR and outcome[0].finish_reason == FinishReason.ERROR
 
-    async def test_a_silent_served_peer_is_ended_by_the_idle_limit(self, autojump_clock):
+    @pytest.mark.parametrize(("limits", "after", "finish"), [
+        ((0, 0, 5.0), 6, FinishReason.IDLE_TIMEOUT),  # silent: the idle limit
+        ((1.0, 1.0, 0), 3, FinishReason.PING_TIMEOUT),  # never answers pings
+    ], ids=["idle", "no-pong"])
+    async def test_a_served_peer_is_held_to_the_same_limits(self, autojump_clock, limits, after, finish):
         async with _served() as (hub, server, peer, nursery):
-            nursery.start_soon(server.watch, 0, 0, 5.0)
+            nursery.start_soon(server.watch, *limits)
             outcome = await _serve_in_background(nursery, server, Sink())
-            await trio.sleep(6)
-            assert outcome[0].finish_reason == FinishReason.IDLE_TIMEOUT
-
-    async def test_a_served_peer_that_never_answers_pings_is_dropped_with_ping_timeout(self, autojump_clock):
-        async with _served() as (hub, server, peer, nursery):
-            nursery.start_soon(server.watch, 1.0, 1.0, 0)
-            outcome = await _serve_in_background(nursery, server, Sink())
-            await trio.sleep(3)
-            assert outcome[0].finish_reason == FinishReason.PING_TIMEOUT
+            await trio.sleep(after)
+            assert outcome[0].finish_reason == finish
 
     async def test_pongs_read_by_the_hub_reach_the_keepalive(self, autojump_clock):
         async with _served() as (hub, server, peer, nursery):
