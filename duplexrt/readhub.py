@@ -40,7 +40,7 @@ class ReadHub:
         self._epoll = select.epoll()
         self._callbacks: dict[int, Callback] = {}
         #: Wake-ups of the hub, and callbacks it made: callbacks / wake-ups is how much each wake-up
-        #: served (exported in /stats).
+        #: served (``hot_path`` in /stats, and /metrics).
         self.wakeups = 0
         self.callbacks = 0
 

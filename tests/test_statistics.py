@@ -22,7 +22,8 @@ from duplexrt.core.runtime import RuntimeHistograms, RuntimeStatistics, open_run
 from duplexrt.server import Server
 from duplexrt.server.statistics import ServerStatistics
 
-from conftest import make_config, run_sessions, spec
+from conftest import FRAME, duplex_session, make_config, noise, run_sessions, spec
+from duplexrt.readhub import ReadHub
 
 PATIENCE = 10.0
 
@@ -115,3 +116,33 @@ async def test_free_slots_agree_while_a_connection_is_in_its_handshake(nursery):
     assert ready["free_slots"] == stats["free_slots"] == exported == 1
     assert server.statistics().runtime.free_rows == 2  # the handshake holds no row yet
     await stuck.aclose()
+
+
+def _exported(metrics: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1))
+
+
+@pytest.mark.skipif(not ReadHub.available(), reason="the read hub needs epoll (Linux)")
+async def test_stats_and_metrics_say_where_the_hot_path_ran(nursery):
+    """Messages the read hub took, its wake-ups and callbacks, batches sent from the delivery and
+    writer wake-ups: the same figures in ``/stats`` and ``/metrics``, and what the session did."""
+    config = load_config(None, ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
+                                "server.websocket_impl=native", "server.read_hub=true"])
+    server = Server(config)
+    await nursery.start(server.run)
+    port = server.ports[0]
+    audio = noise(6 * FRAME, 3).astype("float32")
+    received, events = await duplex_session(f"ws://127.0.0.1:{port}/v1/duplex", audio, chunk=FRAME)
+    assert len(received) == audio.nbytes and events[-1]["code"] == 1000
+    hot = json.loads(await _get(port, "/stats"))["hot_path"]
+    metrics = (await _get(port, "/metrics")).decode()
+    # Six audio messages and the end of input: the hub took some of them where it read them.
+    assert 1 <= hot["messages_taken_inline"] <= 7
+    assert hot["read_hub_wakeups"] >= 1 and hot["read_hub_callbacks"] >= 1
+    assert hot["direct_batches"] + hot["writer_wakeups"] >= 1
+    for key, name in [("messages_taken_inline", "duplexrt_messages_taken_inline_total"),
+                      ("read_hub_wakeups", "duplexrt_read_hub_wakeups_total"),
+                      ("read_hub_callbacks", "duplexrt_read_hub_callbacks_total"),
+                      ("direct_batches", "duplexrt_output_batches_direct_total"),
+                      ("writer_wakeups", "duplexrt_writer_wakeups_total")]:
+        assert _exported(metrics, name) == hot[key], name

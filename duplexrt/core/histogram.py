@@ -13,7 +13,7 @@ import numpy as np
 _SUB_BITS = 5
 _SUB = 1 << _SUB_BITS
 _MAX_EXPONENT = 48  # values up to 2**53 ns (over 100 days) stay exact in their bucket
-#: record_many's values wait in a list until this many, then numpy counts them into buckets.
+#: add's values wait in a list until this many, then numpy counts them into buckets.
 _FOLD_AT = 4096
 
 
@@ -50,18 +50,42 @@ def _lower_bound(bucket: int) -> int:
 class Histogram:
     """Counts of values in log-linear buckets.  Written by one thread; read by any.
 
-    ``record`` is a handful of integer operations: cheap enough for every frame.
+    ``record`` is a handful of integer operations: cheap enough for every frame.  ``add`` and
+    ``add_many`` cost less still on the writer's thread (see ``add``), for a histogram that is
+    read where it is written.
     """
 
-    __slots__ = ("_counts", "_pending", "count", "total", "max", "min")
+    __slots__ = ("_counts", "_pending", "_count", "_total", "_max", "_min")
 
     def __init__(self) -> None:
         self._counts = [0] * ((_MAX_EXPONENT + 2) << _SUB_BITS)
-        self._pending: list[int] = []  # record_many's values, not yet in _counts
-        self.count = 0
-        self.total = 0
-        self.max = 0
-        self.min = -1
+        self._pending: list[int] = []  # add's values, not yet in _counts or the moments
+        self._count = 0
+        self._total = 0
+        self._max = 0
+        self._min = -1
+
+    # The moments of every value so far; those ``add`` left waiting are counted in first.
+
+    @property
+    def count(self) -> int:
+        self._fold()
+        return self._count
+
+    @property
+    def total(self) -> int:
+        self._fold()
+        return self._total
+
+    @property
+    def max(self) -> int:
+        self._fold()
+        return self._max
+
+    @property
+    def min(self) -> int:
+        self._fold()
+        return self._min
 
     def record(self, value: int) -> None:
         if value < 0:
@@ -71,51 +95,50 @@ class Histogram:
         else:
             shift = value.bit_length() - _SUB_BITS - 1
             self._counts[(shift << _SUB_BITS) + (value >> shift)] += 1  # _bucket_of, folded
-        self.count += 1
-        self.total += value
-        if value > self.max:
-            self.max = value
-        if value < self.min or self.min < 0:
-            self.min = value
+        self._count += 1
+        self._total += value
+        if value > self._max:
+            self._max = value
+        if value < self._min or self._min < 0:
+            self._min = value
 
-    def record_many(self, values: list[int], total: int | None = None, high: int | None = None) -> None:
-        """``record`` each of ``values``: a writer's whole batch in one call.
+    def add(self, value: int) -> None:
+        """``record``, deferred: the value waits in a list, and numpy counts a few thousand at a
+        time into the buckets and the moments, or whatever waits when the histogram is read.
 
-        The moments (count, total, max, min) are kept at once, with the builtins over the list;
-        the values themselves wait in a list and are counted into their buckets by numpy, a few
-        thousand at a time or when the buckets are read.  So the per-value work on the caller's
-        thread is one list append in C, where ``record`` costs a few hundred nanoseconds of
-        Python: that is what stage timing costs per frame.  The buckets are then only exact on
-        the thread that writes, so a histogram fed this way is read on that thread (the frame
-        histograms are: both sides are the trio thread).  A caller that has summed the values
-        or found their largest already (a session's own totals) passes ``total`` and ``high``.
+        The per-value work on the caller's thread is one list append and a length test, where
+        ``record`` costs a few hundred nanoseconds of Python; for stage timing, that is what
+        collection costs per frame.  What waits is only exact on the thread that writes, so a
+        histogram fed this way is read on that thread (the frame histograms are: both sides are
+        the trio thread).
         """
-        if not values:
-            return
-        low = min(values)
-        if low < 0:
-            values = [value if value > 0 else 0 for value in values]
-            low = 0
-            total = high = None  # the caller's were over the negative values
-        self._pending.extend(values)
-        if len(self._pending) >= _FOLD_AT:
+        pending = self._pending
+        pending.append(value)
+        if len(pending) >= _FOLD_AT:
             self._fold()
-        self.count += len(values)
-        self.total += sum(values) if total is None else total
-        if high is None:
-            high = max(values)
-        if high > self.max:
-            self.max = high
-        if low < self.min or self.min < 0:
-            self.min = low
+
+    def add_many(self, values: list[int]) -> None:
+        """``add`` each of ``values``: a writer's whole batch in one call."""
+        pending = self._pending
+        pending.extend(values)
+        if len(pending) >= _FOLD_AT:
+            self._fold()
 
     def _fold(self) -> None:
-        """Count the values ``record_many`` left waiting into their buckets (``_bucket_of``,
-        vectorised)."""
+        """Count the values ``add`` left waiting into their buckets (``_bucket_of``, vectorised)
+        and the moments."""
         if not self._pending:
             return
         values = np.array(self._pending, dtype=np.int64)
-        self._pending = []
+        self._pending.clear()  # in place: a writer may hold the list
+        np.maximum(values, 0, out=values)
+        self._count += int(values.size)
+        self._total += int(values.sum())
+        high, low = int(values.max()), int(values.min())
+        if high > self._max:
+            self._max = high
+        if low < self._min or self._min < 0:
+            self._min = low
         # bit_length through the float exponent: exact below 2**53, and one too high at most
         # above it (rounding up to the next power of two), which the second line takes back.
         length = np.frexp(values.astype(np.float64))[1].astype(np.int64)
@@ -132,10 +155,10 @@ class Histogram:
         self._fold()
         copy = Histogram()
         copy._counts = list(self._counts)
-        copy.count = sum(copy._counts)
-        copy.total = self.total
-        copy.max = self.max
-        copy.min = self.min
+        copy._count = sum(copy._counts)
+        copy._total = self._total
+        copy._max = self._max
+        copy._min = self._min
         return copy
 
     def minus(self, earlier: Histogram) -> Histogram:
@@ -145,12 +168,12 @@ class Histogram:
         earlier._fold()
         diff = Histogram()
         diff._counts = [a - b for a, b in zip(self._counts, earlier._counts)]
-        diff.count = sum(diff._counts)
-        diff.total = self.total - earlier.total
+        diff._count = sum(diff._counts)
+        diff._total = self._total - earlier._total
         used = [i for i, n in enumerate(diff._counts) if n]
         if used:
-            diff.max = min(self.max, _lower_bound(used[-1] + 1) - 1)
-            diff.min = max(self.min, _lower_bound(used[0]))
+            diff._max = min(self._max, _lower_bound(used[-1] + 1) - 1)
+            diff._min = max(self._min, _lower_bound(used[0]))
         return diff
 
     def cumulative(self, bounds: list[int]) -> list[int]:

@@ -8,8 +8,9 @@ histograms (``FrameMetrics``) and a constant-size summary of this session for it
 What it costs per frame is what collection costs, so each figure is taken as rarely as its
 percentiles allow: the decode of one message in four and the submit of one frame in eight are
 timed (both cost the same message after message), and a batch that was sent is recorded with
-one histogram call for all its frames (``Histogram.record_many``), not one per frame; the time
-from step to send and the send jitter are taken from one batch in four.  Frame latency and the
+one histogram call for all its frames, not one per frame; the time from step to send and the
+send jitter are taken from one batch in four.  Every value goes in through ``Histogram.add``: a
+list append here, counted into buckets by numpy thousands at a time.  Frame latency and the
 late count are exact: every frame is recorded.
 """
 
@@ -54,7 +55,7 @@ class StageMeter:
         return 0 if self._messages & 3 else _now()
 
     def message_framed(self, started: int) -> None:
-        self._metrics.preprocess.record(_now() - started)
+        self._metrics.preprocess.add(_now() - started)
 
     #: Frames whose submit is timed: the session calls ``frame_submitted`` only for a frame
     #: number with none of these bits set (one in eight), so the others cost no call.
@@ -63,50 +64,46 @@ class StageMeter:
     def frame_submitted(self, started: int) -> None:
         """A sampled frame (see ``SUBMIT_SAMPLE_MASK``) went into the inbox, its submit begun at
         ``started``."""
-        self._metrics.enqueue.record(_now() - started)
+        self._metrics.enqueue.add(_now() - started)
 
     def batch_sent(self, items: Sequence[tuple[Any, Any, int, int]], now: int, last_sent_ns: int) -> None:
         """A batch of the session's outbox items, ``(audio, text, submitted_ns, stepped_ns)``,
         was handed to the transport at ``now``; the previous batch went at ``last_sent_ns``."""
         metrics = self._metrics
         self._batches += 1
-        sampled = self._batches & 3 == 1  # the first batch, the fifth, ...
-        if sampled:  # one batch in four: its percentiles need no more, and it costs a record each
-            # The frames of one batch were stepped together or just before.
-            metrics.step_to_sent.record(now - items[0][3])
         if len(items) == 1:  # the usual batch: one frame, no list to build and reduce
             latency = now - items[0][2]
-            metrics.latency.record(latency)
+            metrics.latency.add(latency)
             self._latency_sum_ns += latency
             if latency > self._latency_max_ns:
                 self._latency_max_ns = latency
             if latency > self._frame_ns:
                 self._late += 1
                 metrics.late_frames += 1
-            self._sent_at(metrics, now, last_sent_ns, 1, sampled)
+            frames = 1
+        else:
+            latencies = [now - item[2] for item in items]
+            metrics.latency.add_many(latencies)
+            self._latency_sum_ns += sum(latencies)
+            longest = max(latencies)
+            if longest > self._latency_max_ns:
+                self._latency_max_ns = longest
+            frame_ns = self._frame_ns
+            if longest > frame_ns:
+                late = sum(1 for value in latencies if value > frame_ns)
+                self._late += late
+                metrics.late_frames += late
+            frames = len(items)
+        if self._batches & 3 != 1:  # one batch in four (the first, the fifth, ...) is timed
             return
-        latencies = [now - item[2] for item in items]
-        total = sum(latencies)
-        longest = max(latencies)
-        metrics.latency.record_many(latencies, total, longest)
-        self._latency_sum_ns += total
-        if longest > self._latency_max_ns:
-            self._latency_max_ns = longest
-        frame_ns = self._frame_ns
-        if longest > frame_ns:
-            late = sum(1 for value in latencies if value > frame_ns)
-            self._late += late
-            metrics.late_frames += late
-        self._sent_at(metrics, now, last_sent_ns, len(latencies), sampled)
-
-    def _sent_at(self, metrics: FrameMetrics, now: int, last_sent_ns: int, frames: int, sampled: bool) -> None:
+        # The frames of one batch were stepped together or just before.
+        metrics.step_to_sent.add(now - items[0][3])
         if self._first_audio_ns:
-            if sampled:
-                # Jitter: how far this send strays from one frame period per frame after the previous one.
-                metrics.jitter.record(abs(now - last_sent_ns - self._frame_ns * frames))
+            # Jitter: how far this send strays from one frame period per frame after the previous one.
+            metrics.jitter.add(abs(now - last_sent_ns - self._frame_ns * frames))
         else:
             self._first_audio_ns = now
-            metrics.first_audio.record(now - self._opened_ns)
+            metrics.first_audio.add(now - self._opened_ns)
 
     def describe(self, frames_out: int) -> str:
         """The session's timing for its log line ("" when it sent nothing)."""

@@ -109,7 +109,9 @@ class Server:
         return ServerStatistics(replica_id=self.replica_id or "", draining=self._draining,
                                 admitted=self._admitted, pending_handshakes=self.pending_handshakes,
                                 refused=dict(sorted(self.refused.items())), runtime=self.runtime.statistics(),
-                                detached=sum(entry[0].detached for entry in self._resumable.values()))
+                                detached=sum(entry[0].detached for entry in self._resumable.values()),
+                                read_hub_wakeups=self._hub.wakeups if self._hub is not None else 0,
+                                read_hub_callbacks=self._hub.callbacks if self._hub is not None else 0)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
