@@ -431,7 +431,7 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_una
     """Large control messages from a client that never reads: every reply is short (client values
     are quoted short, ignored settings not echoed) and the queue of replies is bounded in bytes,
     while another session is served as usual."""
-    from duplexrt.core import session as session_module
+    from duplexrt.core import session_output as session_module
 
     limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
     config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])

@@ -438,7 +438,7 @@ async def test_input_end_with_nothing_sent_ends_cleanly():
 async def test_a_client_that_never_reads_its_audio_errors_holds_bounded_memory():
     """Every bad audio message gets an error; a client that never reads them must not grow the
     queue of replies without bound (the audio path once never waited for room)."""
-    from duplexrt.core import session as session_module
+    from duplexrt.core import session_output as session_module
 
     limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
     config = make_config("runtime.slots=2")
@@ -463,7 +463,7 @@ async def test_a_client_that_never_reads_its_audio_errors_holds_bounded_memory()
 
 
 async def test_a_client_that_sends_but_never_reads_cannot_grow_the_reply_queue():
-    from duplexrt.core.session import MAX_PENDING_MESSAGES
+    from duplexrt.core.session_output import MAX_PENDING_MESSAGES
 
     config = make_config("runtime.slots=2")
     async with open_runtime(config) as runtime:

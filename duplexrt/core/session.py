@@ -16,65 +16,43 @@ always hand it output without blocking, and a client that stops reading stops it
 anyone else's.  (Measured: letting sessions run into full inboxes and wait on worker threads, as the
 lease's own ``submit`` must, cost 10,622 thread hops and 160 µs of CPU per frame in a 96-session
 burst.)
-"""
+
+This module holds what the whole session shares: its state (all of it set up in
+``Session.__init__``), its lifecycle and end, and what the scheduler calls.  The halves that
+move a frame are mixins in modules of their own: ``session_input`` (the reader: a message to
+frames in the slot), ``session_sink`` (the same for a message the server's read hub read) and
+``session_output`` (the writer and the direct path: output and replies to the client, in order).
+They are one object because they share one set of counters, the credits that tie the two
+directions together; the split is by what each piece of code does, and every piece reads the
+state where it is described."""
 
 from __future__ import annotations
 
 import logging
-import time
-from time import perf_counter_ns as _perf_counter_ns
 from collections import deque
-from collections.abc import Sequence
 
 import attrs
 import numpy as np
 import trio
 
-from duplexrt.audio import (
-    AudioFormatError,
-    AudioSpec,
-    AudioTooLongError,
-    Decoder,
-    Encoder,
-    Framer,
-    make_decoder,
-    make_encoder,
-)
+from duplexrt.audio import Framer, make_encoder
 from duplexrt.config import Config
-from duplexrt.core.handoffs import HandoffKind, Handoffs
+from duplexrt.core.handoffs import Handoffs
 from duplexrt.core.metrics import FrameMetrics
 from duplexrt.core.resume import ResumableTransport
-from duplexrt.core.scheduler import BackendStepError, Scheduler, SlotClosedError, new_error_id
+from duplexrt.core.scheduler import BackendStepError, Scheduler, new_error_id
+from duplexrt.core.session_input import SessionInput
+from duplexrt.core.session_output import Output, SessionOutput
+from duplexrt.core.session_sink import SessionSink
 from duplexrt.core.stage_meter import StageMeter
 from duplexrt.core.state import SessionState, rank
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.events import (
-    AudioIn,
-    ClearInput,
-    ClearOutput,
-    EndTurn,
-    Event,
-    Ignored,
-    InputEnd,
-    ProtocolError,
-    Reconfigure,
-    Reply,
-    SessionEnd,
-)
+from duplexrt.protocols.events import Event, SessionEnd
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Taken, Transport, TransportClosed, poller
+from duplexrt.transport import Message, Transport, TransportClosed
 
 
 log = logging.getLogger("duplexrt.session")
-
-#: Replies and errors a session may have waiting for a client that is not reading: past either
-#: bound its reader stops taking messages until the writer catches up.  Audio passes through the
-#: same queue, a batch at a time, so the byte bound sits well above one batch of audio.
-MAX_PENDING_MESSAGES = 64
-MAX_PENDING_BYTES = 1 << 20
-
-#: One row of a step as the outbox holds it: audio, text piece, submitted and stepped (ns).
-_Output = tuple[np.ndarray, str | None, int, int]
 
 
 @attrs.frozen
@@ -97,7 +75,7 @@ class SessionServices:
     flush_frames: int = 0
 
 
-class Session:
+class Session(SessionInput, SessionSink, SessionOutput):
     """Serves one client over ``transport``.  ``run`` returns how the session ended."""
 
     def __init__(self, services: SessionServices, transport: Transport, protocol: Translator,
@@ -122,7 +100,7 @@ class Session:
         self._max_in_flight = config.runtime.inbox_depth + config.runtime.outbox_depth
         # The outbox: filled by the step delivery (never more than the credits allow), drained
         # whole by the writer.  A deque and a parking lot cost less per frame than a channel.
-        self._outbox: deque[_Output] = deque()
+        self._outbox: deque[Output] = deque()
         self._outbox_done = False
         self._writer_lot = trio.lowlevel.ParkingLot()
         self._credit = trio.lowlevel.ParkingLot()
@@ -151,7 +129,7 @@ class Session:
         self._unsubmitted: tuple[list[np.ndarray], int] | None = None
         # A batch sent from a delivery whose end the transport still holds: the writer counts it
         # as sent once it is out (``flush``).
-        self._unflushed: list[_Output] | None = None
+        self._unflushed: list[Output] | None = None
         # runtime.coalesce_output: the output of a client message's frames goes out together, as
         # the message came; the delivery holds it until this many frames are delivered (the
         # count submitted once the message's last frame was in).
@@ -436,579 +414,6 @@ class Session:
                       exc_info=error)
             message = str(BackendStepError(error_id))
         self._finish(FinishReason.ERROR, message, CloseCode.INTERNAL_ERROR)
-
-    # -- reader ----------------------------------------------------------------------------------
-
-    async def _read_loop(self) -> None:
-        poll = poller(self._transport)
-        protocol = self._protocol
-        try:
-            message = await self._receive()
-            while True:
-                if message is not None:
-                    event = protocol.parse(message)
-                else:  # taken where it was read (``_take_nowait``): what it needs is done here
-                    event, self._held = self._held, None
-                    if self._outbox and self._writer_lot:
-                        # Output held back while the event waited for this task (delivery_done):
-                        # the writer takes it once this task next waits, after what the event
-                        # queues (everything below queues before its first wait).
-                        self._writer_lot.unpark_all()
-                kind = type(event)
-                if kind is AudioIn:
-                    # What the translator said while reading it (the server VAD's events, a turn
-                    # it opened) goes in the queue now, ahead of any output a step delivers while
-                    # the audio waits for credit: a response's deltas never precede its creation.
-                    if event.messages:
-                        self._queue(event.messages)
-                    await self._take_audio(event.payload)
-                    if self._pending_bytes > MAX_PENDING_BYTES:  # errors for bad audio, unread
-                        await self._wait_for_room()
-                elif kind is InputEnd:
-                    break
-                elif event is None:  # taken where it was read: what had to wait is done here
-                    await self._submit_rest()
-                    if self._pending_bytes > MAX_PENDING_BYTES:
-                        await self._wait_for_room()
-                elif kind is not Ignored:
-                    await self._handle(event)
-                    if self._queue_full():
-                        await self._wait_for_room()
-                if self._taking_no_more:
-                    break  # every frame of every message taken is submitted; nothing after them
-                message = poll()  # a backlog costs one wake-up, not one each
-                if message is None:
-                    message = await self._receive()
-        except TransportClosed as closed:
-            self._transport_closed(closed)
-            return
-        await self._end_input()
-
-    async def _receive(self) -> Message | None:
-        """Wait for the next message: the one place where a stop may cancel the reader.  Where
-        the transport serves messages (a server's read hub), this waits while ``_take_nowait``
-        takes them as they are read, and returns None for one it held (``self._held``)."""
-        if self._taking_no_more and self._reader_scope is not None:
-            self._reader_scope.cancel()  # asked before the reader got here: a stop cancels only a waiter
-        self._between_messages = True
-        serve = self._serve_messages
-        if serve is None or self._decoder.is_encoded or self._always_offload:
-            # Nothing it reads could be taken where it was read (an Opus message decodes on a
-            # worker thread): the hub would only wake this task for each one, a step later.
-            message = await self._transport.receive()
-        else:
-            message = await serve(self._take_nowait)
-        self._between_messages = False
-        return message
-
-    def _take_nowait(self, message: Message) -> Taken:
-        """The reader's work for one message, done where the message was read, so that the
-        reader task is not woken for it: audio that decodes inline and fits the credits left.
-        Anything else is handed to the reader, parsed (``Taken.HELD``, in ``self._held``) or
-        not (``Taken.LEFT``, when the reader must stop or wait first).  Runs while the reader
-        waits for a message, so what it does is what the reader would do with it, in order."""
-        if self._taking_no_more or self._queue_full() or self._pending_bytes > MAX_PENDING_BYTES:
-            return Taken.LEFT
-        try:
-            event = self._protocol.parse(message)
-            kind = type(event)
-            if kind is AudioIn and self._take_audio_nowait(event.payload):
-                if event.messages:
-                    self._queue(event.messages)  # no wait since the parse: nothing came between
-                # Frames past the credits, or a queue the client does not read: the reader
-                # submits them, or waits for room, before the next message.
-                if self._unsubmitted is not None or self._pending_bytes > MAX_PENDING_BYTES:
-                    return self._hold(None)
-                self._metrics.messages_taken_inline += 1
-                return Taken.DONE
-            if kind is Ignored:
-                return Taken.DONE
-            return self._hold(event)
-        except Exception:
-            log.exception("session %s failed", self.lease.session_id)
-            self._finish(FinishReason.ERROR, "internal error", CloseCode.INTERNAL_ERROR)
-            return Taken.DONE
-
-    async def _handle(self, event: Event) -> None:
-        """Everything but audio: rare, so clarity over speed."""
-        if isinstance(event, ProtocolError):
-            self._reject(event)
-        elif isinstance(event, Reply):
-            self._queue(event.messages)  # before any wait: the translator's order is the client's
-            if self._flush_frames and isinstance(event, EndTurn):  # else the input is one stream
-                last = self._framer.flush()
-                if last is not None:
-                    await self._submit(last)
-                await self._feed_flush()
-        elif isinstance(event, Reconfigure):
-            await self._reconfigure(event)
-        elif isinstance(event, ClearInput):
-            self._framer.clear()
-            self._decoder = self._new_decoder(self._decoder.spec)
-            self._queue(event.messages)
-        elif isinstance(event, ClearOutput):
-            dropped = len(self._outbox)
-            self._outbox.clear()
-            self._in_flight -= dropped
-            self._dropped += dropped
-            if self._credit:
-                self._credit.unpark_all()
-            self._queue(event.messages)
-        else:
-            raise AssertionError(f"unexpected event {event!r}")
-
-    async def _reconfigure(self, event: Reconfigure) -> None:
-        """New wire formats (the event's specs), announced by its ``messages``.
-
-        Output: everything the client gets after the announcement is in the new format.  So the
-        old encoder's tail is handed to the translator before it, audio the translator holds back
-        is re-encoded, and the writer encodes every batch from now on, including those already
-        waiting, with the new encoder.  Input: what the old decoder still held is model audio
-        already, so it goes on into the framer."""
-        protocol = self._protocol
-        if event.output_spec != self._encoder.spec:
-            while self._encoding:  # a batch on a worker thread, encoded with the old encoder
-                await self._encoded.park()
-            old = self._encoder
-            new = self._encoder = make_encoder(event.output_spec, self._model_rate)
-            tail = old.flush()
-            if tail:
-                self._queue(protocol.audio_out(tail, 0))
-            protocol.recode_held(lambda payloads: self._recode(payloads, old.spec, new))
-        self._queue(event.messages)
-        if event.input_spec != self._decoder.spec:
-            try:
-                tail = self._decoder.flush()
-            except AudioFormatError:
-                tail = np.zeros(0, dtype=np.float32)
-            self._decoder = self._new_decoder(event.input_spec)
-            for frame in self._framer.push(tail):
-                await self._submit(frame)
-
-    def _recode(self, payloads: Sequence[bytes], old: AudioSpec, encoder: Encoder) -> list[bytes]:
-        """Audio in ``old`` (the session's own output, so PCM or G.711 as the translators that
-        hold audio speak) into ``encoder``'s format, as one stream.  Inline: rare, and bounded by
-        what the translator may hold.  What cannot be decoded inline is dropped."""
-        if old.is_encoded:
-            return [b"" for _ in payloads]
-        decoder = make_decoder(old, self._model_rate)
-        try:
-            out = [encoder.encode(decoder.decode(payload)) for payload in payloads]
-            if out:
-                out[-1] += encoder.encode(decoder.flush())
-        except AudioFormatError:
-            log.exception("session %s: held audio could not be re-encoded", self.lease.session_id)
-            return [b"" for _ in payloads]
-        return out
-
-    def _new_decoder(self, spec: AudioSpec) -> Decoder:
-        return make_decoder(spec, self._model_rate, self._max_message_seconds)
-
-    def _queue(self, messages: list[Message] | tuple[Message, ...]) -> None:
-        """Hand messages to the writer, behind everything made before them."""
-        if messages:
-            pending = self._pending
-            for message in messages:
-                pending.append(message)
-                self._pending_bytes += len(message)
-            if self._writer_lot:
-                self._writer_lot.unpark_all()
-
-    def _queue_full(self) -> bool:
-        return len(self._pending) > MAX_PENDING_MESSAGES or self._pending_bytes > MAX_PENDING_BYTES
-
-    async def _wait_for_room(self) -> None:
-        """A client that stops reading but keeps sending control messages (or bad audio) must
-        not grow the queue of replies without bound: its reader waits until the writer catches
-        up."""
-        if self._taking_no_more:
-            return  # the reader stops now; its goodbye waits for the writer anyway
-        self._between_messages = True  # the message that queued the replies is handled
-        while self._queue_full():
-            await self._credit.park()
-        self._between_messages = False
-
-    def _hold(self, event: Event | None) -> Taken:
-        """Leave the rest of a message taken where it was read to the reader.  The reader is in
-        the middle of that message from now on, as if it had read it itself: a stop lets it
-        finish the message (``_stop_input``), and the fill loop does not fill under it."""
-        self._held = event
-        self._between_messages = False
-        return Taken.HELD
-
-    async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
-        meter = self._meter
-        started = meter.message_started() if meter is not None else 0
-        decoder = self._decoder
-        try:
-            if decoder.is_encoded:
-                samples = await self._services.handoffs.offload(
-                    HandoffKind.DECODE_OFFLOAD, decoder.decode, bytes(payload))
-            elif self._always_offload:
-                samples = await self._services.handoffs.offload(
-                    HandoffKind.CONVERT_OFFLOAD, decoder.decode, bytes(payload))
-            elif len(payload) <= decoder.inline_bytes:
-                samples = decoder.decode(payload)
-            elif len(payload) > decoder.max_bytes:
-                raise decoder.too_long(len(payload))  # from its size: no thread hop to refuse it
-            else:
-                # Seconds of audio in one message: worth a thread hop, so that its conversion
-                # (numpy releases the GIL over large arrays) does not hold up every other session.
-                samples = await self._services.handoffs.offload(
-                    HandoffKind.LARGE_DECODE_OFFLOAD, decoder.decode, bytes(payload))
-        except AudioFormatError as exc:
-            self._refuse_audio(exc)
-            return
-        frames = self._framer.push(samples)
-        if started:
-            meter.message_framed(started)
-        for frame in frames:
-            if self._fill_debt:  # this time was already filled with silence
-                self._drop_filled()
-                continue
-            await self._submit(frame)
-        self._hold_for(len(frames))
-
-    async def _submit_rest(self) -> None:
-        """The frames ``_take_audio_nowait`` had no credit for, submitted waiting as ``_take_audio``
-        would have."""
-        rest, self._unsubmitted = self._unsubmitted, None
-        if rest is not None:
-            frames, count = rest
-            for frame in frames:
-                if self._fill_debt:
-                    self._drop_filled()
-                else:
-                    await self._submit(frame)
-            self._hold_for(count)
-
-    def _take_audio_nowait(self, payload: bytes | bytearray | memoryview) -> bool:
-        """``_take_audio`` where nothing in it has to wait: PCM decoded inline, and credit for
-        every frame the message can make.  False, with nothing done, otherwise."""
-        decoder = self._decoder
-        if decoder.is_encoded or self._always_offload or len(payload) > decoder.inline_bytes:
-            return False
-        frames_possible = (self._framer.pending + decoder.samples_at_most(len(payload))) // self._frame_size
-        if (self._submitted - self._delivered + frames_possible > self._inbox_depth
-                or self._in_flight + frames_possible > self._max_in_flight):
-            return False
-        meter = self._meter
-        started = meter.message_started() if meter is not None else 0
-        try:
-            samples = decoder.decode(payload)
-        except AudioFormatError as exc:
-            self._refuse_audio(exc)
-            return True
-        frames = self._framer.push(samples)
-        if started:
-            meter.message_framed(started)
-        for at, frame in enumerate(frames):
-            if self._fill_debt:
-                self._drop_filled()
-            elif self._submitted - self._delivered < self._inbox_depth and self._in_flight < self._max_in_flight:
-                self._submit_nowait(frame)
-            else:  # more frames than the bound said: the reader submits the rest, waiting as it must
-                self._unsubmitted = (frames[at:], len(frames))
-                return True
-        self._hold_for(len(frames))
-        return True
-
-    def _refuse_audio(self, exc: AudioFormatError) -> None:
-        if isinstance(exc, AudioTooLongError):
-            # Fatal only when the decoder had to stop inside the message (an Ogg stream).
-            self._reject(ProtocolError("audio_too_long", str(exc),
-                                       close_code=CloseCode.MESSAGE_TOO_BIG, fatal=exc.stream_lost))
-        else:
-            self._reject(ProtocolError("invalid_audio", str(exc)))
-
-    def _drop_filled(self) -> None:
-        self._fill_debt -= 1
-        self._frames_dropped_late += 1
-        self._metrics.frames_dropped_late += 1
-
-    def _hold_for(self, frames: int) -> None:
-        if self._coalesce and frames > 1:
-            # Set once every frame is in, never before: a hold over frames not yet submitted
-            # could keep the credits the reader waits for.
-            self._hold_until = self._submitted
-
-    async def _fill_loop(self, scope: trio.CancelScope) -> None:
-        with scope:
-            await self._fill_overdue()
-
-    async def _fill_overdue(self) -> None:
-        """``late_input = "fill"``: step silence for each frame more than ``fill_after`` overdue.
-
-        A frame is due when its audio ends on the session's clock (the first frame's submit plus
-        one period per frame); the loop sleeps until the next frame is overdue, and wakes about
-        once per ``fill_after`` + one period while input keeps time.  It fills only while the
-        reader waits for a message: a reader that is decoding or waiting for the model's credit
-        has the audio, and the model is what is late, not the client.
-        """
-        period = self._frame_seconds
-        await self._clock_started.wait()
-        while not self._taking_no_more:
-            overdue_at = self._clock_start + (self._submitted + 1) * period + self._fill_after
-            if trio.current_time() < overdue_at:
-                await trio.sleep_until(overdue_at)
-                continue
-            if not self._between_messages:
-                await trio.sleep(period)  # the reader has audio in hand: look again a frame later
-                continue
-            self._fill_debt += 1
-            self._frames_filled += 1
-            self._metrics.frames_filled += 1
-            await self._submit(self._silence)
-
-    async def _submit(self, frame: np.ndarray) -> None:
-        if self._at_frame_limit():
-            return
-        while (self._submitted - self._delivered >= self._inbox_depth
-               or self._in_flight >= self._max_in_flight):
-            await self._credit.park()
-        self._in_flight += 1
-        started = _perf_counter_ns()
-        lease = self.lease
-        try:
-            # A frame that fits goes in with a plain call; only a full inbox (or offload =
-            # "always") takes the awaited path, and its worker thread.
-            if self._always_offload or not lease.submit_nowait(frame, started):
-                await lease.submit(frame, started)
-        except SlotClosedError:
-            self._slot_gone()
-            await trio.lowlevel.checkpoint()  # the cancellation just requested lands here...
-            raise  # ... so this only runs if the reader was shielded: the slot is gone either way
-        self._submitted_one(started)
-
-    def _submit_nowait(self, frame: np.ndarray) -> None:
-        """``_submit`` for a frame the caller has credit for (so its inbox has room)."""
-        if self._at_frame_limit():
-            return
-        self._in_flight += 1
-        started = _perf_counter_ns()
-        try:
-            queued = self.lease.submit_nowait(frame, started)
-        except SlotClosedError:
-            self._slot_gone()
-            return
-        if not queued:  # the credits say there is room: a broken promise, not backpressure
-            self._in_flight -= 1
-            raise RuntimeError("the inbox refused a frame the session had credit for")
-        self._submitted_one(started)
-
-    def _at_frame_limit(self) -> bool:
-        if self._max_frames is not None and self._submitted >= self._max_frames:
-            # The session has had all the audio it may have: answer what was taken, then end
-            # with reason "length".  The rest of the message is skipped here, frame by frame,
-            # and the reader stops at the end of it.
-            self._stop_input(FinishReason.LENGTH, CloseCode.NORMAL_CLOSURE)
-            return True
-        return False
-
-    def _slot_gone(self) -> None:
-        self._in_flight -= 1
-        self._finish(FinishReason.SHUTDOWN, "the runtime is stopping", CloseCode.GOING_AWAY)
-
-    def _submitted_one(self, started: int) -> None:
-        if not self._submitted:
-            self._first_submit_ns = started
-            if self._fill:
-                self._clock_start = trio.current_time()
-                self._clock_started.set()
-        self._submitted += 1
-        self._metrics.frames_in += 1
-        if self._meter is not None and not self._submitted & StageMeter.SUBMIT_SAMPLE_MASK:
-            self._meter.frame_submitted(started)
-
-    async def _end_input(self) -> None:
-        """Submit what the decoder and framer still hold, then let the writer finish."""
-        try:
-            tail = self._decoder.flush()
-        except AudioFormatError as exc:
-            self._reject(ProtocolError("invalid_audio", str(exc)))
-            tail = np.zeros(0, dtype=np.float32)
-        for frame in self._framer.push(tail):
-            await self._submit(frame)
-        last = self._framer.flush()
-        if last is not None:
-            await self._submit(last)
-        await self._feed_flush()
-        self.lease.end_input()
-        self._advance(SessionState.INPUT_ENDED)
-        if self._delivered == self._submitted:
-            self._close_outbox()
-
-    async def _feed_flush(self) -> None:
-        """After the caller's last frame, the frames a model needs to finish its output
-        (``flush_frames``): the scheduler's end-of-input mark, then silence.  They are answered
-        and sent like any frame, and counted apart (``frames_flushed``) from the caller's audio.
-        Not on a stop (shutdown, a limit, an error): that session ends as soon as it can."""
-        count = self._flush_frames
-        if not count or self._finish_reason is not None:
-            return
-        mark = self._services.scheduler.end_of_input
-        silence = np.zeros_like(mark)
-        for i in range(count):
-            submitted = self._submitted
-            await self._submit(mark if i == 0 else silence)
-            if self._submitted == submitted:
-                return  # the session's frame limit: it ends with reason "length"
-            self._flushed += 1
-
-    def _reject(self, error: ProtocolError) -> None:
-        self._queue(self._protocol.error(error))
-        if error.fatal:
-            self._finish(FinishReason.ERROR, error.message, error.close_code)
-
-    # -- writer ----------------------------------------------------------------------------------
-
-    async def _send_pending(self) -> None:
-        """Send the queued messages in order; each leaves the queue only once sent, so a send cut
-        off by cancellation leaves it for the goodbye."""
-        pending = self._pending
-        transport = self._transport
-        while pending:
-            message = pending[0]
-            await transport.send(message)
-            pending.popleft()
-            self._pending_bytes -= len(message)
-        if self._credit:
-            self._credit.unpark_all()  # a reader waiting for room in the queue
-
-    def _send_pending_nowait(self) -> bool:
-        """``_send_pending`` without yielding: True once every queued message is out whole.
-        False leaves the rest queued (or its end in the transport) for the writer."""
-        pending = self._pending
-        send_nowait = self._send_nowait
-        whole = True
-        while pending and whole:
-            message = pending[0]
-            try:
-                whole = send_nowait(message)
-            except trio.WouldBlock:
-                return False
-            pending.popleft()
-            self._pending_bytes -= len(message)
-        if self._credit:
-            self._credit.unpark_all()  # a reader waiting for room in the queue
-        return whole and not pending
-
-    async def _write_loop(self) -> None:
-        outbox = self._outbox
-        metrics = self._metrics
-        try:
-            while True:
-                if self._pending:
-                    await self._send_pending()
-                if self._unflushed is not None:  # sent from a delivery: wait until all of it is out
-                    await self._transport.flush()  # type: ignore[attr-defined]
-                    items, self._unflushed = self._unflushed, None
-                    self._batch_sent(items)
-                if not outbox or self._held is not None:  # (held: see delivery_done)
-                    if not outbox and self._outbox_done:
-                        break
-                    await self._writer_lot.park()
-                    metrics.writer_wakeups += 1
-                    continue
-                items, rows = self._next_batch()
-                encoder = self._encoder  # a format switch replaces it between two batches
-                if self._always_offload:
-                    self._encoding = True
-                    try:
-                        payload = await self._services.handoffs.offload(
-                            HandoffKind.CONVERT_OFFLOAD, encoder.encode_rows, rows)
-                    finally:
-                        self._encoding = False
-                        if self._encoded:
-                            self._encoded.unpark_all()
-                else:
-                    payload = encoder.encode_rows(rows)
-                self._tell(items, payload)
-                await self._send_pending()
-                self._batch_sent(items)
-            tail = self._encoder.flush()
-            if tail:
-                self._queue(self._protocol.audio_out(tail, 0))
-            await self._send_pending()
-        except TransportClosed as closed:
-            self._transport_closed(closed)
-
-    def _send_directly(self) -> None:
-        """The writer's work for what a delivery brought, done in the delivery itself (trio
-        thread, never raises): batch by batch, each sent without yielding.  A batch that does not
-        go out whole (the client reads slowly, the socket is full) is left to the writer, which
-        sends what is queued, waits for the transport's flush, and only then counts it sent; the
-        rest of the outbox waits for it there."""
-        outbox = self._outbox
-        try:
-            while outbox:
-                items, rows = self._next_batch()
-                self._tell(items, self._encoder.encode_rows(rows))
-                if not self._send_pending_nowait():
-                    self._unflushed = items
-                    self._writer_lot.unpark_all()
-                    return
-                self._batch_sent(items)
-                self._metrics.direct_batches += 1
-        except TransportClosed as closed:
-            self._transport_closed(closed)
-        except Exception:
-            log.exception("session %s failed", self.lease.session_id)
-            self._finish(FinishReason.ERROR, "internal error", CloseCode.INTERNAL_ERROR)
-
-    # -- one batch of output: what the writer and the direct path share ------------------------
-
-    def _next_batch(self) -> tuple[list[_Output], list[np.ndarray]]:
-        """The outbox's next batch and its rows of audio: all of it, but never across a turn's
-        end (``next_boundary``), so that each response carries exactly its frames; the rest
-        waits for the next batch."""
-        outbox = self._outbox
-        count = len(outbox)
-        answered = self._told + self._dropped
-        boundary = self._protocol.next_boundary()
-        if boundary is not None and answered < boundary < answered + count:
-            count = boundary - answered
-            items = [outbox.popleft() for _ in range(count)]
-        else:
-            items = list(outbox)
-            outbox.clear()
-        return items, [item[0] for item in items]
-
-    def _tell(self, items: list[_Output], payload: bytes) -> None:
-        """Hand a batch to the translator, its messages into the queue behind everything before."""
-        protocol = self._protocol
-        pending = self._pending
-        count = len(items)
-        # Text first: a protocol that closes a turn on its last audio (realtime) must not find
-        # that turn's text arriving after it.
-        for item in items:
-            if item[1]:
-                self._text_pieces += 1
-                self._metrics.text_pieces += 1
-                for message in protocol.text_out(item[1]):
-                    pending.append(message)
-                    self._pending_bytes += len(message)
-        # Even with no bytes (an encoder still filling a packet): the translator counts the
-        # frames, and may close a turn on them.
-        for message in protocol.audio_out(payload, count):
-            pending.append(message)
-            self._pending_bytes += len(message)
-        # Counted as the translator is told, so that what it reads stays in step with what it
-        # has said, whatever arrives while the messages are being sent...
-        self._told += count
-
-    def _batch_sent(self, items: list[_Output]) -> None:
-        """... and as sent only once they are: usage counts what the client got."""
-        count = len(items)
-        self._sent += count
-        self._metrics.frames_out += count
-        now = time.perf_counter_ns()
-        if self._meter is not None:
-            self._meter.batch_sent(items, now, self._last_sent_ns)
-        self._last_sent_ns = now
-        self._in_flight -= count
-        if self._credit:
-            self._credit.unpark_all()
 
     def _transport_closed(self, closed: TransportClosed) -> None:
         if closed.finish_reason is None:
