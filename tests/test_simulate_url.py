@@ -62,6 +62,10 @@ async def test_every_route_passes_the_guards_with_server_figures(nursery, route,
     assert server.server_frames_in == server.server_frames_out == 40
     # Both CPU figures come from clock ticks (10 ms here): a 40-frame burst may fit in none.
     assert server.server_cpu_us_per_frame >= 0 and server.load_generator_cpu_us_per_frame >= 0
+    # The scheduler thread's part of it (its clock is exact, the process's in ticks): there once a
+    # tick was counted, and never negative.
+    share = server.server_scheduler_cpu_share
+    assert (share is None) == (server.server_cpu_us_per_frame == 0) and (share is None or share >= 0)
     assert round_.steps > 0 and 1 <= round_.mean_batch <= 4
     assert round_.mean_batch == pytest.approx(40 / round_.steps)
     assert server.server_step_ms_mean is not None
@@ -74,6 +78,7 @@ async def test_every_route_passes_the_guards_with_server_figures(nursery, route,
         assert round_.frame_lag_ms is None
     table = format_table(report)
     assert "server CPU per frame (µs)" in table and "load-generator CPU per frame (µs)" in table
+    assert "server CPU on the scheduler thread (%)" in table
     assert report.settings["route"] == {"/v1/duplex": "duplex", "/v1/realtime": "realtime",
                                         "/api/chat": "moshi", "/v1/live/sessions": "live"}[route]
 

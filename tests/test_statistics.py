@@ -12,6 +12,7 @@ import inspect
 import json
 import re
 import textwrap
+import time
 
 import attrs
 import pytest
@@ -84,6 +85,20 @@ async def test_runtime_statistics_count_a_session_s_frames_and_copy_histograms()
     assert after.handoffs.offloads == 0 and after.ready and not after.failing
 
 
+async def test_the_scheduler_thread_s_cpu_is_counted_and_kept_once_it_ends():
+    """Read through the thread's CPU clock from the trio thread: part of the process's CPU while it
+    runs, and what it had used once the runtime has stopped."""
+    config = make_config("runtime.slots=2")
+    wire = spec("pcm_f32le")
+    async with open_runtime(config) as runtime:
+        await run_sessions(runtime, [([b"\0" * (4 * 1920)] * 4, wire, 1)])
+        running = runtime.statistics().scheduler.thread_cpu_seconds
+        process = time.process_time()
+    ended = runtime.scheduler.statistics().thread_cpu_seconds
+    assert 0 < running <= process
+    assert ended >= running and ended == runtime.scheduler.statistics().thread_cpu_seconds
+
+
 async def _get(port: int, path: str) -> bytes:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
@@ -140,6 +155,8 @@ async def test_stats_and_metrics_say_where_the_hot_path_ran(nursery):
     assert 1 <= hot["messages_taken_inline"] <= 7
     assert hot["read_hub_wakeups"] >= 1 and hot["read_hub_callbacks"] >= 1
     assert hot["direct_batches"] + hot["writer_wakeups"] >= 1
+    # The scheduler thread's CPU, read later for /metrics: it only grows.
+    assert 0 < hot["scheduler_thread_cpu_s"] <= _exported(metrics, "duplexrt_scheduler_thread_cpu_seconds_total")
     for key, name in [("messages_taken_inline", "duplexrt_messages_taken_inline_total"),
                       ("read_hub_wakeups", "duplexrt_read_hub_wakeups_total"),
                       ("read_hub_callbacks", "duplexrt_read_hub_callbacks_total"),

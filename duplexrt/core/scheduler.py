@@ -95,6 +95,10 @@ class SchedulerStatistics:
     #: Steps (and slot openings) the backend failed, in all, and in a row up to now.
     failed_steps: int = 0
     consecutive_step_failures: int = 0
+    #: CPU time the scheduler thread has used (seconds; 0.0 where the platform cannot tell): its
+    #: share of the process's CPU is the host cost of stepping (batching, copies, the crossings)
+    #: against everything on the trio thread.
+    thread_cpu_seconds: float = 0.0
 
 
 def _host_buffer(shape: tuple[int, ...], device: str) -> np.ndarray:
@@ -223,6 +227,7 @@ class Scheduler:
         self.unpinned_cpus: set[int] | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._thread: threading.Thread | None = None
+        self._final_cpu_seconds = 0.0  # the thread's CPU time as it ended
         self._started = trio.Event()
         self._finished = trio.Event()
         self._thread_error: BaseException | None = None
@@ -319,7 +324,21 @@ class Scheduler:
             queued_frames=self.inbox.total_queued(),
             failed_steps=self._failed_steps,
             consecutive_step_failures=self._consecutive_failures,
+            thread_cpu_seconds=self._thread_cpu_seconds(),
         )
+
+    def _thread_cpu_seconds(self) -> float:
+        """The scheduler thread's CPU time, read from any thread through its CPU clock (nothing is
+        counted on the thread itself); once it has ended, what it had used by then."""
+        thread = self._thread
+        if thread is None or thread.ident is None:
+            return 0.0
+        if not thread.is_alive():
+            return self._final_cpu_seconds
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, OSError):  # no per-thread CPU clocks here (not Unix), or it just ended
+            return self._final_cpu_seconds
 
     def _take_deliveries(self) -> None:
         """Runs on the trio thread: every step finished since the last delivery, in order."""
@@ -414,6 +433,7 @@ class Scheduler:
                 self.backend.close()
             except Exception:
                 log.exception("backend %r failed to close", self.backend.info.name)
+            self._final_cpu_seconds = time.thread_time()
             self._to_trio(HandoffKind.LIFECYCLE, self._on_finished, error)
 
     def _serve(self) -> None:

@@ -76,6 +76,9 @@ class RuntimeCollector:
         yield CounterMetricFamily("duplexrt_frames_in", "Model frames submitted by sessions.", frames.frames_in)
         yield CounterMetricFamily("duplexrt_frames_out", "Model frames sent back to clients.", frames.frames_out)
         yield CounterMetricFamily("duplexrt_steps", "Batched model steps.", stats.scheduler.steps)
+        yield CounterMetricFamily("duplexrt_scheduler_thread_cpu_seconds",
+                                  "CPU time of the scheduler thread (the rest of process_cpu_seconds is the trio "
+                                  "thread's and the worker threads').", stats.scheduler.thread_cpu_seconds)
         by_kind = CounterMetricFamily("duplexrt_handoffs", "Thread crossings, by kind.", labels=["kind"])
         for kind, count in sorted(stats.handoffs.by_kind.items()):
             by_kind.add_metric([kind], count)

@@ -110,6 +110,7 @@ def stats_json(stats: ServerStatistics, config: Config) -> bytes:
             "read_hub_callbacks": stats.read_hub_callbacks,
             "direct_batches": frames.direct_batches,
             "writer_wakeups": frames.writer_wakeups,
+            "scheduler_thread_cpu_s": steps.thread_cpu_seconds,
         },
     }
     return json.dumps(body).encode()

@@ -301,6 +301,7 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
             drops=len(drop_at) if drop_at else None,
             resumes=sum(t.resumes for t in resuming),  # a real drop resumes too, and is counted
             server_cpu_us_per_frame=server["cpu_us_per_frame"],
+            server_scheduler_cpu_share=server["scheduler_cpu_share"],
             server_frames_in=server["frames_in"],
             server_frames_out=server["frames_out"],
             server_step_ms_mean=server["step_ms_mean"],
@@ -411,6 +412,7 @@ def _frames_sent(workload: Workload, conversation: Conversation) -> int:
 def _server_figures(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> dict:
     """What the server's /metrics say it did between two scrapes."""
     figures: dict = {"handoffs": {}, "steps": None, "mean_batch": None, "cpu_us_per_frame": None,
+                     "scheduler_cpu_share": None,
                      "frames_in": None, "frames_out": None, "step_ms_mean": None, "latency_ms_mean": None}
     if before is None or after is None:
         return figures
@@ -434,6 +436,9 @@ def _server_figures(before: MetricsSnapshot | None, after: MetricsSnapshot | Non
         figures["mean_batch"] = frames_in / steps
     if cpu is not None and frames_in:
         figures["cpu_us_per_frame"] = cpu * 1e6 / frames_in
+    scheduler_cpu = delta("duplexrt_scheduler_thread_cpu_seconds_total")
+    if cpu and scheduler_cpu is not None:  # a server without the series (older) leaves it None
+        figures["scheduler_cpu_share"] = scheduler_cpu / cpu
     for key, name, scale in (("step_ms_mean", "duplexrt_step_seconds", 1e3),
                              ("latency_ms_mean", "duplexrt_frame_latency_seconds", 1e3)):
         total, count = delta(f"{name}_sum"), delta(f"{name}_count")

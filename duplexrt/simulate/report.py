@@ -52,6 +52,11 @@ class ServerFigures:
     resumes: int = 0
     #: The server process's CPU (process_cpu_seconds_total, 10 ms ticks) per frame it took in.
     server_cpu_us_per_frame: float | None = None
+    #: The scheduler thread's part of that CPU: stepping and its crossings, against the trio
+    #: thread's serving (sockets, translators, sessions).  Its own clock is exact and the
+    #: process's counts 10 ms ticks, so it means something over seconds of load (None without a
+    #: tick, or from a server that does not export it).
+    server_scheduler_cpu_share: float | None = None
     server_frames_in: int | None = None
     server_frames_out: int | None = None
     #: Mean model step time and mean frame latency (submitted to sent), from the server's
@@ -66,7 +71,8 @@ class ServerFigures:
 _JSON_FIELDS = ("cpu_us_per_frame", "voluntary_switches", "involuntary_switches", "voluntary_switches_per_frame",
                 "involuntary_switches_per_frame", "executor_submissions", "preprocess_us", "enqueue_us",
                 "latency_ms", "delivery_ms", "step_to_sent_ms", "step_ms", "sessions_connected",
-                "server_cpu_us_per_frame", "load_generator_cpu_us_per_frame", "server_frames_in",
+                "server_cpu_us_per_frame", "server_scheduler_cpu_share", "load_generator_cpu_us_per_frame",
+                "server_frames_in",
                 "server_frames_out", "server_step_ms_mean", "server_latency_ms_mean", "drops", "resumes")
 
 
@@ -228,6 +234,9 @@ def _format_url_table(report: SimulationReport) -> str:
     add("frames in / out (server)", lambda r: f"{_optional(r.measured.server_frames_in, 'd')} / "
                                               f"{_optional(r.measured.server_frames_out, 'd')}")
     add("server CPU per frame (µs)", lambda r: _optional(r.measured.server_cpu_us_per_frame, ".2f"))
+    add("server CPU on the scheduler thread (%)",
+        lambda r: _optional(None if r.measured.server_scheduler_cpu_share is None
+                            else 100 * r.measured.server_scheduler_cpu_share, ".1f"))
     add("load-generator CPU per frame (µs)", lambda r: _optional(r.measured.load_generator_cpu_us_per_frame, ".2f"))
     kinds = sorted({k for r in report.rounds for k in r.handoffs})
     for kind in kinds:
