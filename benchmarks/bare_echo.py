@@ -1,7 +1,9 @@
 """The floor under ``duplexrt serve``: what trio and the WebSocket layer cost with no runtime at all.
 
-One trio task per connection reads each message and sends its echo back in the same wake-up: no
-scheduler thread, no inbox, no session, no translator, no metrics beyond two counters.  It speaks
+One trio task per connection reads each message and sends back, in the same wake-up, the whole
+frames of echo it makes ready (one send per message of whole frames; none for a message shorter
+than a frame, as the server answers per frame): no scheduler thread, no inbox, no session, no
+translator, no metrics beyond two counters.  It speaks
 just enough of ``/v1/duplex`` (pcm_f32le at 24 kHz, 80 ms frames) for ``duplexrt simulate --url``
 to drive it and check every frame: the greeting, the output delayed by two frames as the echo
 model's default ``delay_frames``, ``session.end`` with usage after ``input.end``, and a
@@ -77,17 +79,20 @@ class _Echo:
         self.ws = ws
         self.counters = counters
         self.held = bytes(DELAY_BYTES)
-        self.frames_in = 0
+        self.received = 0  # bytes of audio: whole frames once the input has ended
         self.ended = False
 
     def _answer(self, message: bytes) -> bytes:
+        """The whole frames ``message`` makes ready, two frames late: nothing for a message that
+        completes no frame, as the server sends per frame, whatever the client's message size."""
         size = len(message)
         self.counters.bytes_in += size
-        self.frames_in += size // FRAME_BYTES
+        self.received += size
         stream = self.held + message
-        self.held = stream[size:]
-        self.counters.bytes_out += size
-        return stream[:size]
+        ready = max(0, len(stream) - DELAY_BYTES) // FRAME_BYTES * FRAME_BYTES
+        self.held = stream[ready:]
+        self.counters.bytes_out += ready
+        return stream[:ready]
 
     def _ends(self, message: str) -> bool:
         return json.loads(message).get("type") == "input.end"
@@ -99,7 +104,8 @@ class _Echo:
                 self.ended = True
                 return Taken.HELD  # the goodbye is the connection's task's
             return Taken.DONE
-        if not self.ws.send_nowait(self._answer(message)):
+        answer = self._answer(message)
+        if answer and not self.ws.send_nowait(answer):
             return Taken.HELD  # the socket took part of it: the task waits for the rest
         return Taken.DONE
 
@@ -110,14 +116,15 @@ class _Echo:
                 message = await ws.receive()
                 if isinstance(message, str):
                     self.ended = self._ends(message)
-                else:
-                    await ws.send(self._answer(message))
+                elif answer := self._answer(message):
+                    await ws.send(answer)
                 continue
             message = await ws.serve_messages(self.take)  # None: the sink held one for this task
             if (message is None or self.take(message) is Taken.HELD) and not self.ended:
                 await ws.flush()
+        frames = self.received // FRAME_BYTES
         await ws.send(json.dumps({"type": "session.end", "reason": "stop",
-                                  "usage": {"frames_in": self.frames_in, "frames_out": self.frames_in}}))
+                                  "usage": {"frames_in": frames, "frames_out": frames}}))
 
 
 async def _connection(stream: trio.SocketStream, counters: Counters, hub: ReadHub | None) -> None:

@@ -68,13 +68,13 @@ class RunningServer:
         return code
 
 
-def simulate(url: str, concurrency: int, frames: int, bin: Path = BIN) -> dict:
+def simulate(url: str, concurrency: int, frames: int, bin: Path = BIN, message_ms: float = 160.0) -> dict:
     if bin == BARE_ECHO:
         bin = BIN  # the floor is driven by this checkout's load generator
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     proc = subprocess.run([str(bin), "simulate", "--url", url, "--mode", "paced", "--concurrency", str(concurrency),
-                           "--frames", str(frames), "--json", out, "--no-progress"],
+                           "--frames", str(frames), "--message-ms", f"{message_ms:g}", "--json", out, "--no-progress"],
                           capture_output=True, text=True, timeout=600)
     data = json.loads(Path(out).read_text())
     os.unlink(out)
@@ -83,10 +83,11 @@ def simulate(url: str, concurrency: int, frames: int, bin: Path = BIN) -> dict:
     return round_
 
 
-def run_once(bin: Path, serve_args: list[str], url_path: str, concurrency: int, frames: int) -> tuple[dict, int]:
+def run_once(bin: Path, serve_args: list[str], url_path: str, concurrency: int, frames: int,
+             message_ms: float = 160.0) -> tuple[dict, int]:
     server = RunningServer(*serve_args, bin=bin)
     try:
-        round_ = simulate(f"ws://127.0.0.1:{server.port}{url_path}", concurrency, frames, bin)
+        round_ = simulate(f"ws://127.0.0.1:{server.port}{url_path}", concurrency, frames, bin, message_ms)
     finally:
         code = server.stop()
     return round_, code
@@ -110,6 +111,9 @@ def _loadavg() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=100)
+    parser.add_argument("--message-ms", type=float, default=160.0,
+                        help="audio per client message in the CPU step (160: two frames; a browser or a voice-agent "
+                             "framework sends 10-20 ms)")
     parser.add_argument("--routes", default="/v1/duplex,/v1/realtime?duplex=1&continuous=1,/v1/live/sessions")
     parser.add_argument("--sessions", default="96,256")
     parser.add_argument("--variants", default="native,trio-websocket",
@@ -127,22 +131,27 @@ def main() -> None:
         variants.insert(0, ("before", args.before_bin, []))
     results: dict = {"cpu": [], "capacity": [], "load_average_before": _loadavg()}
 
-    print(f"1. CPU per frame, paced sessions x {args.frames} frames, echo; load average {_loadavg()}", file=sys.stderr)
+    print(f"1. CPU per frame, paced sessions x {args.frames} frames, {args.message_ms:g} ms messages, echo; "
+          f"load average {_loadavg()}", file=sys.stderr)
     for route in (r for r in args.routes.split(",") if r):
         for concurrency in (int(n) for n in args.sessions.split(",") if n):
             for name, bin, serve_args in variants:
                 if bin == BARE_ECHO and not route.startswith("/v1/duplex"):
                     continue  # the floor speaks /v1/duplex only
-                round_, code = run_once(bin, serve_args, route, concurrency, args.frames)
+                round_, code = run_once(bin, serve_args, route, concurrency, args.frames, args.message_ms)
                 lag = round_["frame_lag_ms"] or {"p99": float("nan")}
                 row = {"route": route, "sessions": concurrency, "variant": name,
                        "server_cpu_us_per_frame": round_["server_cpu_us_per_frame"],
                        "load_generator_cpu_us_per_frame": round_["load_generator_cpu_us_per_frame"],
                        "frame_lag_p99_ms": lag["p99"], "late_frames": round_["late_frames"],
-                       "guards_ok": not round_["failures"], "server_exit_code": code}
+                       "guards_ok": not round_["failures"], "server_exit_code": code,
+                       # None from a server that does not count its scheduler thread (the floor, older builds)
+                       "server_scheduler_cpu_share": round_.get("server_scheduler_cpu_share")}
                 results["cpu"].append(row)
-                print(f"   {route} x{concurrency} {name:>14}: server {row['server_cpu_us_per_frame']:.1f} us/frame, "
-                      f"load generator {row['load_generator_cpu_us_per_frame']:.1f} us/frame, lag p99 "
+                share = row["server_scheduler_cpu_share"]
+                on_thread = f" ({100 * share:.0f} % on the scheduler thread)" if share is not None else ""
+                print(f"   {route} x{concurrency} {name:>14}: server {row['server_cpu_us_per_frame']:.1f} us/frame"
+                      f"{on_thread}, load generator {row['load_generator_cpu_us_per_frame']:.1f} us/frame, lag p99 "
                       f"{lag['p99']:.1f} ms, late {round_['late_frames']}, "
                       f"guards {'ok' if not round_['failures'] else round_['failures'][:2]}", file=sys.stderr)
 

@@ -13,12 +13,14 @@ from pathlib import Path
 SERVER_BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "server.py"
 
 
-def _run(tmp_path: Path, variants: str, routes: str = "/v1/duplex", frames: int = 4) -> tuple[str, list[dict]]:
+def _run(tmp_path: Path, variants: str, routes: str = "/v1/duplex", frames: int = 4,
+         message_ms: float = 160) -> tuple[str, list[dict]]:
     """Two paced sessions per route and variant; (what it logged, its CPU rows)."""
     out = tmp_path / "server.json"
     proc = subprocess.run(
         [sys.executable, str(SERVER_BENCHMARK), "--variants", variants, "--routes", routes,
-         "--sessions", "2", "--frames", str(frames), "--capacity", "", "--json", str(out)],
+         "--sessions", "2", "--frames", str(frames), "--message-ms", str(message_ms), "--capacity", "",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stderr, json.loads(out.read_text())["cpu"]
@@ -39,3 +41,18 @@ def test_the_floor_through_the_read_hub_and_the_server_with_and_without_it_serve
     assert [row["variant"] for row in rows] == ["bare-hub", "native", "native-no-hub"]
     for row in rows:
         assert row["guards_ok"] and row["late_frames"] == 0 and row["server_exit_code"] == 0, (row, log)
+
+
+def test_messages_shorter_than_a_frame_are_echoed_per_frame_by_the_floor_and_the_server(tmp_path):
+    """20 ms messages (what browsers and voice-agent frameworks send): the floor answers per whole
+    frame, as the server does, so the two still compare; every frame is checked; the server says
+    how much of its CPU was the scheduler thread's and the floor, which has none, says nothing."""
+    log, rows = _run(tmp_path, "bare,bare-hub,native", frames=4, message_ms=20)
+    assert [row["variant"] for row in rows] == ["bare", "bare-hub", "native"]
+    for row in rows:
+        assert row["guards_ok"] and row["late_frames"] == 0 and row["server_exit_code"] == 0, (row, log)
+    floor, floor_hub, native = rows
+    assert floor["server_scheduler_cpu_share"] is None and floor_hub["server_scheduler_cpu_share"] is None
+    # The process's CPU comes in 10 ms ticks: a run this short may count none, and then no share.
+    assert native["server_scheduler_cpu_share"] is not None or native["server_cpu_us_per_frame"] == 0, native
+    assert "20 ms messages" in log
