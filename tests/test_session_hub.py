@@ -31,6 +31,7 @@ from conftest import (
     receive_all,
     synthetic_out,
     synthetic_wire,
+    wait_until,
 )
 from test_session import SYNTHETIC, pcm_workload
 from duplexrt.core.runtime import open_runtime
@@ -195,8 +196,7 @@ async def test_a_shutdown_answers_every_frame_the_hub_took_and_nothing_after():
                 nursery.start_soon(receive_all, client, log)
                 await send_all(client, [frame.astype("<f4").tobytes() for frame in frames[:4]], log,
                                end_input=False)
-                while runtime.metrics.frames_in < 4:
-                    await trio.sleep(0.001)
+                await wait_until(lambda: runtime.metrics.frames_in >= 4, "the four frames in")
                 next(iter(runtime.sessions)).shutdown()
     end = outcome["end"]
     assert end.reason == "shutdown" and end.frames_in == end.frames_out == 4
@@ -240,7 +240,7 @@ async def test_output_delivered_while_a_read_event_waits_for_the_reader_goes_out
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hub.run)
             client, outcome = start_session(nursery, runtime, hub, 1, protocol=FlippingProtocol(wire))
-            await _wait_for(lambda: runtime.sessions)
+            await wait_until(lambda: runtime.sessions, "the session to open")
             session = next(iter(runtime.sessions))
             real_take = session._take_nowait
 
@@ -260,7 +260,7 @@ async def test_output_delivered_while_a_read_event_waits_for_the_reader_goes_out
             await client.send(frame.astype("<f4").tobytes())  # the first message: the reader's
             await backend.wait_stalled()
             backend.release()  # the first step goes; the second frame will stall it again
-            await _wait_for(lambda: runtime.metrics.frames_out == 1)
+            await wait_until(lambda: runtime.metrics.frames_out == 1, "the first frame out")
             backend.stall()
             await client.send(frame.astype("<f4").tobytes())  # taken where read: stalls the model
             await backend.wait_stalled()
@@ -280,12 +280,6 @@ async def test_output_delivered_while_a_read_event_waits_for_the_reader_goes_out
     assert texts.index("flipped") < texts.index("after")
 
 
-async def _wait_for(predicate) -> None:
-    with trio.fail_after(PATIENCE):
-        while not predicate():
-            await trio.sleep(0.001)
-
-
 async def test_a_shutdown_right_after_the_hub_left_a_message_to_the_reader_still_answers_all_of_it():
     """The hub read a message the credits could not take at once (six frames, inbox depth 2) and
     left it to the reader; a shutdown lands before the reader runs.  That message was read: the
@@ -298,7 +292,7 @@ async def test_a_shutdown_right_after_the_hub_left_a_message_to_the_reader_still
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
                 client, outcome = start_session(nursery, runtime, hub, 6, wire)
-                await _wait_for(lambda: runtime.sessions)
+                await wait_until(lambda: runtime.sessions, "the session to open")
                 session = next(iter(runtime.sessions))
                 real_take = session._take_nowait
 
@@ -311,7 +305,7 @@ async def test_a_shutdown_right_after_the_hub_left_a_message_to_the_reader_still
                 session._take_nowait = take_then_stop
                 nursery.start_soon(receive_all, client, log)
                 await client.send(frames[0].astype("<f4").tobytes())  # the reader's, as the first
-                await _wait_for(lambda: runtime.metrics.frames_out == 1)
+                await wait_until(lambda: runtime.metrics.frames_out == 1, "the first frame out")
                 await client.send(np.concatenate(frames[1:]).astype("<f4").tobytes())
     end = outcome["end"]
     assert end.reason == "shutdown" and end.frames_in == end.frames_out == 7

@@ -99,6 +99,10 @@ async def test_the_scheduler_thread_s_cpu_is_counted_and_kept_once_it_ends():
     assert ended >= running and ended == runtime.scheduler.statistics().thread_cpu_seconds
 
 
+def _exported(metrics: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1))
+
+
 async def _get(port: int, path: str) -> bytes:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
@@ -127,14 +131,10 @@ async def test_free_slots_agree_while_a_connection_is_in_its_handshake(nursery):
     ready = json.loads(await _get(port, "/readyz"))
     stats = json.loads(await _get(port, "/stats"))
     metrics = (await _get(port, "/metrics")).decode()
-    exported = float(re.search(r"^duplexrt_slots_free (\S+)$", metrics, re.M).group(1))
+    exported = _exported(metrics, "duplexrt_slots_free")
     assert ready["free_slots"] == stats["free_slots"] == exported == 1
     assert server.statistics().runtime.free_rows == 2  # the handshake holds no row yet
     await stuck.aclose()
-
-
-def _exported(metrics: str, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1))
 
 
 @pytest.mark.skipif(not ReadHub.available(), reason="the read hub needs epoll (Linux)")
