@@ -3,7 +3,8 @@ frames, and the few helpers that frame outgoing ones.
 
 Why our own and not wsproto's: at 12.5 messages a second per session, the cost that matters is the
 machinery per message, not the protocol.  wsproto unmasks a byte at a time in Python and builds an
-event object per frame; here a message's payload is unmasked with one numpy XOR over 32-bit words,
+event object per frame; here a message's payload is unmasked and copied out in one pass by
+websockets' C ``apply_mask`` (one numpy XOR over 32-bit words where that extension is missing),
 a frame header is one ``struct`` call, and a buffer that holds several frames is parsed in one go.
 The socket reads straight into the parser's own buffer (``room`` and ``received``), which lives as
 long as the connection: no bytes object per read, no copy into the buffer, and the unmasking works
@@ -20,6 +21,15 @@ from enum import IntEnum
 import numpy as np
 
 from duplexrt.reasons import CloseCode
+
+try:
+    # One C call that XORs and copies in one pass.  In a loaded server a numpy XOR in place and
+    # a copy out cost 29.5 µs of the trio thread's CPU per 15 KB message, this 14 (thread CPU
+    # around each, 96 paced sessions: docs/benchmarks.md, "Hot path, seventh pass"): what a
+    # numpy call costs there is its dispatch, run cold between messages, not the XOR.
+    from websockets.speedups import apply_mask as _apply_mask
+except ImportError:  # websockets built without its C extension: numpy does it
+    _apply_mask = None
 
 
 class Opcode(IntEnum):
@@ -84,6 +94,8 @@ Event = bytes | str | Ping | Pong | Close
 
 def unmask(data: bytes | bytearray | memoryview, mask: bytes) -> bytes:
     """``data`` XOR the repeated 4-byte ``mask`` (masking and unmasking are the same)."""
+    if _apply_mask is not None:
+        return _apply_mask(data, mask)
     size = len(data)
     if size < _NUMPY_FROM:
         key = (mask * ((size >> 2) + 1))[:size]
@@ -106,6 +118,16 @@ def frame_header(opcode: int, size: int, mask: bytes | None = None) -> bytes:
     else:
         header = _H64.pack(first, masked | 127, size)
     return header + mask if mask is not None else header
+
+
+def masked_frame_parts(opcode: int, payload: bytes | bytearray | memoryview, mask: bytes) -> tuple[bytes | bytearray, bytes]:
+    """A client's frame for one writev: its header, and its payload masked (one copy, in C); or,
+    without websockets' C extension, the whole frame in one buffer (``masked_frame``) and b""."""
+    if _apply_mask is None:
+        return masked_frame(opcode, payload, mask), b""
+    if type(payload) is memoryview and payload.format != "B":
+        payload = payload.cast("B")  # counted in bytes below
+    return frame_header(opcode, len(payload), mask), _apply_mask(payload, mask)
 
 
 def masked_frame(opcode: int, payload: bytes | bytearray | memoryview, mask: bytes) -> bytes | bytearray:
@@ -328,9 +350,12 @@ class FrameParser:
                 raise FrameError(CloseCode.INVALID_PAYLOAD, "text message is not valid UTF-8") from None
 
     def _unmask(self, start: int, size: int) -> bytes:
-        """Unmask the payload of ``size`` bytes at ``start`` (its mask just before it) where it
-        lies, and return it as bytes: one XOR over 32-bit words of the buffer, one copy out.
-        The buffer is parsed once, so changing it in place loses nothing."""
+        """The payload of ``size`` bytes at ``start`` (its mask just before it), unmasked, as
+        bytes: websockets' ``apply_mask``, or else one XOR over 32-bit words of the buffer where
+        it lies and one copy out (the buffer is parsed once, so changing it loses nothing)."""
+        if _apply_mask is not None:
+            view = self._view
+            return _apply_mask(view[start:start + size], view[start - 4:start])
         buffer = self._buffer
         if size < _NUMPY_FROM:
             return unmask(self._view[start:start + size], bytes(self._view[start - 4:start]))

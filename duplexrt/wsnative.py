@@ -36,7 +36,7 @@ from duplexrt.readhub import ReadHub
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, Sink, Taken, TransportClosed, wait_for_silence
 from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
-                               frame, frame_header, masked_frame)
+                               frame, frame_header, masked_frame_parts)
 
 log = logging.getLogger("duplexrt.wsnative")
 
@@ -285,18 +285,18 @@ class NativeWebSocket:
         return self._ended or self._gone or TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
 
     def _frame(self, message: Message) -> tuple[bytes, bytes]:
-        """A message as one frame: header and payload apart for a server (one writev, the
-        payload not copied), one masked buffer for a client."""
+        """A message as one frame, header and payload apart for one writev: a server's payload
+        not copied, a client's masked in one copy (``masked_frame_parts``)."""
         if type(message) is str:
             payload = message.encode()
             opcode = Opcode.TEXT
         elif self._client:  # masked into a buffer of its own anyway: no copy of a view first
-            return masked_frame(Opcode.BINARY, message, self._mask_keys.next()), b""
+            return masked_frame_parts(Opcode.BINARY, message, self._mask_keys.next())
         else:
             payload = message if type(message) is bytes else bytes(message)
             opcode = Opcode.BINARY
         if self._client:
-            return masked_frame(opcode, payload, self._mask_keys.next()), b""
+            return masked_frame_parts(opcode, payload, self._mask_keys.next())
         return frame_header(opcode, len(payload)), payload
 
     async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:

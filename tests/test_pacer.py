@@ -232,3 +232,39 @@ async def test_a_cancelled_send_due_sends_nothing_more(autojump_clock):
         await pacer.wait_until(start + 2.0)
         nursery.cancel_scope.cancel()
     assert sent == [0, 1] and pacer.statistics().waiting == 0
+
+
+async def test_the_pacer_wakes_without_raising_cancelled(autojump_clock, monkeypatch):
+    """Its own deadline wakes the pacer quietly: no ``Cancelled`` is made for a wake-up."""
+    made: list[str] = []
+    create = trio.Cancelled._create
+
+    def counting_create(*args, **kwargs):
+        made.append("Cancelled")
+        return create(*args, **kwargs)
+
+    pacer = Pacer()
+    start = trio.current_time()
+    woke: list[tuple[int, float]] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        monkeypatch.setattr(trio.Cancelled, "_create", counting_create)
+        await _waiters(pacer, [start + 1.0, start + 2.0, start + 3.0], woke)
+        assert pacer.statistics().wakes == 3 and made == []
+        nursery.cancel_scope.cancel()
+    assert made  # the stop itself is a cancellation, raised as ever
+
+
+async def test_a_cancellation_at_the_moment_of_a_wake_up_still_stops_the_pacer(autojump_clock):
+    """The outer cancellation and the pacer's own deadline at one instant: the wake-up is quiet,
+    and the cancellation lands at the pacer's next wait all the same."""
+    pacer = Pacer()
+    start = trio.current_time()
+    with trio.CancelScope(deadline=start + 1.0) as outer:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pacer.run)
+            nursery.start_soon(pacer.wait_until, start + 1.0)
+            nursery.start_soon(pacer.wait_until, start + 7.0)
+            await trio.sleep_forever()
+    assert outer.cancelled_caught
+    assert trio.current_time() == pytest.approx(start + 1.0)  # not kept until the next due time

@@ -14,10 +14,23 @@ import numpy as np
 import pytest
 from wsproto.frame_protocol import FrameProtocol, Opcode as WsOpcode
 
+from duplexrt import wsframes
 from duplexrt.wsframes import (BUFFER_SIZE, Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload,
-                               frame, frame_header, masked_frame, MaskKeys, unmask)
+                               frame, frame_header, masked_frame, masked_frame_parts, MaskKeys, unmask)
 
 MASK = b"\x11\x22\x33\x44"
+C_UNMASK = wsframes._apply_mask
+
+
+@pytest.fixture(params=["c", "numpy"])
+def unmasker(request, monkeypatch):
+    """Both ways to (un)mask: websockets' C ``apply_mask``, and the numpy path used without it."""
+    if request.param == "c":
+        if C_UNMASK is None:
+            pytest.skip("websockets is installed without its C extension (websockets.speedups)")
+    else:
+        monkeypatch.setattr(wsframes, "_apply_mask", None)
+    return request.param
 
 
 def raw(opcode: int, payload: bytes, *, fin: bool = True, mask: bytes | None = MASK, rsv: int = 0,
@@ -126,7 +139,7 @@ def test_a_reader_behind_gets_the_room_it_asks_for_and_the_buffer_shrinks_once_i
     assert len(parser.room()) == BUFFER_SIZE
 
 
-def test_unmask_matches_a_byte_at_a_time_xor_for_odd_lengths():
+def test_unmask_matches_a_byte_at_a_time_xor_for_odd_lengths(unmasker):
     for size in (0, 1, 2, 3, 7, 63, 64, 65, 66, 67, 1001, 3840):
         data = os.urandom(size)
         expected = bytes(b ^ MASK[i % 4] for i, b in enumerate(data))
@@ -230,9 +243,19 @@ def test_frames_we_write_are_what_wsproto_reads(size):
     assert frame_header(Opcode.TEXT, size) + payload == frame(Opcode.TEXT, payload)
 
 
-def test_our_masked_frames_round_trip_through_our_parser():
+def test_our_masked_frames_round_trip_through_our_parser(unmasker):
     payload = os.urandom(5000)
     assert events(server_parser(), frame(Opcode.BINARY, payload, masked=True)) == [payload]
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 63, 64, 65, 126, 3839, 7680, 15361, 70001])
+def test_the_parser_unmasks_payloads_at_every_alignment(unmasker, size):
+    """Headers of 2, 4 and 10 bytes put the payload at every offset from a word boundary; the
+    first frame's length shifts the second's start too."""
+    payload = os.urandom(size)
+    for lead in (b"", b"x", b"abc"):
+        data = raw(Opcode.BINARY, lead) + raw(Opcode.BINARY, payload)
+        assert events(server_parser(), data) == [lead, payload]
 
 
 def test_close_payload_cuts_a_long_reason_on_a_character_boundary():
@@ -244,11 +267,18 @@ def test_close_payload_cuts_a_long_reason_on_a_character_boundary():
 
 
 @pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 125, 126, 1000, 7679, 7680, 7683, 65535, 65536, 70001])
-def test_a_masked_frame_is_its_header_and_payload_masked_in_one_buffer(size):
+def test_a_masked_frame_is_its_header_and_payload_masked_in_one_buffer(unmasker, size):
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    expected = raw(Opcode.BINARY, payload)
     for data in (payload, bytearray(payload), memoryview(payload)):
-        built = masked_frame(Opcode.BINARY, data, MASK)
-        assert bytes(built) == frame_header(Opcode.BINARY, size, MASK) + unmask(payload, MASK)
+        assert bytes(masked_frame(Opcode.BINARY, data, MASK)) == expected
+        header, masked = masked_frame_parts(Opcode.BINARY, data, MASK)
+        assert bytes(header) + masked == expected
+        if unmasker == "c":  # header and payload apart, for one writev
+            assert header == frame_header(Opcode.BINARY, size, MASK)
+    samples = np.frombuffer(payload[:size - size % 4], np.float32)
+    header, masked = masked_frame_parts(Opcode.BINARY, memoryview(samples), MASK)
+    assert bytes(header) + masked == raw(Opcode.BINARY, samples.tobytes())  # a view of floats, cut to bytes
     parser = FrameParser(masked=True, max_message=1 << 20)
     parser.feed(bytes(masked_frame(Opcode.BINARY, payload, MASK)))
     assert parser.next() == payload
