@@ -74,8 +74,7 @@ class StepOutcome(NamedTuple):
 
     owners: Sequence[SlotOwner]
     stamps: Sequence[int]
-    #: One row of audio per owner.
-    outputs: Sequence[np.ndarray] | None
+    outputs: np.ndarray | None
     texts: Sequence[str] | None
     stepped_ns: int
     error: BaseException | None = None
@@ -547,11 +546,8 @@ class Scheduler:
             stepped = time.perf_counter_ns()
             self._consecutive_failures = 0
             self.capacity.record(n, stepped - started)
-            # The only per-step allocation: trio keeps these rows after the buffer is reused.  Cut
-            # into rows here, where numpy has just run: on a loaded trio thread the first numpy
-            # call after other work costs about 15 µs, a list index next to nothing (delivery went
-            # from 12.7 to 8.9 µs a step; docs/benchmarks.md, "Hot path, seventh pass").
-            outcome = StepOutcome(batch.owners, batch.stamps, list(outputs.copy()), texts, stepped,
+            # The only per-step allocation: trio keeps these rows after the buffer is reused.
+            outcome = StepOutcome(batch.owners, batch.stamps, outputs.copy(), texts, stepped,
                                   stages=self.backend.last_stages)
         self._steps += 1
         self._frames += n
