@@ -24,9 +24,9 @@ from duplexrt.reasons import CloseCode
 
 try:
     # One C call that XORs and copies in one pass.  In a loaded server a numpy XOR in place and
-    # a copy out cost 29.5 µs of the trio thread's CPU per 15 KB message, this 14 (thread CPU
-    # around each, 96 paced sessions: docs/benchmarks.md, "Hot path, seventh pass"): what a
-    # numpy call costs there is its dispatch, run cold between messages, not the XOR.
+    # a copy out cost 33.8-37.8 µs of the trio thread's CPU per 15 KB message, this 17.2-20.5
+    # (benchmarks/timed_serve.py, 96 paced sessions: docs/benchmarks.md, "Hot path, seventh
+    # pass"): what a numpy call costs there is its dispatch, run cold between messages.
     from websockets.speedups import apply_mask as _apply_mask
 except ImportError:  # websockets built without its C extension: numpy does it
     _apply_mask = None
