@@ -30,6 +30,8 @@ try:
     from websockets.speedups import apply_mask as _apply_mask
 except ImportError:  # websockets built without its C extension: numpy does it
     _apply_mask = None
+#: What ``apply_mask`` takes as it is; any other buffer (a numpy array) goes in as a memoryview.
+_MASKABLE = (bytes, bytearray, memoryview)
 
 
 class Opcode(IntEnum):
@@ -94,6 +96,8 @@ Event = bytes | str | Ping | Pong | Close
 
 def unmask(data: bytes | bytearray | memoryview, mask: bytes) -> bytes:
     """``data`` XOR the repeated 4-byte ``mask`` (masking and unmasking are the same)."""
+    if type(data) not in _MASKABLE:
+        data = memoryview(data).cast("B")
     if _apply_mask is not None:
         return _apply_mask(data, mask)
     size = len(data)
@@ -123,6 +127,8 @@ def frame_header(opcode: int, size: int, mask: bytes | None = None) -> bytes:
 def masked_frame_parts(opcode: int, payload: bytes | bytearray | memoryview, mask: bytes) -> tuple[bytes | bytearray, bytes]:
     """A client's frame for one writev: its header, and its payload masked (one copy, in C); or,
     without websockets' C extension, the whole frame in one buffer (``masked_frame``) and b""."""
+    if type(payload) not in _MASKABLE:
+        payload = memoryview(payload)
     if _apply_mask is None:
         return masked_frame(opcode, payload, mask), b""
     if type(payload) is memoryview and payload.format != "B":

@@ -145,6 +145,7 @@ def test_unmask_matches_a_byte_at_a_time_xor_for_odd_lengths(unmasker):
         expected = bytes(b ^ MASK[i % 4] for i, b in enumerate(data))
         assert unmask(data, MASK) == expected
         assert unmask(memoryview(bytearray(data)), MASK) == expected
+        assert unmask(np.frombuffer(data, np.uint8), MASK) == expected  # any buffer
 
 
 def test_text_is_decoded_and_several_frames_in_one_read_all_come_out():
@@ -277,8 +278,9 @@ def test_a_masked_frame_is_its_header_and_payload_masked_in_one_buffer(unmasker,
         if unmasker == "c":  # header and payload apart, for one writev
             assert header == frame_header(Opcode.BINARY, size, MASK)
     samples = np.frombuffer(payload[:size - size % 4], np.float32)
-    header, masked = masked_frame_parts(Opcode.BINARY, memoryview(samples), MASK)
-    assert bytes(header) + masked == raw(Opcode.BINARY, samples.tobytes())  # a view of floats, cut to bytes
+    for floats in (memoryview(samples), samples):  # a view of floats, cut to bytes; any buffer
+        header, masked = masked_frame_parts(Opcode.BINARY, floats, MASK)
+        assert bytes(header) + masked == raw(Opcode.BINARY, samples.tobytes())
     parser = FrameParser(masked=True, max_message=1 << 20)
     parser.feed(bytes(masked_frame(Opcode.BINARY, payload, MASK)))
     assert parser.next() == payload

@@ -63,12 +63,12 @@ async def _sleep_out(scope: trio.CancelScope) -> None:
 
     ``trio.sleep_forever`` in a scope with a deadline wakes by a ``Cancelled`` that unwinds
     through the scope: an exception made, raised and caught on every wake-up, about 8 µs of the
-    61 that a wake-up which releases one sender cost (``benchmarks/pacer_cost.py``).  Here the abort answers its own scope's
-    cancellation by rescheduling the task with no error, which ``wait_task_rescheduled``
-    allows ("ignore the cancellation ... reschedule and continue as normal"); a cancellation
-    from further out, with ``scope`` not cancelled, aborts as usual and raises ``Cancelled``.
-    Should both come at once the task wakes quietly, and the outer cancellation is raised at
-    its next wait, in a scope of its own that is not cancelled."""
+    59-61 that a wake-up releasing one sender cost (``benchmarks/pacer_cost.py``).  Here the
+    abort answers its own scope's cancellation by rescheduling the task with no error, which
+    ``wait_task_rescheduled`` allows ("ignore the cancellation ... reschedule and continue as
+    normal"); a cancellation from further out, with ``scope`` not cancelled, aborts as usual
+    and raises ``Cancelled``.  Should both come at once the task wakes quietly, and the outer
+    cancellation is raised at its next wait, in a scope of its own that is not cancelled."""
     task = trio.lowlevel.current_task()
 
     def abort(raise_cancel: object) -> trio.lowlevel.Abort:
