@@ -14,7 +14,7 @@ import trio_websocket
 from conftest import backend_info
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
-from duplexrt.core.capacity import CapacityEstimator, fit_line, sessions_within
+from duplexrt.core.capacity import REFIT_AFTER_MS, CapacityEstimator, fit_line, sessions_within
 from duplexrt.server import Server
 from test_server import http_get
 
@@ -235,3 +235,26 @@ def test_the_7b_random_config_chooses_the_full_architecture_and_nothing_to_downl
     with pytest.raises(ConfigError, match="backend.options.random"):
         create_backend(load_config(SEVEN_B,
                                    ['backend.options.device="cpu"', 'backend.options.random="gpt"']))
+
+
+def test_cheap_steps_refit_once_enough_step_time_is_recorded_and_dear_ones_every_few_steps():
+    """A refit costs far more than an echo step: after the first fit from steps, cheap steps
+    wait for ``REFIT_AFTER_MS`` of themselves; a step dearer than that share refits as before."""
+    cheap = CapacityEstimator(128, FRAME_S, margin=0.05, refit_every=16)
+    for _ in range(16):
+        cheap.record(4, 15_000)  # 15 µs, as echo steps cost
+    first = cheap.estimate
+    assert first.source == "steps" and first.samples == 16  # the first fit comes as ever
+    steps_for_the_budget = math.ceil(REFIT_AFTER_MS / 0.015)
+    for _ in range(steps_for_the_budget - 1):
+        cheap.record(4, 15_000)
+    assert cheap.estimate is first  # 16 steps and more since, but under REFIT_AFTER_MS of them
+    cheap.record(4, 15_000)
+    assert cheap.estimate is not first and cheap.estimate.samples == 16 + steps_for_the_budget
+    dear = CapacityEstimator(128, FRAME_S, margin=0.05, refit_every=16)
+    fits = []
+    for step in range(64):
+        dear.record(30, int(gpu_like(30) * 1e9))
+        fits.append(dear.estimate)
+    assert len({id(estimate) for estimate in fits}) == 5  # none, then one fit per 16 steps
+

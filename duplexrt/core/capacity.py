@@ -5,7 +5,8 @@ can step in a frame period and every call on the process falls behind at once, s
 learns the step time as a function of the batch size and admits only as many sessions as fit.
 
 The scheduler thread records each step's (rows, duration) into fixed per-batch-size arrays (a few
-scalar writes per step, no allocation) and, every ``refit_every`` steps, fits a line
+scalar writes per step, no allocation) and, every ``refit_every`` steps (for steps far cheaper
+than a refit, once ``REFIT_AFTER_MS`` of them is recorded), fits a line
 ``cost(n) = base + per_session * n`` by weighted least squares over the batch sizes seen, seeded by
 what the backend measured at load (``Backend.warmup_costs``).  The result is one immutable
 ``CapacityEstimate`` swapped in whole: the trio thread's admission check reads an attribute, with
@@ -92,6 +93,16 @@ def fit_line(sizes: np.ndarray, means: np.ndarray, weights: np.ndarray) -> tuple
     return float(base), float(slope)
 
 
+#: After its first fit from steps, the estimator refits only once this much step time has been
+#: recorded since the last fit, as well as ``refit_every`` steps.  A refit cost 203 µs of the
+#: scheduler thread's CPU in a loaded server (``benchmarks/timed_serve.py``, echo, 96 paced
+#: sessions): every 16 steps of a cheap model (echo: 13-17 µs a step) that was 192 refits in 8 s,
+#: 2 % of the server's CPU, for an estimate no step changed.  Here a refit costs at most about 1 %
+#: of the step time it sums up; a step of 1.25 ms or more (every GPU model) refits every
+#: ``refit_every`` steps as before.
+REFIT_AFTER_MS = 20.0
+
+
 class CapacityEstimator:
     """Learns step cost by batch size on the scheduler thread; publishes ``estimate``."""
 
@@ -109,6 +120,8 @@ class CapacityEstimator:
         #: The batch sizes seen so far, ascending: a refit reads these, not every possible size.
         self._sizes: list[int] = []
         self._since_fit = 0
+        self._ms_since_fit = 0.0
+        self._fitted_from_steps = False
         self._steps = 0
         self.estimate = self._publish(None, 0)
 
@@ -125,11 +138,16 @@ class CapacityEstimator:
             self.refit("warm-up")
 
     def record(self, rows: int, duration_ns: int) -> None:
-        """One step's rows and duration.  Cheap: two list writes; a refit every few steps."""
-        self._add(rows, duration_ns / 1e6)
+        """One step's rows and duration.  Cheap: two list writes; a refit every few steps (the
+        first after ``refit_every``, later ones once ``REFIT_AFTER_MS`` of steps came too)."""
+        ms = duration_ns / 1e6
+        self._add(rows, ms)
         self._steps += 1
         self._since_fit += 1
-        if self._since_fit >= self.refit_every:
+        self._ms_since_fit += ms
+        if self._since_fit >= self.refit_every and (self._ms_since_fit >= REFIT_AFTER_MS
+                                                    or not self._fitted_from_steps):
+            self._fitted_from_steps = True
             self.refit("steps")
 
     def _add(self, rows: int, ms: float) -> None:
@@ -141,6 +159,7 @@ class CapacityEstimator:
 
     def refit(self, source: str = "steps") -> CapacityEstimate:
         self._since_fit = 0
+        self._ms_since_fit = 0.0
         seen = self._sizes
         if not seen:
             return self.estimate
