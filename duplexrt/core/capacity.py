@@ -94,12 +94,12 @@ def fit_line(sizes: np.ndarray, means: np.ndarray, weights: np.ndarray) -> tuple
 
 
 #: After its first fit from steps, the estimator refits only once this much step time has been
-#: recorded since the last fit, as well as ``refit_every`` steps.  A refit cost 203 µs of the
+#: recorded since the last fit, as well as ``refit_every`` steps.  A refit cost 175-203 µs of the
 #: scheduler thread's CPU in a loaded server (``benchmarks/timed_serve.py``, echo, 96 paced
-#: sessions): every 16 steps of a cheap model (echo: 13-17 µs a step) that was 192 refits in 8 s,
-#: 2 % of the server's CPU, for an estimate no step changed.  Here a refit costs at most about 1 %
-#: of the step time it sums up; a step of 1.25 ms or more (every GPU model) refits every
-#: ``refit_every`` steps as before.
+#: sessions): every 16 steps of a cheap model (echo: 13-17 µs a step) that was 193 refits in 8 s,
+#: 2 % of the server's CPU, for an estimate that admitted every slot throughout.  Here a refit
+#: costs at most about 1 % of the step time it sums up; a step of 1.25 ms or more (every GPU
+#: model) refits every ``refit_every`` steps as before.
 REFIT_AFTER_MS = 20.0
 
 
