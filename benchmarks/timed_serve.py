@@ -8,11 +8,11 @@ A wrapper costs two clock reads a call (about a microsecond here), counted in it
 one function or a few at once, not a whole call tree.
 
 Drive it like any server, e.g. with ``duplexrt simulate --url ... --mode paced``, then stop it
-with Ctrl-C (SIGINT) to print the table.  ``--package DIR`` runs another checkout's package
-(DIR holding its ``duplexrt`` and ``duplexrt_cli``), for a side-by-side figure of one function.
+with Ctrl-C (SIGINT) to print the table.  ``--against DIR`` runs another checkout's code (DIR is
+its root, as for ``benchmarks/vad_cost.py``), for a side-by-side figure of one function.
 
 Usage: python benchmarks/timed_serve.py --time duplexrt.wsframes:FrameParser._unmask [--time ...]
-           [--package DIR] -- [serve options]
+           [--against DIR] -- [serve options]
 """
 
 from __future__ import annotations
@@ -20,11 +20,29 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
+import importlib.util
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+
+def _use_checkout(root: Path) -> None:
+    """Import ``duplexrt`` from ``root`` and ``duplexrt_cli`` from its ``cli/``, as an installed
+    checkout maps them, in place of this environment's own install."""
+    # An editable install's finder would answer for both names before sys.path is searched.
+    sys.meta_path[:] = [finder for finder in sys.meta_path if "editable" not in repr(finder).lower()]
+    sys.path.insert(0, str(root))
+    cli = root / "cli"
+    spec = importlib.util.spec_from_file_location("duplexrt_cli", cli / "__init__.py",
+                                                  submodule_search_locations=[str(cli)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--against {root}: no cli/ package there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["duplexrt_cli"] = module
+    spec.loader.exec_module(module)
 
 
 def _wrap(spec: str, cpu: Counter[str], wall: Counter[str], calls: Counter[str]) -> None:
@@ -56,12 +74,10 @@ def main() -> None:
     own = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--time", action="append", default=[], metavar="MODULE:NAME")
-    parser.add_argument("--package", help="another checkout's package directory, first on sys.path")
+    parser.add_argument("--against", type=Path, help="another checkout's root: time its code instead")
     args = parser.parse_args(own)
-    if args.package:
-        # An editable install's finder would answer for duplexrt before sys.path is searched.
-        sys.meta_path[:] = [finder for finder in sys.meta_path if "editable" not in repr(finder).lower()]
-        sys.path.insert(0, args.package)
+    if args.against is not None:
+        _use_checkout(args.against.resolve())
     cpu: Counter[str] = Counter()
     wall: Counter[str] = Counter()
     calls: Counter[str] = Counter()

@@ -1,6 +1,7 @@
 """benchmarks/timed_serve.py: ``duplexrt serve`` with thread-CPU timers around named functions,
 driven by the real load generator; at exit each timed function has its line, with every call
-counted, and the server served as it does untimed."""
+counted, and the server served as it does untimed.  ``--against`` is run on this same checkout:
+what it proves is that another checkout's code can be imported in place of the installed one."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-TIMED_SERVE = Path(__file__).resolve().parents[1] / "benchmarks" / "timed_serve.py"
+import pytest
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+TIMED_SERVE = CHECKOUT / "benchmarks" / "timed_serve.py"
 DUPLEXRT = Path(sys.executable).parent / "duplexrt"
 
 
-def test_every_call_of_a_timed_function_is_counted_and_the_server_serves_as_ever(tmp_path):
+@pytest.mark.parametrize("against", [[], ["--against", str(CHECKOUT)]], ids=["installed", "against a checkout"])
+def test_every_call_of_a_timed_function_is_counted_and_the_server_serves_as_ever(tmp_path, against):
     server = subprocess.Popen(
         [sys.executable, str(TIMED_SERVE), "--time", "duplexrt.wsframes:FrameParser.next",
-         "--time", "duplexrt.core.session:Session.delivery_done",
+         "--time", "duplexrt.core.session:Session.delivery_done", *against,
          "--", "--port", "0", "--no-log-stats", "--log-level", "info"],
         stderr=subprocess.PIPE, text=True)
     try:
