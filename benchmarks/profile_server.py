@@ -10,15 +10,19 @@ the process for each sample and so inflates the CPU figure a little.
 Layers, matched on the file path py-spy prints for a Python frame (first rule that matches wins):
 
     socket I/O          trio/_socket.py, trio/_highlevel_socket.py, trio/_core/_io_epoll.py,
-                        selectors.py, socket.py
+                        selectors.py, socket.py, duplexrt/readhub.py
     WebSocket framing   wsproto/*
     trio-websocket      trio_websocket/*
     trio scheduling     trio/* (the rest: the run loop, checkpoints, memory channels, locks)
     translator          duplexrt/protocols/*
-    session             duplexrt/core/session.py, duplexrt/audio/*
-    scheduler/inbox     duplexrt/core/scheduler.py, duplexrt/core/inbox.py, duplexrt/core/handoffs.py
-    metrics             duplexrt/core/metrics.py, duplexrt/core/histogram.py, duplexrt/server/metrics.py,
-                        duplexrt/stats_log.py
+    session             duplexrt/core/session.py and its session_input.py, session_output.py,
+                        session_sink.py; duplexrt/core/slot_owner.py, duplexrt/core/state.py,
+                        duplexrt/audio/*
+    scheduler/inbox     duplexrt/core/scheduler.py, duplexrt/core/inbox.py, duplexrt/core/handoffs.py,
+                        duplexrt/core/capacity.py, duplexrt/core/affinity.py
+    metrics             duplexrt/core/metrics.py, duplexrt/core/histogram.py,
+                        duplexrt/core/stage_meter.py, duplexrt/server/metrics.py,
+                        duplexrt/server/stats_log.py
     backend             duplexrt/backends/*, duplexrt/core/runtime.py
     server glue         duplexrt/websocket.py, duplexrt/transport.py, duplexrt/core/resume.py,
                         duplexrt/server/*
@@ -36,7 +40,7 @@ Attribution rules:
   layer that appears anywhere in its stack.  Shares add up to more than 100 %; the trio run loop is
   at the root of every stack of the trio thread, so its inclusive share is that thread's share.
 * Samples are py-spy's default non-idle samples, less the *blocked waits*: a sample whose innermost
-  Python frame is trio's ``EpollIOManager.get_events`` (epoll_wait) or ``threading.Condition.wait``
+  Python frame is trio's ``EpollIOManager.get_events`` (epoll_wait) or ``threading.Condition.wait`` or ``Inbox._sleep``
   (the scheduler thread waiting for a batch) or ``WorkerThread._work`` (an idle worker thread of
   trio's cache waiting for a job).  py-spy's idle test (the thread's state in /proc at
   the sample) lets many of those through here: with them, py-spy's "busy" time came out at 1.5-3
@@ -77,25 +81,27 @@ PY_SPY = BIN / "py-spy"
 #: (layer, path test) in order: the first match wins, so the socket files of trio come before trio.
 RULES: list[tuple[str, re.Pattern[str]]] = [
     ("socket I/O", re.compile(r"^(trio/_socket\.py|trio/_highlevel_socket\.py|trio/_core/_io_epoll\.py"
-                              r"|selectors\.py|socket\.py)$")),
+                              r"|selectors\.py|socket\.py|duplexrt/readhub\.py)$")),
     ("WebSocket framing", re.compile(r"^wsproto/|^duplexrt/ws(frames|native|handshake)\.py$")),
     ("trio-websocket", re.compile(r"^trio_websocket/")),
     ("trio scheduling", re.compile(r"^trio/")),
     ("translator", re.compile(r"^duplexrt/protocols/")),
-    ("session", re.compile(r"^duplexrt/(core/session\.py|audio/)")),
-    ("scheduler/inbox", re.compile(r"^duplexrt/core/(scheduler|inbox|handoffs)\.py$")),
-    ("metrics", re.compile(r"^duplexrt/(core/metrics|core/histogram|stats_log|server/metrics)\.py$")),
+    ("session", re.compile(r"^duplexrt/(core/(session(_input|_output|_sink)?|slot_owner|state)\.py|audio/)")),
+    ("scheduler/inbox", re.compile(r"^duplexrt/core/(scheduler|inbox|handoffs|capacity|affinity)\.py$")),
+    ("metrics", re.compile(r"^duplexrt/(core/(metrics|histogram|stage_meter)|server/(metrics|stats_log))\.py$")),
     ("backend", re.compile(r"^duplexrt/(backends/|core/runtime\.py)")),
     ("server glue", re.compile(r"^duplexrt/(websocket|transport|core/resume)\.py$|^duplexrt/server/")),
 ]
 WAIT = "blocked wait"
 LAYERS = [name for name, _ in RULES] + ["other", WAIT]
-#: Innermost Python frames that are a blocking wait: epoll_wait in trio's run loop, a
-#: threading.Condition wait in the scheduler thread.  py-spy's idle detection (the thread's state
+#: Innermost Python frames that are a blocking wait: epoll_wait in trio's run loop, the
+#: scheduler thread's sleep in the inbox.  py-spy's idle detection (the thread's state
 #: in /proc) misses many of them, because the sample lands as the thread enters or leaves the
 #: call; they are counted apart and left out of the busy shares (see the docstring).
 WAITS = {("EpollIOManager.get_events", "trio/_core/_io_epoll.py"), ("Condition.wait", "threading.py"),
          ("Event.wait", "threading.py"), ("Thread.join", "threading.py"),
+         # the scheduler thread asleep on its wake-up lock (held until a signal releases it)
+         ("Inbox._sleep", "duplexrt/core/inbox.py"),
          # an idle worker of trio's thread cache waiting for its next job (a job's frames are deeper)
          ("WorkerThread._work", "trio/_core/_thread_cache.py")}
 #: "name (path:line)" for a Python frame, "name (libfoo.so)" for a native one.
@@ -109,14 +115,18 @@ def is_python(match: re.Match[str] | None) -> bool:
     return bool(match and match.group("line") and not match.group("path").endswith((".c", ".h", ".cc", ".cpp")))
 
 
-def layer_of(path: str) -> str | None:
-    # py-spy prints site-packages files relative to site-packages; a file of this checkout may be
-    # printed with a longer prefix, so match from the package name on.
+def package_path(path: str) -> str:
+    """``path`` from its package's name on: py-spy prints site-packages files relative to
+    site-packages, and a file of this checkout may come with a longer prefix."""
     for marker in ("duplexrt/", "trio_websocket/", "wsproto/", "trio/"):
         at = path.rfind("/" + marker)
         if at >= 0:
-            path = path[at + 1:]
-            break
+            return path[at + 1:]
+    return path
+
+
+def layer_of(path: str) -> str | None:
+    path = package_path(path)
     for name, test in RULES:
         if test.search(path):
             return name
@@ -153,7 +163,7 @@ class Profile:
         function = ""
         seen: set[str] = set()
         python = [m for m in map(FRAME.match, frames) if is_python(m)]
-        if python and (python[-1].group("func"), python[-1].group("path")) in WAITS:
+        if python and (python[-1].group("func"), package_path(python[-1].group("path"))) in WAITS:
             innermost, function = WAIT, f"{python[-1].group('func')} ({python[-1].group('path')})"
             frames = []
         for frame in frames:
@@ -196,17 +206,21 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("  socket send: SocketStream.send_all", ("SocketStream.send_all",)),
     ("  wsproto send: Connection.send", ("Connection.send",)),
     ("  trio-websocket send lock: _LockImpl.acquire/release", ("_LockImpl.acquire", "_LockImpl.release")),
-    ("session read loop: Session._read_loop", ("Session._read_loop",)),
+    ("session read loop: SessionInput._read_loop", ("SessionInput._read_loop",)),
+    ("a message handled where the read hub read it: SessionSink._take_nowait", ("SessionSink._take_nowait",)),
     ("  PCM decode: _PcmDecoder.decode", ("_PcmDecoder.decode",)),
     ("    of which the range check: _in_range", ("_in_range",)),
-    ("  submit to the scheduler: Session._submit", ("Session._submit",)),
-    ("session write loop: Session._write_loop", ("Session._write_loop",)),
-    ("  PCM encode: _PcmEncoder.encode", ("_PcmEncoder.encode",)),
+    ("  submit to the scheduler: SessionInput._submit, SessionSink._submit_nowait",
+     ("SessionInput._submit", "SessionSink._submit_nowait")),
+    ("session write loop: SessionOutput._write_loop", ("SessionOutput._write_loop",)),
+    ("output sent from a step's delivery: SessionOutput._send_directly", ("SessionOutput._send_directly",)),
+    ("  PCM encode: _PcmEncoder.encode(_rows)", ("_PcmEncoder.encode", "_PcmEncoder.encode_rows")),
     ("thread handoffs into trio: EntryQueue.task", ("EntryQueue.task",)),
     ("realtime/live VAD: InputVad.*", ("InputVad.",)),
     ("base64 audio: Base64Audio.*", ("Base64Audio.",)),
     ("Opus: _OpusEncoder.* / _OpusDecoder.*", ("_OpusEncoder.", "_OpusDecoder.")),
-    ("stage metrics: Histogram.record, StageMeter.batch_sent", ("Histogram.record", "StageMeter.batch_sent")),
+    ("stage metrics: StageMeter.*, Histogram.record/add/add_many",
+     ("StageMeter.", "Histogram.record", "Histogram.add", "Histogram.add_many")),
     ("attrs/dataclass __init__ (per-event objects)", ("__create_fn__.<locals>.__init__",)),
     ("logging: Logger.*", ("Logger.",)),
 ]
@@ -219,7 +233,7 @@ def _matches(name: str, wanted: str) -> bool:
 #: The first frame of a task's stack, as the run loop calls it, and the name it gets in the table.
 TASK_NAMES = {"_run_handler": "connection handler (session read loop)",
               "WebSocketConnection._reader_task": "trio-websocket reader task",
-              "Session._write_loop": "session write loop", "EntryQueue.task": "trio entry queue (thread handoffs)"}
+              "SessionOutput._write_loop": "session write loop", "EntryQueue.task": "trio entry queue (thread handoffs)"}
 
 
 def task_of(frames: list[str]) -> str:
@@ -341,7 +355,7 @@ def report(result: dict, args: argparse.Namespace) -> dict:
     groups = ["whole process"] + sorted(g for g in profile.total if g != "whole process")
     busy = {g: profile.total[g] - profile.self_[g][WAIT] for g in groups}
     print(f"{profile.self_['whole process'][WAIT]} of the {whole} samples py-spy counted busy are blocking waits "
-          f"(epoll_wait, Condition.wait), left out; the {busy['whole process']} busy samples make "
+          f"(epoll_wait, the scheduler's sleep), left out; the {busy['whole process']} busy samples make "
           f"{busy['whole process'] / args.rate * 1e6 / sessions_frames:.1f} µs of thread time per frame")
     print("\nShares of the busy samples (self: innermost matching frame; inclusive: anywhere in the stack); "
           "µs/frame = whole-process self share x the server CPU per frame above.")

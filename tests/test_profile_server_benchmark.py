@@ -1,0 +1,79 @@
+"""benchmarks/profile_server.py folds py-spy's collapsed stacks into layers.  These stacks are
+written by hand in py-spy's format (a real py-spy run needs ptrace and takes a minute), from
+frames a real run printed: they check that each of the runtime's files lands in its layer, that
+the scheduler thread asleep counts as a wait and not as work, and that a path printed with the
+checkout's prefix is read the same as one printed relative to it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_server.py"
+
+
+@pytest.fixture(scope="module")
+def profile_server():
+    spec = importlib.util.spec_from_file_location("profile_server", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("path", "layer"), [
+    ("duplexrt/core/session.py", "session"),
+    ("duplexrt/core/session_input.py", "session"),
+    ("duplexrt/core/session_output.py", "session"),
+    ("duplexrt/core/session_sink.py", "session"),
+    ("duplexrt/core/slot_owner.py", "session"),
+    ("duplexrt/core/state.py", "session"),
+    ("duplexrt/audio/framer.py", "session"),
+    ("duplexrt/core/scheduler.py", "scheduler/inbox"),
+    ("duplexrt/core/capacity.py", "scheduler/inbox"),
+    ("duplexrt/core/affinity.py", "scheduler/inbox"),
+    ("duplexrt/core/stage_meter.py", "metrics"),
+    ("duplexrt/core/histogram.py", "metrics"),
+    ("duplexrt/server/stats_log.py", "metrics"),
+    ("duplexrt/server/metrics.py", "metrics"),
+    ("duplexrt/server/app.py", "server glue"),
+    ("duplexrt/core/resume.py", "server glue"),
+    ("duplexrt/readhub.py", "socket I/O"),
+    ("duplexrt/wsnative.py", "WebSocket framing"),
+    ("duplexrt/protocols/vad.py", "translator"),
+    ("/work/checkout/duplexrt/core/session_sink.py", "session"),
+    ("trio/_core/_run.py", "trio scheduling"),
+    ("numpy/core/fromnumeric.py", None),
+])
+def test_each_file_is_in_its_layer(profile_server, path, layer):
+    assert profile_server.layer_of(path) == layer
+
+
+def _stack(thread: str, *frames: str, count: int = 1) -> str:
+    return ";".join([f"thread (2103): {thread}", *frames]) + f" {count}"
+
+
+SLEEP = ("Scheduler._serve (duplexrt/core/scheduler.py:446)", "Inbox.next_batch (duplexrt/core/inbox.py:283)")
+
+
+@pytest.mark.parametrize("prefix", ["", "/work/checkout/"], ids=["relative", "absolute"])
+def test_the_scheduler_asleep_is_a_wait_not_work(profile_server, prefix):
+    profile = profile_server.Profile()
+    profile.add(_stack("duplexrt-scheduler", *SLEEP, f"Inbox._sleep ({prefix}duplexrt/core/inbox.py:229)", count=5))
+    profile.add(_stack("duplexrt-scheduler", *SLEEP[:1], "Scheduler._step (duplexrt/core/scheduler.py:530)", count=2))
+    waits = profile.self_["scheduler thread"]
+    assert waits[profile_server.WAIT] == 5
+    assert waits["scheduler/inbox"] == 2
+
+
+def test_a_message_taken_by_the_sink_is_the_sessions_time_not_the_resume_wrappers(profile_server):
+    profile = profile_server.Profile()
+    profile.add(_stack("MainThread", "unrolled_run (trio/_core/_run.py:2866)",
+                       "ReadHub.run (duplexrt/readhub.py:96)",
+                       "NativeWebSocket._on_readable (duplexrt/wsnative.py:204)",
+                       "ResumableTransport._counting.<locals>.counted (duplexrt/core/resume.py:166)",
+                       "SessionSink._take_nowait (duplexrt/core/session_sink.py:42)", count=3))
+    mine = profile.self_["trio (MainThread)"]
+    assert mine["session"] == 3 and mine["server glue"] == 0
+    assert profile.parts["a message handled where the read hub read it: SessionSink._take_nowait"] == 3
