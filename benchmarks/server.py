@@ -10,7 +10,9 @@
    and, with ``--before-bin``, ``before`` (another checkout's ``duplexrt``, server and load).
    ``bare`` (benchmarks/bare_echo.py, /v1/duplex only) is the floor: trio and the WebSocket layer
    echoing with no runtime behind them (``bare-hub``: answered where the read hub reads each message), measured by the same load generator and the same /metrics
-   series, so that the difference to ``native`` is what the runtime adds.
+   series, so that the difference to ``native`` is what the runtime adds.  A row run after a floor
+   of the same route and sessions also gives its CPU as a multiple of that floor (``floor_ratio``):
+   run the floor first (``--variants bare-hub,native``).
 2. Capacity: the largest number of paced sessions one server process keeps real-time (p99 frame
    lag under 80 ms, no late frames beyond 1 %, no connection errors) on ``/v1/duplex``, trying
    each of ``--capacity`` in turn (this checkout, native), ``--capacity-frames`` frames a session
@@ -108,6 +110,17 @@ def _loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def _floor_ratio(row: dict, floor: float | None) -> float | None:
+    """A server's CPU per frame over the floor's at the same route and sessions, in the same run.
+    This host's speed swings by up to two times within an hour, and the floor with it; the ratio
+    to a floor measured minutes apart holds still.  None for the floor itself, without a floor
+    run before it, or where a short run counted no CPU (the kernel counts in 10 ms ticks)."""
+    server = row["server_cpu_us_per_frame"]
+    if row["variant"] in ("bare", "bare-hub") or not floor or server is None:
+        return None
+    return server / floor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=100)
@@ -130,6 +143,8 @@ def main() -> None:
     if args.before_bin is not None:
         variants.insert(0, ("before", args.before_bin, []))
     results: dict = {"cpu": [], "capacity": [], "load_average_before": _loadavg()}
+    #: (route, sessions) -> the floor's server CPU per frame in this run, for the rows after it.
+    floors: dict[tuple[str, int], float | None] = {}
 
     print(f"1. CPU per frame, paced sessions x {args.frames} frames, {args.message_ms:g} ms messages, echo; "
           f"load average {_loadavg()}", file=sys.stderr)
@@ -147,11 +162,15 @@ def main() -> None:
                        "guards_ok": not round_["failures"], "server_exit_code": code,
                        # None from a server that does not count its scheduler thread (the floor, older builds)
                        "server_scheduler_cpu_share": round_.get("server_scheduler_cpu_share")}
+                if bin == BARE_ECHO:
+                    floors[(route, concurrency)] = row["server_cpu_us_per_frame"]
+                row["floor_ratio"] = _floor_ratio(row, floors.get((route, concurrency)))
                 results["cpu"].append(row)
                 share = row["server_scheduler_cpu_share"]
                 on_thread = f" ({100 * share:.0f} % on the scheduler thread)" if share is not None else ""
+                ratio = f", {row['floor_ratio']:.2f} x the floor" if row["floor_ratio"] is not None else ""
                 print(f"   {route} x{concurrency} {name:>14}: server {row['server_cpu_us_per_frame']:.1f} us/frame"
-                      f"{on_thread}, load generator {row['load_generator_cpu_us_per_frame']:.1f} us/frame, lag p99 "
+                      f"{on_thread}{ratio}, load generator {row['load_generator_cpu_us_per_frame']:.1f} us/frame, lag p99 "
                       f"{lag['p99']:.1f} ms, late {round_['late_frames']}, "
                       f"guards {'ok' if not round_['failures'] else round_['failures'][:2]}", file=sys.stderr)
 

@@ -5,6 +5,7 @@ echoed frame, and each one's CPU per frame read from its /metrics as a server's 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -41,6 +42,29 @@ def test_the_floor_through_the_read_hub_and_the_server_with_and_without_it_serve
     assert [row["variant"] for row in rows] == ["bare-hub", "native", "native-no-hub"]
     for row in rows:
         assert row["guards_ok"] and row["late_frames"] == 0 and row["server_exit_code"] == 0, (row, log)
+    # Each server's CPU as a multiple of the floor run just before it (none for the floor itself,
+    # and none where the floor's short run counted no CPU tick, as it mostly does here).
+    floor, *servers = rows
+    assert floor["floor_ratio"] is None
+    for row in servers:
+        assert row["floor_ratio"] == _benchmark()._floor_ratio(row, floor["server_cpu_us_per_frame"]), row
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("server_benchmark", SERVER_BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_server_row_is_given_as_a_multiple_of_the_floor_measured_beside_it():
+    ratio = _benchmark()._floor_ratio
+    native = {"variant": "native", "server_cpu_us_per_frame": 130.2}
+    assert ratio(native, 40.6) == 130.2 / 40.6
+    assert ratio({"variant": "bare-hub", "server_cpu_us_per_frame": 40.6}, 40.6) is None  # the floor itself
+    assert ratio(native, None) is None  # no floor run before it
+    assert ratio(native, 0.0) is None  # the floor's run counted no CPU tick
+    assert ratio({"variant": "native", "server_cpu_us_per_frame": None}, 40.6) is None
 
 
 def test_messages_shorter_than_a_frame_are_echoed_per_frame_by_the_floor_and_the_server(tmp_path):
