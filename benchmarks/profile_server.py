@@ -40,9 +40,9 @@ Attribution rules:
   layer that appears anywhere in its stack.  Shares add up to more than 100 %; the trio run loop is
   at the root of every stack of the trio thread, so its inclusive share is that thread's share.
 * Samples are py-spy's default non-idle samples, less the *blocked waits*: a sample whose innermost
-  Python frame is trio's ``EpollIOManager.get_events`` (epoll_wait) or ``threading.Condition.wait`` or ``Inbox._sleep``
-  (the scheduler thread waiting for a batch) or ``WorkerThread._work`` (an idle worker thread of
-  trio's cache waiting for a job).  py-spy's idle test (the thread's state in /proc at
+  Python frame is trio's ``EpollIOManager.get_events`` (epoll_wait), ``Inbox._sleep`` (the
+  scheduler thread waiting for a batch), a ``threading`` wait, or ``WorkerThread._work`` (an idle
+  worker thread of trio's cache waiting for a job).  py-spy's idle test (the thread's state in /proc at
   the sample) lets many of those through here: with them, py-spy's "busy" time came out at 1.5-3
   times the CPU the process's own counter reports.  They are printed apart and left out, so the
   epoll syscall's own CPU (small: one call per run-loop pass) is not in the table.  A share is a
