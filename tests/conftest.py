@@ -10,10 +10,13 @@ that jumps whenever every trio task is blocked would fire timeouts while that th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 
 import attrs
 import numpy as np
@@ -37,6 +40,17 @@ PATIENCE = 10.0
 #: A stalled step gives up after this long, so a failing test can never hang the run.
 GATE_TIMEOUT = 15.0
 INPUT_END = json.dumps({"type": "input.end"})
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ (not a package) as a module, for testing its pieces."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_config(*overrides: str) -> Config:

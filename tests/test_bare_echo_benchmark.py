@@ -5,11 +5,12 @@ echoed frame, and each one's CPU per frame read from its /metrics as a server's 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import load_benchmark
 
 SERVER_BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "server.py"
 
@@ -47,18 +48,11 @@ def test_the_floor_through_the_read_hub_and_the_server_with_and_without_it_serve
     floor, *servers = rows
     assert floor["floor_ratio"] is None
     for row in servers:
-        assert row["floor_ratio"] == _benchmark()._floor_ratio(row, floor["server_cpu_us_per_frame"]), row
-
-
-def _benchmark():
-    spec = importlib.util.spec_from_file_location("server_benchmark", SERVER_BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+        assert row["floor_ratio"] == load_benchmark("server")._floor_ratio(row, floor["server_cpu_us_per_frame"]), row
 
 
 def test_a_server_row_is_given_as_a_multiple_of_the_floor_measured_beside_it():
-    ratio = _benchmark()._floor_ratio
+    ratio = load_benchmark("server")._floor_ratio
     native = {"variant": "native", "server_cpu_us_per_frame": 130.2}
     assert ratio(native, 40.6) == 130.2 / 40.6
     assert ratio({"variant": "bare-hub", "server_cpu_us_per_frame": 40.6}, 40.6) is None  # the floor itself

@@ -6,20 +6,13 @@ checkout's prefix is read the same as one printed relative to it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_server.py"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def profile_server():
-    spec = importlib.util.spec_from_file_location("profile_server", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("profile_server")
 
 
 @pytest.mark.parametrize(("path", "layer"), [
