@@ -99,7 +99,8 @@ class RuntimeConfig:
     offload: str = attrs.field(default="counted", validator=_one_of("runtime.offload", OFFLOAD_POLICIES))
     #: Pin the trio thread and the scheduler thread to one CPU.  Both run Python under the GIL,
     #: so they never run Python at once anyway; on separate cores every GIL handoff crosses
-    #: cores, which measured three times the CPU per frame here (docs/benchmarks.md).
+    #: cores, which costs more CPU per frame and wakes the threads more often (benchmarks/core.py
+    #: measures both ways).
     pin_host_threads: bool = attrs.field(default=True, validator=_is_bool("runtime.pin_host_threads"))
     #: A session that reaches this much input ends with finish reason ``length`` (0: no limit
     #: beyond the model's own context).
@@ -222,8 +223,8 @@ class ServerConfig:
         default=1 << 20, validator=_int_range("server.max_message_bytes", 1024, 1 << 30))
     #: Largest message on /v1/realtime, where audio travels as base64 inside JSON.  2 MiB holds
     #: ten seconds of 24 kHz pcm16 (``audio.max_message_seconds``) three times over; a larger
-    #: message costs its JSON parse on the trio thread (~20 ms for 16 MiB) before it can be
-    #: refused, and trio-websocket may queue four of them per connection.
+    #: message costs its JSON parse on the trio thread, in proportion to its size, before it can
+    #: be refused, and trio-websocket may queue four of them per connection.
     realtime_max_message_bytes: int = attrs.field(
         default=2 << 20, validator=_int_range("server.realtime_max_message_bytes", 1024, 1 << 30))
     #: A client must finish its HTTP request head within this time.

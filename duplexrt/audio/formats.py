@@ -80,8 +80,9 @@ OPUS_FRAME_SAMPLES = 960
 OPUS_MAX_BYTES_PER_CALL = 512
 
 #: A PCM or G.711 message carrying more audio than this is worth a worker thread: decoding it
-#: (conversion and resampling, numpy and soxr releasing the GIL) costs above ~0.2 ms here, while
-#: the 20-100 ms messages real-time clients send cost a few microseconds and stay inline.
+#: (conversion and resampling, numpy and soxr releasing the GIL) costs in proportion to its
+#: length, 10-50 times what the 20-100 ms messages of real-time clients cost, and would hold up
+#: every session on the trio thread meanwhile; those short messages stay inline.
 INLINE_DECODE_SECONDS = 1.0
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -108,7 +109,8 @@ def _in_range(samples: np.ndarray) -> np.ndarray:
 
     A model fed NaN or infinity keeps it in its state (a KV cache, a convolution buffer) for the
     rest of the session, so such a message is refused outright.  The check is two reductions
-    over the view, about 3 µs per 1920-sample frame and no allocation: min and max propagate NaN,
+    over the view and no allocation (what it costs in a loaded server: the hottest functions
+    ``benchmarks/profile_server.py`` lists for ``/v1/duplex``): min and max propagate NaN,
     and a NaN fails every comparison, so one test catches NaN, infinities and out-of-range values
     alike, and only a payload that fails it pays for a closer look and a copy.
     """

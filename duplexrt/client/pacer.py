@@ -4,7 +4,7 @@ A paced sender sleeps until its next message is due, 12.5 times a second.  ``tri
 does that with a cancel scope of its own: entering it registers a deadline, and its expiry cancels
 the sleeper, which unwinds a ``Cancelled`` exception through the scope.  With hundreds of
 virtual sessions on one load generator that machinery cost more CPU than sending the message
-(py-spy on ``simulate --url ... --mode paced --concurrency 256``: about a third of the process).
+(``benchmarks/server.py`` reports the load generator's CPU per frame beside the server's).
 
 A ``Pacer`` keeps every waiting sender in one heap and one task sleeps for all of them: it wakes
 when the earliest is due and reschedules every sender whose time has come, so a sender's wait
@@ -62,9 +62,9 @@ async def _sleep_out(scope: trio.CancelScope) -> None:
     came), and return then instead of raising.
 
     ``trio.sleep_forever`` in a scope with a deadline wakes by a ``Cancelled`` that unwinds
-    through the scope: an exception made, raised and caught on every wake-up, about 8 µs of the
-    59-61 that a wake-up releasing one sender cost (``benchmarks/pacer_cost.py``).  Here the
-    abort answers its own scope's cancellation by rescheduling the task with no error, which
+    through the scope: an exception made, raised and caught on every wake-up, a share of every
+    wake-up's cost that buys nothing (the load generator's CPU per frame: ``benchmarks/server.py``).
+    Here the abort answers its own scope's cancellation by rescheduling the task with no error, which
     ``wait_task_rescheduled`` allows ("ignore the cancellation ... reschedule and continue as
     normal"); a cancellation from further out, with ``scope`` not cancelled, aborts as usual
     and raises ``Cancelled``.  Should both come at once the task wakes quietly, and the outer

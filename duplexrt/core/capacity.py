@@ -94,12 +94,12 @@ def fit_line(sizes: np.ndarray, means: np.ndarray, weights: np.ndarray) -> tuple
 
 
 #: After its first fit from steps, the estimator refits only once this much step time has been
-#: recorded since the last fit, as well as ``refit_every`` steps.  A refit cost 175-203 µs of the
-#: scheduler thread's CPU in a loaded server (``benchmarks/timed_serve.py``, echo, 96 paced
-#: sessions): every 16 steps of a cheap model (echo: 13-17 µs a step) that was 193 refits in 8 s,
-#: 2 % of the server's CPU, for an estimate that admitted every slot throughout.  Here a refit
-#: costs at most about 1 % of the step time it sums up; a step of 1.25 ms or more (every GPU
-#: model) refits every ``refit_every`` steps as before.
+#: recorded since the last fit, as well as ``refit_every`` steps.  A refit costs the scheduler
+#: thread many times what a cheap model's step does (echo), so refitting every 16 such steps spent
+#: a visible share of the server's CPU on an estimate that admits every slot anyway (the scheduler
+#: thread's share of the server's CPU is a column of ``benchmarks/server.py``).  Here a refit is
+#: small beside the step time it sums up; a step of 1.25 ms or more (20 ms over 16 steps: every
+#: GPU model) refits every ``refit_every`` steps as before.
 REFIT_AFTER_MS = 20.0
 
 

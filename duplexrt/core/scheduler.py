@@ -33,8 +33,9 @@ log = logging.getLogger("duplexrt.scheduler")
 
 THREAD_NAME = "duplexrt-scheduler"
 #: Steps estimated below this (milliseconds) step what queued behind them in the same cycle: a
-#: cycle's wake-up and delivery cost the host about 0.1-0.2 ms here (docs/benchmarks.md), so for
-#: such a model the cycle, not the step, is the cost (echo, a model at zero cost, a tiny CPU one).
+#: cycle's wake-up and delivery cost the host more than such a step (the scheduler thread's share
+#: of the server's CPU is a column of ``benchmarks/server.py``), so for such a model the cycle, not
+#: the step, is the cost (echo, a model at zero cost, a tiny CPU one).
 DRAIN_BELOW_MS = 0.1
 
 
@@ -457,8 +458,9 @@ class Scheduler:
                     # one frame per slot per step as always, and the whole cycle crosses to trio
                     # in one delivery; the next cycle gathers until ``cheap_cycle`` after this one
                     # began, so frames that keep coming are taken once a cycle without a signal
-                    # each: no frame waits longer than that (measured: at 5 ms, the lag the 2 ms
-                    # gather window gave before cycles, at a quarter less host CPU; docs/benchmarks.md).
+                    # each: no frame waits longer than that (a 5 ms cycle keeps the lag near what
+                    # the 2 ms gather window gave, for less host CPU; today's lag and CPU per
+                    # frame: benchmarks/server.py).
                     gather_until = cycle + self.cheap_cycle
                     while (time.monotonic() < gather_until and (batch := inbox.queued_batch()) is not None):
                         outcomes += self._run(batch)
@@ -490,8 +492,8 @@ class Scheduler:
         Only after a step cheaper than the window.  After a dearer one they have waited longer
         than the window already, the slots still empty will be in the next step, which starts as
         soon as this one ends, and every window waited is added to the step cycle: near capacity
-        the cycle is the frame period, so the window is capacity lost (measured on the synthetic
-        GPU-like curve: 36 sessions instead of 38, docs/capacity.md).  Cheap steps (echo, a model
+        the cycle is the frame period, so the window is capacity lost (``simulate --find-capacity``
+        on the synthetic GPU-like curve, docs/capacity.md).  Cheap steps (echo, a model
         at zero cost) keep gathering, which is what keeps their batches whole in a burst."""
         return self.capacity.estimate.cost_ms(rows) < self.gather_window * 1e3
 
@@ -520,7 +522,7 @@ class Scheduler:
         outputs = self._outputs[:n]
         # A plain memory copy per frame, holding the GIL: numpy would release and retake it for
         # every frame (it does for any array over 500 elements), and each release hands the GIL
-        # to the busy trio thread and back: about one context switch per frame, measured.
+        # to the busy trio thread and back: a context switch per frame (benchmarks/core.py counts them).
         flat = self._input_bytes
         size = self._frame_bytes
         offset = 0

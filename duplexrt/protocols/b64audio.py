@@ -3,10 +3,12 @@
 Shared so that both JSON routes refuse the same things with the same words: a missing, mistyped or
 empty ``audio`` field, base64 that is not, a length that is not whole samples, and more audio in
 one event than ``audio.max_message_seconds`` allows, refused from the text's length before it is
-decoded (a 16 MiB append costs ~90 ms of base64 decoding alone).
+decoded (decoding a 16 MiB append would hold the trio thread, and every session on it, for as
+long as that takes).
 
 An append is nearly all base64, and ``json.loads`` scans every character of it for quotes and
-escapes (about 9 µs of a 5 kB frame's text).  ``Base64Audio.read_append`` reads the usual shape, an
+escapes (the translator's share of a frame: ``benchmarks/profile_server.py`` on
+``/v1/realtime``).  ``Base64Audio.read_append`` reads the usual shape, an
 append whose last member is its ``"audio"``, without that scan: the rest of the event is parsed as
 JSON with the audio emptied (once per distinct text), and the audio is decoded straight from the text.  Base64 that decodes
 strictly holds no quote, backslash or control character, so the two texts are the same JSON but

@@ -1,12 +1,12 @@
 """Base64 for the audio inside JSON events, both ways, at the cost of a memory copy.
 
 Every 80 ms frame on a JSON route is base64: about 5 kB decoded from each append and 5 kB
-encoded into each delta.  CPython's ``binascii`` does that a character at a time (about 18 µs to
-decode and 5 µs to encode one frame here); ``pybase64`` (a declared dependency) does it with SIMD
-in about 1 µs and 0.5 µs.  ``binascii`` stays the reference: where ``pybase64`` is missing it does
-the work, and where ``pybase64`` refuses a text it has the last word, so a client sees exactly
-what ``binascii``'s strict mode accepts (``pybase64`` accepts less: never a text that
-``binascii`` would refuse or read differently, as tests/test_b64codec.py checks).
+encoded into each delta.  CPython's ``binascii`` does that a character at a time; ``pybase64`` (a
+declared dependency) does it with SIMD, many times faster (the translator's share of a frame:
+``benchmarks/profile_server.py`` on ``/v1/realtime``).  ``binascii`` stays the reference: where
+``pybase64`` is missing it does the work, and where ``pybase64`` refuses a text it has the last
+word, so a client sees exactly what ``binascii``'s strict mode accepts (``pybase64`` accepts less:
+never a text that ``binascii`` would refuse or read differently, as tests/test_b64codec.py checks).
 """
 
 from __future__ import annotations

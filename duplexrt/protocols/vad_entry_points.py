@@ -1,8 +1,9 @@
 """The two private entry points the Realtime VAD calls, and the checks that make them safe.
 
 Per 80 ms append the VAD asks WebRTC's VAD about four windows and takes one real FFT; the public
-calls wrap each in a few µs of Python (``Vad.is_speech``'s argument checks, ``np.fft.rfft``'s
-normalisation and axis handling), more than the work itself at these sizes.  So this module calls
+calls wrap each in Python (``Vad.is_speech``'s argument checks, ``np.fft.rfft``'s normalisation
+and axis handling) that costs more than the work itself at these sizes (the VAD's share of a
+frame: ``benchmarks/profile_server.py`` on ``/v1/realtime``).  So this module calls
 what they wrap: webrtcvad-wheels' C ``process`` with the ``Vad`` object's handle, and numpy's
 ``rfft_n_even`` ufunc.  Neither is promised by its package, so each is used only if, at import,
 it answers exactly as the public call does on a fixed input; otherwise the public call serves,

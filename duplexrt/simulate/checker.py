@@ -1,7 +1,7 @@
 """The guards: every session's output complete, in order, and with the expected content.
 
 While the run is timed, a receiver only cuts the byte stream into wire frames and keeps a CRC of
-each (about 2.4 µs a frame here, and constant memory however long the run), so checking weighs
+each (cheap, and constant memory however long the run), so checking weighs
 little on the measurement.  Afterwards the checker rebuilds what each session should have
 received — the client's messages, decoded and framed as the server does, run through the
 backend's known function, encoded as the server encodes — and compares frame by frame.  Opus output, which has no fixed bytes per frame, is kept
@@ -32,7 +32,8 @@ def wire_frame_bytes(spec: AudioSpec, model_rate: int, frame_size: int) -> int |
 
 class OutputRecord:
     """What one virtual session received, reduced to a CRC per wire frame (4 bytes a frame, so
-    long runs stay small; about 2.4 µs a frame on this machine).  Opus output, which has no
+    long runs stay small; its CPU is inside what ``benchmarks/core.py`` reports, load generator
+    included).  Opus output, which has no
     fixed bytes per frame, is kept whole: it is small."""
 
     __slots__ = ("frame_bytes", "crcs", "count", "_carry", "chunks", "received_bytes")
