@@ -40,3 +40,111 @@ def test_the_architecture_map_names_every_module_and_only_modules_that_exist():
         if f"`{path.stem}`" not in text and f"`{path.name}`" not in text:
             unnamed.append(relative)
     assert unnamed == [], f"modules docs/architecture.md does not name: {unnamed}"
+
+
+# Links, anchors and the benchmark reference -------------------------------------------------
+
+def _markdown_files() -> list[Path]:
+    skip = {".venv", ".git", "mutants", "build", "dist"}
+    return sorted(p for p in ROOT.rglob("*.md")
+                  if not skip.intersection(p.relative_to(ROOT).parts) and ".egg-info" not in str(p))
+
+
+def _prose(text: str) -> list[str]:
+    """The lines outside fenced code blocks (a ``#`` or a bracket there is code, not markdown)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def _anchors(path: Path) -> set[str]:
+    """The fragment each heading gets on GitHub: lower case, punctuation dropped (hyphens and
+    underscores kept), each space a hyphen, and -1, -2 ... after a repeated one."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for line in _prose(path.read_text(encoding="utf-8")):
+        heading = re.match(r"#{1,6} +(.*?) *#* *$", line)
+        if not heading:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def test_every_relative_link_in_the_docs_reaches_a_file_and_its_heading():
+    broken = []
+    for md in _markdown_files():
+        for line in _prose(md.read_text(encoding="utf-8")):
+            for target in re.findall(r"\]\(<?([^)\s>]+)>?\)", re.sub(r"`[^`]*`", "", line)):
+                if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                    continue
+                file_part, _, fragment = target.partition("#")
+                linked = (md.parent / file_part).resolve() if file_part else md
+                where = f"{md.relative_to(ROOT)} -> {target}"
+                if not linked.exists():
+                    broken.append(f"{where} (no such file)")
+                elif fragment and linked.suffix == ".md" and fragment not in _anchors(linked):
+                    broken.append(f"{where} (no such heading)")
+    assert broken == []
+
+
+def test_the_benchmark_reference_is_short_and_covers_each_kept_script():
+    """docs/benchmarks.md is a reference of today's figures, not a notebook: one section heading
+    names each script in benchmarks/ (so a new script comes with its figures), and the history
+    stays in git."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 400
+    headings = "\n".join(line for line in _prose(text) if line.startswith("#"))
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert [name for name in scripts if f"benchmarks/{name}" not in headings] == []
+    assert "git log -p docs/benchmarks.md" in text
+
+
+#: Pointers to removed scripts in files that the session and wire restructuring (issue 28)
+#: rewrites; each entry must still be true, so the entry goes when its comment does.
+_REWRITTEN_BY_ISSUE_28 = {"duplexrt/wsframes.py: benchmarks/timed_serve.py"}
+
+
+def test_every_benchmark_script_the_repository_names_exists():
+    """Docs, library comments and the CLI point to the script that measures a figure; the
+    pointer must not outlive the script."""
+    sources = [*_markdown_files(), *(ROOT / "duplexrt").rglob("*.py"), *(ROOT / "cli").rglob("*.py"),
+               ROOT / "Makefile"]
+    missing = set()
+    for source in sources:
+        text = source.read_text(encoding="utf-8")
+        if source.name == "benchmarks.md":  # names removed scripts on purpose, with `git show`
+            text = re.sub(r"git show\s+\w+:benchmarks/\S+", "", text)
+        for name in re.findall(r"\bbenchmarks/([\w.-]+\.(?:py|sh))", text):
+            if not (ROOT / "benchmarks" / name).exists() and source.name != "CHANGELOG.md":
+                missing.add(f"{source.relative_to(ROOT)}: benchmarks/{name}")
+    assert sorted(missing - _REWRITTEN_BY_ISSUE_28) == []
+    assert _REWRITTEN_BY_ISSUE_28 <= missing, "fixed: drop it from _REWRITTEN_BY_ISSUE_28"
+
+
+def test_the_readme_settings_tables_name_every_config_key_and_only_those():
+    """The README's two settings tables (everyday settings, then tuning) are where a user looks a
+    key up: each key the config has is in one of them, and each key they name exists."""
+    import attrs
+
+    from duplexrt.config import Config
+
+    config = Config()
+    keys = {f"{section.name}.{field.name}"
+            for section in attrs.fields(Config)
+            for field in attrs.fields(type(getattr(config, section.name)))
+            if (section.name, field.name) != ("backend", "options")}  # backend options: Backends
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index("### Configuration")
+    section = readme[start:readme.index("\n### ", start + 1)]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    named = {key for row in rows for key in re.findall(r"`([a-z_]+\.[a-z_]+)`", row.split("|")[1])}
+    assert sorted(named - keys) == [], "the README names keys the config does not have"
+    assert sorted(keys - named) == [], "config keys the README's tables do not name"
+    assert section.count("| key | default | meaning |") == 2, "everyday settings, then tuning"
