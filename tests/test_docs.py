@@ -148,3 +148,19 @@ def test_the_readme_settings_tables_name_every_config_key_and_only_those():
     assert sorted(named - keys) == [], "the README names keys the config does not have"
     assert sorted(keys - named) == [], "config keys the README's tables do not name"
     assert section.count("| key | default | meaning |") == 2, "everyday settings, then tuning"
+
+
+def test_the_changelog_is_written_for_users():
+    """Keep a Changelog: ``## [Unreleased]`` on top, then released versions with their dates;
+    what a user sees, so no benchmark scripts and no private names (``Session._take_nowait``)."""
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    versions = re.findall(r"^## (.*)$", text, flags=re.MULTILINE)
+    assert versions[0] == "[Unreleased]" and versions.count("[Unreleased]") == 1
+    released = [re.fullmatch(r"\[(\d+)\.(\d+)\.(\d+)\] - \d{4}-\d{2}-\d{2}", v) for v in versions[1:]]
+    assert released and all(released), versions
+    numbers = [tuple(map(int, m.groups())) for m in released]
+    assert numbers == sorted(numbers, reverse=True), "newest release first"
+    assert re.findall(r"benchmarks/\S+", text) == []
+    code = re.findall(r"`([^`]+)`", text)
+    private = [c for c in code if re.search(r"(?:^|[.\s(])_(?!_)[A-Za-z]", c)]
+    assert private == [], "private names in the CHANGELOG"
