@@ -13,7 +13,7 @@ import attrs
 import trio
 
 from duplexrt.audio import AudioFormat, AudioSpec
-from duplexrt.backends import Backend, create_backend
+from duplexrt.backends import Backend, SlotChoice, create_backend
 from duplexrt.config import Config
 from duplexrt.core.affinity import chosen_cpu, pin_this_thread, restore
 from duplexrt.core.capacity import CapacityEstimate
@@ -71,6 +71,9 @@ class RuntimeStatistics:
     failing: bool
     #: Batch rows of the model.
     slots: int
+    #: How that count came about: ``runtime.slots`` as configured, or what ``"auto"`` chose at
+    #: load and why.
+    slot_choice: SlotChoice
     #: Rows held by no session.  A connection being admitted has no row yet: for slots free for
     #: new connections, see ``ServerStatistics.free_slots``.
     free_rows: int
@@ -143,6 +146,7 @@ class Runtime:
             ready=scheduler.ready,
             failing=scheduler.failing,
             slots=scheduler.slots,
+            slot_choice=scheduler.slot_choice,
             free_rows=scheduler.free_slots,
             sessions_active=frames.sessions_active,
             capacity=scheduler.capacity.estimate,
