@@ -238,6 +238,7 @@ class MoshiBackend(Backend):
         self._memory_source = memory_source
         self._loaded = False
         self._loaded_rows = False
+        self._model: _Model | None = None
         self._cuda = self.settings.device.startswith("cuda")
 
     # -- loading -----------------------------------------------------------------------------------
@@ -291,35 +292,20 @@ class MoshiBackend(Backend):
         return provider.prepare_and_provide(attributes)
 
     def load(self) -> None:
+        """Build the model (once: a backend loaded again keeps it, and only sizes its rows
+        again), then size and allocate the slots and warm up."""
         import torch
 
         settings = self.settings
-        models = import_moshi(settings.device)
+        import_moshi(settings.device)
         sampling.install()
         if settings.device.startswith("cuda"):
             select_device(torch.cuda, settings.device)  # before anything is built or captured
         with torch.no_grad():
-            mimi, lm, tokenizer, model_type, gen_config = self._load_model(models, torch)
-            if mimi.sample_rate != self.info.sample_rate or mimi.frame_size != self.info.frame_size:
-                raise ConfigError(f"audio.sample_rate / audio.frame_size ({self.info.sample_rate}, "
-                                  f"{self.info.frame_size}) differ from the model's ({mimi.sample_rate}, "
-                                  f"{mimi.frame_size})")
-            if lm.dep_q == 0:
-                raise ConfigError(f"this checkpoint generates no audio (dep_q = 0): the {NAME} backend "
-                                  "serves speech-to-speech models only")
-            cfg_coef = settings.cfg_coef if settings.cfg_coef is not None else float(gen_config.pop("cfg_coef", 1.0))
-            gen_config.pop("cfg_coef", None)
-            if settings.greedy is not None:
-                gen_config["use_sampling"] = not settings.greedy
-            for key in ("temp", "temp_text", "top_k", "top_k_text"):
-                value = getattr(settings, key)
-                if value is not None:
-                    gen_config[key] = value
-            accepted = inspect.signature(models.LMGen).parameters
-            for key in [k for k in gen_config if k not in accepted or k in ("lm_model", "condition_tensors")]:
-                log.warning("ignoring %r from the checkpoint's lm_gen_config: LMGen takes no such argument", key)
-                del gen_config[key]
-            self._model = _Model(models, torch, mimi, lm, tokenizer, model_type, gen_config, cfg_coef)
+            if self._model is None:
+                self._model = self._build(torch)
+            mimi, lm, cfg_coef = self._model.mimi, self._model.lm, self._model.cfg_coef
+            self._release_rows()  # sized again from the weights alone
             # What one slot holds, from the model's own modules, before any of it is allocated
             # (the attentions' context is what the K/V rings will hold: see ``memory``).
             self.slot_bytes = memory.slot_bytes(mimi, lm, guided=cfg_coef != 1.0)
@@ -337,13 +323,45 @@ class MoshiBackend(Backend):
                                               self._memory_details(fit, device_memory))
             flush = settings.flush_frames
             if flush is None:
-                flush = HIBIKI_FLUSH_FRAMES if model_type == "hibiki" else 0
+                flush = HIBIKI_FLUSH_FRAMES if self._model.model_type == "hibiki" else 0
             self.info = attrs.evolve(self.info, flush_frames=flush)
             self.description["flush_frames"] = flush
         self._loaded = True
         log.info("moshi backend loaded: %s", self.description)
         log.info("moshi backend slots: %d (%s): %s", self.info.slots, self.slot_choice.source,
                  self.slot_choice.reason)
+
+    def resize(self, slots: int) -> None:
+        """Size the rows for ``slots`` sessions again, keeping the model (every row's state is let
+        go: between sessions only), with the same memory check and warm-up as ``load``: one model
+        timed at many batch sizes (``benchmarks/gpu.py``)."""
+        self.info = attrs.evolve(self.info, slots=slots)
+        self.load()
+
+    def _build(self, torch: Any) -> _Model:
+        settings = self.settings
+        models = import_moshi(settings.device)
+        mimi, lm, tokenizer, model_type, gen_config = self._load_model(models, torch)
+        if mimi.sample_rate != self.info.sample_rate or mimi.frame_size != self.info.frame_size:
+            raise ConfigError(f"audio.sample_rate / audio.frame_size ({self.info.sample_rate}, "
+                              f"{self.info.frame_size}) differ from the model's ({mimi.sample_rate}, "
+                              f"{mimi.frame_size})")
+        if lm.dep_q == 0:
+            raise ConfigError(f"this checkpoint generates no audio (dep_q = 0): the {NAME} backend "
+                              "serves speech-to-speech models only")
+        cfg_coef = settings.cfg_coef if settings.cfg_coef is not None else float(gen_config.pop("cfg_coef", 1.0))
+        gen_config.pop("cfg_coef", None)
+        if settings.greedy is not None:
+            gen_config["use_sampling"] = not settings.greedy
+        for key in ("temp", "temp_text", "top_k", "top_k_text"):
+            value = getattr(settings, key)
+            if value is not None:
+                gen_config[key] = value
+        accepted = inspect.signature(models.LMGen).parameters
+        for key in [k for k in gen_config if k not in accepted or k in ("lm_model", "condition_tensors")]:
+            log.warning("ignoring %r from the checkpoint's lm_gen_config: LMGen takes no such argument", key)
+            del gen_config[key]
+        return _Model(models, torch, mimi, lm, tokenizer, model_type, gen_config, cfg_coef)
 
     # -- sizing ------------------------------------------------------------------------------------
 
