@@ -259,3 +259,14 @@ async def test_readyz_stats_and_the_runtime_show_what_auto_chose():
         _, _, body = await http_get(server.ports[0], "/stats")
         assert json.loads(body)["slot_choice"] == ready["slot_choice"]
         server.shutdown()
+
+
+def test_the_start_line_of_a_real_server_says_what_auto_chose():
+    from tests.conftest import ServeProcess
+
+    with ServeProcess("--config", "moshi-tiny", "--slots", "auto", "--set", "runtime.capacity_margin=0.5") as server:
+        line = server.wait_for_line("port(s)", timeout=120)
+    chosen = line.split("(backend moshi, ")[1]
+    slots = int(chosen.split(" slots: ")[0])
+    assert slots >= 1 and " slots: auto: " in chosen
+    assert "40.0 ms" in chosen  # the budget it kept to: half of the 80 ms frame

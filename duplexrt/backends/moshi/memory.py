@@ -190,7 +190,9 @@ def device_memory(device: str) -> DeviceMemory | None:
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index
         free, total = torch.cuda.mem_get_info(index)
-        return DeviceMemory(int(free), int(total), f"torch.cuda.mem_get_info(cuda:{index})")
+        # What torch's allocator holds but no tensor uses (temporaries of the build) is free too.
+        cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return DeviceMemory(int(free + cached), int(total), f"torch.cuda.mem_get_info(cuda:{index})")
     try:
         with open("/proc/meminfo") as handle:
             fields = dict(line.split(":", 1) for line in handle if ":" in line)
