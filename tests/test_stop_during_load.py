@@ -19,6 +19,7 @@ import time
 import pytest
 import trio
 
+from duplexrt.backends import BackendInfo
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.core.runtime import open_runtime
@@ -102,54 +103,46 @@ class _SlowLoad(EchoBackend):
             self.unwound.set()
 
 
-async def test_a_runtime_cancelled_while_loading_interrupts_the_load_and_its_thread_ends():
+async def _cancel_while_loading(backend: EchoBackend, loading: threading.Event,
+                                after_cancel=lambda: None) -> float:
+    """Run a runtime on ``backend``, cancel it once ``loading`` is set; seconds it took to stop."""
     config = load_config(None, ["runtime.slots=2"])
-    from duplexrt.backends import BackendInfo
-
-    backend = _SlowLoad(BackendInfo("echo", 24000, 1920, 2), {})
     with trio.move_on_after(STOP_BOUND_S * 4) as guard:
         async with trio.open_nursery() as nursery:
 
             async def run() -> None:
                 async with open_runtime(config, backend):
-                    raise AssertionError("the slow load finished")
+                    raise AssertionError("the runtime served after its load was stopped")
 
             nursery.start_soon(run)
-            await trio.to_thread.run_sync(backend.loading.wait, PATIENCE)
+            await trio.to_thread.run_sync(loading.wait, PATIENCE)
             started = time.monotonic()
             nursery.cancel_scope.cancel()
+            after_cancel()
     assert not guard.cancelled_caught
-    assert time.monotonic() - started < STOP_BOUND_S
-    assert backend.unwound.is_set()  # its finally ran: it unwound, it was not abandoned
     assert not scheduler_threads()
+    return time.monotonic() - started
+
+
+async def test_a_runtime_cancelled_while_loading_interrupts_the_load_and_its_thread_ends():
+    backend = _SlowLoad(BackendInfo("echo", 24000, 1920, 2), {})
+    assert await _cancel_while_loading(backend, backend.loading) < STOP_BOUND_S
+    assert backend.unwound.is_set()  # its finally ran: it unwound, it was not abandoned
 
 
 async def test_a_load_blocked_inside_a_c_call_is_stopped_when_the_call_returns():
     """The interruption lands at the next Python bytecode: a load blocked in a C call (here a
     lock's wait) goes on until that returns, then unwinds, and the runtime serves nothing."""
-    from duplexrt.backends import BackendInfo
 
-    class JustLoaded(EchoBackend):
+    class BlockedLoad(EchoBackend):
         def __init__(self, *args) -> None:
             super().__init__(*args)
-            self.finishing = threading.Event()
+            self.loading = threading.Event()
             self.go_on = threading.Event()
 
         def load(self) -> None:
-            self.finishing.set()
+            self.loading.set()
             self.go_on.wait(PATIENCE)
 
-    backend = JustLoaded(BackendInfo("echo", 24000, 1920, 2), {})
-    config = load_config(None, ["runtime.slots=2"])
-    with trio.fail_after(PATIENCE * 2):
-        async with trio.open_nursery() as nursery:
-
-            async def run() -> None:
-                async with open_runtime(config, backend):
-                    raise AssertionError("served after the stop")
-
-            nursery.start_soon(run)
-            await trio.to_thread.run_sync(backend.finishing.wait, PATIENCE)
-            nursery.cancel_scope.cancel()
-            backend.go_on.set()
-    assert not scheduler_threads()
+    backend = BlockedLoad(BackendInfo("echo", 24000, 1920, 2), {})
+    await _cancel_while_loading(backend, backend.loading, after_cancel=backend.go_on.set)
