@@ -30,6 +30,7 @@ Phases, each under its own time limit, the JSON (``DIR/gpu.json``) rewritten aft
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import os
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,9 +178,14 @@ def steps_phase(backend, sizes: tuple[int, ...], fit: int | None, steps: int, cu
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        backend.resize(size)
-        row = {"rows": size, "resize_s": round(time.perf_counter() - started, 2)}
-        row.update(_timed_steps(backend, size, steps, cuda))
+        try:
+            backend.resize(size)
+            row = {"rows": size, "resize_s": round(time.perf_counter() - started, 2)}
+            row.update(_timed_steps(backend, size, steps, cuda))
+        except torch.OutOfMemoryError as exc:  # the arithmetic's reserve was too small: say so, stop here
+            rows.append({"rows": size, "error": f"out of memory: {exc}"[:500], **_memory_now(cuda)})
+            on_row(rows)
+            break
         row.update(_memory_now(cuda))
         row["within_budget"] = row["step_ms"]["p50"] <= budget_ms
         rows.append(row)
@@ -277,6 +284,23 @@ def serve_phase(backend, slots: int, seconds: float, out: Path, limit_s: float) 
     return result
 
 
+def run_phase(results: Results, name: str, limit_s: float, work):
+    """``work()`` as phase ``name``: its result (or its error) written at once.  Past ``limit_s``
+    the process dumps every thread's stack and exits (faulthandler): a hung GPU call cannot take
+    the next phases' time, and what was written so far stays."""
+    faulthandler.dump_traceback_later(limit_s, exit=True)
+    try:
+        value = work()
+    except Exception as exc:  # noqa: BLE001 - recorded, and the next phases still run
+        value = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    results.put(name, value)
+    print(f"{name}:", json.dumps({k: v for k, v in value.items() if k not in ("clients_output", "traceback")}),
+          flush=True)
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmark-gpu"))
@@ -302,36 +326,39 @@ def main() -> int:
     def deadline(phase: str) -> float:
         return min(end, time.monotonic() + LIMITS[phase][which])
 
-    results.put("device", device_phase(cuda))
-    print("device:", json.dumps(results.data["phases"]["device"]), flush=True)
     options = ({"random": "moshi-7b", "device": "cuda", "dtype": "bfloat16", "warmup_steps": 4} if cuda
                else {"tiny": True, "device": "cpu", "warmup_steps": 2})
     sizes = GPU_SIZES if cuda else CPU_SIZES
     steps = args.steps or (20 if cuda else 3)
     budget_ms = FRAME_MS * 0.95
-    backend, built = build_phase(options, sizes[0])
-    results.put("build", built)
-    print("build:", json.dumps(built), flush=True)
+    hard = 30.0  # beyond a phase's own limit, before faulthandler ends the process
 
-    table = steps_phase(backend, sizes, built["fit_memory"], steps, cuda, deadline("steps"), budget_ms,
-                        lambda rows: results.put("steps", {"budget_ms": budget_ms, "rows": rows}))
-    results.put("steps", table)
-    measured = [r for r in table["rows"] if "step_ms" in r]
-    for row in table["rows"]:
-        print("steps:", json.dumps(row), flush=True)
-    results.put("wait", wait_phase(cuda))
-    print("wait:", json.dumps(results.data["phases"]["wait"]), flush=True)
+    run_phase(results, "device", 60, lambda: device_phase(cuda))
+    made: dict = {}
+
+    def build() -> dict:
+        made["backend"], built = build_phase(options, sizes[0])
+        return built
+
+    built = run_phase(results, "build", LIMITS["build"][which] + hard, build)
+    backend = made.get("backend")
+    if backend is None:
+        return 1
+    table = run_phase(results, "steps", LIMITS["steps"][which] + hard + 60, lambda: steps_phase(
+        backend, sizes, built["fit_memory"], steps, cuda, deadline("steps"), budget_ms,
+        lambda rows: results.put("steps", {"budget_ms": budget_ms, "rows": rows})))
+    measured = [r for r in table.get("rows", []) if "step_ms" in r]
+    run_phase(results, "wait", LIMITS["wait"][which] + hard, lambda: wait_phase(cuda))
     if measured and time.monotonic() < end:
-        results.put("masked", masked_phase(backend, measured[-1]["rows"], steps, cuda))
-        print("masked:", json.dumps(results.data["phases"]["masked"]), flush=True)
+        run_phase(results, "masked", LIMITS["masked"][which] + hard,
+                  lambda: masked_phase(backend, measured[-1]["rows"], steps, cuda))
     within = [r["rows"] for r in measured if r["within_budget"]]
     if measured and time.monotonic() < end:
         serve_slots = max(within) if within else 1
         seconds = args.serve_seconds or (30.0 if cuda else 3.0)
         limit = min(LIMITS["serve"][which], max(10.0, end - time.monotonic()))
-        served = serve_phase(backend, serve_slots, seconds, args.out, limit)
-        results.put("serve", served)
-        print("serve:", json.dumps({k: v for k, v in served.items() if k != "clients_output"}), flush=True)
+        run_phase(results, "serve", limit + hard + 60,
+                  lambda: serve_phase(backend, serve_slots, seconds, args.out, limit))
     results.data["seconds"] = round(time.monotonic() - began, 1)
     results.put("done", {"seconds": results.data["seconds"]})
     print(f"wrote {results.path} in {results.data['seconds']} s", flush=True)

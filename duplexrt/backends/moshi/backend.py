@@ -449,9 +449,9 @@ class MoshiBackend(Backend):
         lm_gen = model.models.LMGen(model.lm, cfg_coef=model.cfg_coef, condition_tensors=conditions,
                                     support_out_of_sync=True, **model.gen_config)
         self._rows_stack = ExitStack()
+        self._loaded_rows = True  # from here on, a release closes whatever was entered
         self._rows_stack.enter_context(model.mimi.streaming(slots))
         self._rows_stack.enter_context(lm_gen.streaming(slots))
-        self._loaded_rows = True
         self._setup(torch, model.mimi, model.lm, lm_gen, model.tokenizer)
         settings = self.settings
         self.description = {
@@ -472,9 +472,11 @@ class MoshiBackend(Backend):
             setattr(self, name, None)
         import gc
 
+        import torch
+
         gc.collect()
         if self._cuda:
-            self._torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the rows' memory (and their CUDA graphs' pools) back to the device
 
     def _setup(self, torch: Any, mimi: Any, lm: Any, lm_gen: Any, tokenizer: Any) -> None:
         slots, frame = self.info.slots, self.info.frame_size
