@@ -326,8 +326,11 @@ def main() -> int:
     def deadline(phase: str) -> float:
         return min(end, time.monotonic() + LIMITS[phase][which])
 
-    options = ({"random": "moshi-7b", "device": "cuda", "dtype": "bfloat16", "warmup_steps": 4} if cuda
-               else {"tiny": True, "device": "cpu", "warmup_steps": 2})
+    from duplexrt.config import load_config
+
+    # The presets' own model options: configs/moshi-7b-random.toml on a GPU, moshi-tiny.toml on a CPU.
+    preset = ROOT / "configs" / ("moshi-7b-random.toml" if cuda else "moshi-tiny.toml")
+    options = dict(load_config(preset).backend.options)
     sizes = GPU_SIZES if cuda else CPU_SIZES
     steps = args.steps or (20 if cuda else 3)
     budget_ms = FRAME_MS * 0.95
