@@ -25,6 +25,8 @@
 # then the wheel, then the moshi package), serving `duplexrt serve` by preset name.  The CUDA base
 # is what the NVIDIA container runtime expects to mount the host's driver into; torch's wheel
 # brings its own CUDA libraries, so the base's CUDA version need only be one the driver supports.
+# The host needs an NVIDIA driver 580 or later: torch 2.13's CUDA wheel requires it, and an older
+# driver fails at the first CUDA call, not at `docker run` (check `nvidia-smi` on the host).
 
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 

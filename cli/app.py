@@ -100,7 +100,10 @@ BackendOptionOption = Annotated[
     typer.Option("--backend-option", "-o",
                  help="A backend option KEY=VALUE, e.g. -o step_ms=20 -o slot_us=50 (repeatable)."),
 ]
-SlotsOption = Annotated[Optional[int], typer.Option("--slots", help="Sessions served at once (batch rows).",
+SlotsOption = Annotated[Optional[str], typer.Option("--slots", help="Sessions served at once (batch rows): a "
+                                                                   "number, or auto (the moshi backend: the "
+                                                                   "most that fit the GPU's memory and keep "
+                                                                   "real time, measured at load).",
                                                     envvar="DUPLEXRT_SLOTS")]
 CollectOption = Annotated[
     Optional[bool],
@@ -121,7 +124,7 @@ OffloadOption = Annotated[
 ]
 
 
-def _overrides(backend: str | None, backend_options: list[str] | None, slots: int | None,
+def _overrides(backend: str | None, backend_options: list[str] | None, slots: str | None,
                offload: Offload | None, extra: list[str] | None) -> list[str]:
     overrides: list[str] = []
     if backend is not None:
@@ -132,7 +135,7 @@ def _overrides(backend: str | None, backend_options: list[str] | None, slots: in
             raise ConfigError(f"--backend-option {item!r} must look like KEY=VALUE")
         overrides.append(f"backend.options.{key.strip()}={value.strip()}")
     if slots is not None:
-        overrides.append(f"runtime.slots={slots}")
+        overrides.append(f"runtime.slots={slots.strip()}")
     if offload is not None:
         overrides.append(f"runtime.offload={_quoted(offload.value)}")
     overrides.extend(extra or [])
@@ -234,10 +237,12 @@ def simulate(
         # In process, the summary line is off unless asked for: the report says it all.
         overrides += _metrics_overrides(collect_stage_metrics, False if log_stats_flag is None else log_stats_flag)
         cfg = load_config(config_file, overrides)
-        if url is None and slots is None and concurrency > cfg.runtime.slots:
+        fixed_slots = cfg.runtime.slots if isinstance(cfg.runtime.slots, int) else None  # None: "auto"
+        if url is None and slots is None and fixed_slots is not None and concurrency > fixed_slots:
             cfg = load_config(config_file, [*overrides, f"runtime.slots={concurrency}"])
-        if find_capacity and url is None:  # the search's ceiling is the slots; --concurrency plays no part
-            concurrency = min(concurrency, cfg.runtime.slots)
+            fixed_slots = concurrency
+        if find_capacity and url is None and fixed_slots is not None:
+            concurrency = min(concurrency, fixed_slots)  # the search's ceiling is the slots
         wire_format = format or (default_format(url) if url is not None else AudioFormat.PCM_F32LE.value)
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
                                   mode=mode.value, format=AudioFormat.parse(wire_format).value,

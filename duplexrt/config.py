@@ -17,6 +17,9 @@ import attrs
 
 OFFLOAD_POLICIES = ("counted", "always")
 LATE_INPUT_POLICIES = ("wait", "fill")
+#: ``runtime.slots = "auto"``: the backend chooses at load, from its memory and its measured step.
+AUTO_SLOTS = "auto"
+MAX_SLOTS = 4096
 
 
 class ConfigError(ValueError):
@@ -57,6 +60,34 @@ def _is_bool(key: str):
     return check
 
 
+def _slots_value(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+    if value == AUTO_SLOTS:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SLOTS:
+        raise ConfigError(f'runtime.slots must be an integer from 1 to {MAX_SLOTS} or "auto", got {value!r}')
+
+
+def _cpu_list(value: object) -> tuple[int, ...]:
+    """``runtime.cpus``: a list of CPU numbers, or a string of them and ranges ("4-7,12")."""
+    if isinstance(value, str):
+        cpus: list[int] = []
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            low, sep, high = part.partition("-")
+            try:
+                cpus.extend(range(int(low), int(high) + 1) if sep else [int(low)])
+            except ValueError:
+                raise ConfigError(f"runtime.cpus must list CPU numbers or ranges like \"4-7,12\", got {value!r}") from None
+        return tuple(cpus)
+    if isinstance(value, list | tuple) and all(isinstance(c, int) and not isinstance(c, bool) for c in value):
+        return tuple(value)
+    raise ConfigError(f"runtime.cpus must be a list of CPU numbers or a string like \"4-7,12\", got {value!r}")
+
+
+def _cpus_valid(_instance: object, _attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if any(cpu < 0 for cpu in value) or len(set(value)) != len(value):
+        raise ConfigError(f"runtime.cpus must be distinct CPU numbers from 0 up, got {list(value)}")
+
+
 @attrs.frozen(kw_only=True)
 class AudioConfig:
     """The model's audio clock: every session is cut into frames of this size at this rate."""
@@ -78,8 +109,11 @@ class AudioConfig:
 class RuntimeConfig:
     """How sessions, queues and the scheduler thread are sized."""
 
-    #: Sessions served at once: the backend's batch rows.
-    slots: int = attrs.field(default=128, validator=_int_range("runtime.slots", 1, 4096))
+    #: Sessions served at once: the backend's batch rows.  The default (128) suits the echo and
+    #: synthetic backends, whose rows cost next to nothing; a GPU model's rows each hold gigabytes
+    #: of state, so its presets say ``"auto"``: the moshi backend then chooses at load the largest
+    #: count that fits the device's memory and whose measured step keeps ``capacity_margin``.
+    slots: int | str = attrs.field(default=128, validator=_slots_value)
     #: Frames a session may have waiting for the scheduler before a submit has to wait.
     inbox_depth: int = attrs.field(default=8, validator=_int_range("runtime.inbox_depth", 1, 1024))
     #: Frames of output a session may hold before its writer has sent them.
@@ -102,6 +136,11 @@ class RuntimeConfig:
     #: cores, which costs more CPU per frame and wakes the threads more often (benchmarks/core.py
     #: measures both ways).
     pin_host_threads: bool = attrs.field(default=True, validator=_is_bool("runtime.pin_host_threads"))
+    #: The CPUs this process runs on (empty: chosen, see ``core/affinity.py``): the process keeps
+    #: to them, and its two host threads share the first.  Give each replica on a box its own
+    #: (one replica per GPU: the CPUs near that GPU, ``nvidia-smi topo -m``).  Every one must be
+    #: among those the process may use (``sched_getaffinity``).
+    cpus: tuple[int, ...] = attrs.field(default=(), converter=_cpu_list, validator=_cpus_valid)
     #: A session that reaches this much input ends with finish reason ``length`` (0: no limit
     #: beyond the model's own context).
     max_session_seconds: float = attrs.field(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from duplexrt.backends.base import Backend, BackendInfo, SlotSession
-from duplexrt.config import Config, ConfigError
+from duplexrt.backends.base import CHOSEN_AT_LOAD, Backend, BackendInfo, SlotChoice, SlotSession
+from duplexrt.config import AUTO_SLOTS, Config, ConfigError
 
 
 def _echo(info: BackendInfo, options: Mapping[str, Any]) -> Backend:
@@ -45,9 +45,10 @@ def create_backend(config: Config) -> Backend:
         name=config.backend.name,
         sample_rate=config.audio.sample_rate,
         frame_size=config.audio.frame_size,
-        slots=config.runtime.slots,
+        slots=CHOSEN_AT_LOAD if config.runtime.slots == AUTO_SLOTS else config.runtime.slots,
+        capacity_margin=config.runtime.capacity_margin,
     )
     return factory(info, config.backend.options)
 
 
-__all__ = ["Backend", "BackendInfo", "SlotSession", "create_backend", "BACKENDS"]
+__all__ = ["Backend", "BackendInfo", "SlotChoice", "SlotSession", "create_backend", "BACKENDS", "CHOSEN_AT_LOAD"]

@@ -25,6 +25,27 @@ class SlotSession:
     session_id: int
 
 
+#: ``BackendInfo.slots`` before load when the backend is to choose (``runtime.slots = "auto"``).
+CHOSEN_AT_LOAD = 0
+
+
+@attrs.frozen
+class SlotChoice:
+    """How many slots a backend holds, and why: shown in ``/readyz``, ``/stats`` and the start
+    line, so an operator sees what ``runtime.slots = "auto"`` (or a refusal's arithmetic) found."""
+
+    slots: int
+    #: ``"configured"``: ``runtime.slots`` as given; ``"auto"``: chosen at load.
+    source: str
+    #: One sentence: why this many.
+    reason: str
+    #: The figures behind it (JSON-ready): state per slot, free memory, step times measured...
+    details: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"slots": self.slots, "source": self.source, "reason": self.reason, **self.details}
+
+
 @attrs.frozen
 class BackendInfo:
     """Facts the runtime needs before any session opens."""
@@ -32,6 +53,8 @@ class BackendInfo:
     name: str
     sample_rate: int
     frame_size: int
+    #: Batch rows.  ``CHOSEN_AT_LOAD`` (0) asks a backend that can (``Backend.chooses_slots``)
+    #: to choose in ``load``, after which it holds the count chosen.
     slots: int
     #: ``"cpu"`` or a torch device string; batch buffers are pinned when it is a GPU.
     device: str = "cpu"
@@ -42,6 +65,13 @@ class BackendInfo:
     #: lags its input by seconds): the session feeds them when the caller's input ends, the first
     #: marked by ``Backend.end_input``, the rest silence.  0: the output ends with the input.
     flush_frames: int = 0
+    #: ``runtime.capacity_margin``: the share of a frame period a step must leave free, for a
+    #: backend that chooses its own slot count by timing its step.
+    capacity_margin: float = 0.05
+
+    @property
+    def frame_ms(self) -> float:
+        return self.frame_size / self.sample_rate * 1e3
 
 
 class Backend(abc.ABC):
@@ -53,8 +83,17 @@ class Backend(abc.ABC):
     #: Step costs measured in ``load`` (the warm-up), as ``(rows, seconds)``: what the runtime's
     #: capacity estimate starts from before any session has been stepped.
     warmup_costs: tuple[tuple[int, float], ...] = ()
+    #: Whether ``load`` can choose the slot count (``runtime.slots = "auto"``).
+    chooses_slots = False
+    #: How the slot count was arrived at (set by ``load`` where the backend has more to say than
+    #: "configured"; the scheduler fills in the plain case).
+    slot_choice: SlotChoice | None = None
 
     def __init__(self, info: BackendInfo) -> None:
+        if info.slots == CHOSEN_AT_LOAD and not self.chooses_slots:
+            raise ConfigError(f'runtime.slots = "auto" is for a backend that measures its own memory and '
+                              f"step (moshi); {info.name} rows cost next to nothing: give a number "
+                              "(the default is 128)")
         self.info = info
 
     def load(self) -> None:

@@ -6,6 +6,7 @@ One ``Runtime`` is one model serving many sessions.  ``open_runtime`` runs it fo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,9 +14,9 @@ import attrs
 import trio
 
 from duplexrt.audio import AudioFormat, AudioSpec
-from duplexrt.backends import Backend, create_backend
+from duplexrt.backends import Backend, SlotChoice, create_backend
 from duplexrt.config import Config
-from duplexrt.core.affinity import chosen_cpu, pin_this_thread, restore
+from duplexrt.core.affinity import confine, pin_this_thread, plan_for, restore
 from duplexrt.core.capacity import CapacityEstimate
 from duplexrt.core.handoffs import HandoffStatistics, Handoffs
 from duplexrt.core.histogram import Histogram
@@ -26,6 +27,8 @@ from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.transport import Transport
+
+log = logging.getLogger("duplexrt.runtime")
 
 
 @attrs.frozen
@@ -71,6 +74,9 @@ class RuntimeStatistics:
     failing: bool
     #: Batch rows of the model.
     slots: int
+    #: How that count came about: ``runtime.slots`` as configured, or what ``"auto"`` chose at
+    #: load and why.
+    slot_choice: SlotChoice
     #: Rows held by no session.  A connection being admitted has no row yet: for slots free for
     #: new connections, see ``ServerStatistics.free_slots``.
     free_rows: int
@@ -94,13 +100,19 @@ class Runtime:
         self.config = config
         self.handoffs = Handoffs()
         self.backend = backend if backend is not None else create_backend(config)
+        #: The CPUs this replica runs on (``runtime.cpus``, else from its GPU; ``core/affinity.py``).
+        self.cpu_plan = plan_for(config.runtime.cpus, self.backend.info.device)
         self.scheduler = Scheduler(self.backend, config.runtime, self.handoffs)
         self.metrics = FrameMetrics()
         self.sessions: set[Session] = set()
 
     async def run(self, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model on the scheduler thread, then serve until cancelled."""
-        cpu = chosen_cpu() if self.config.runtime.pin_host_threads else None
+        plan = self.cpu_plan
+        cpu = plan.host if self.config.runtime.pin_host_threads else None
+        if plan.process is not None or cpu is not None:
+            log.info("CPUs: %s%s", plan.reason, "" if cpu is not None else " (host threads not pinned)")
+        original = confine(plan.process)  # the threads started from here on inherit it
         previous = pin_this_thread(cpu)
         self.scheduler.pin_cpu = cpu
         self.scheduler.unpinned_cpus = previous
@@ -108,6 +120,7 @@ class Runtime:
             await self.scheduler.run(task_status=_Started(task_status, self))
         finally:
             restore(previous)
+            restore(original)
 
     def audio_spec(self, format: str | AudioFormat = AudioFormat.PCM_F32LE,
                    sample_rate: int | None = None) -> AudioSpec:
@@ -143,6 +156,7 @@ class Runtime:
             ready=scheduler.ready,
             failing=scheduler.failing,
             slots=scheduler.slots,
+            slot_choice=scheduler.slot_choice,
             free_rows=scheduler.free_slots,
             sessions_active=frames.sessions_active,
             capacity=scheduler.capacity.estimate,

@@ -20,13 +20,14 @@ import attrs
 import numpy as np
 import trio
 
-from duplexrt.backends.base import Backend, SlotSession
+from duplexrt.backends.base import Backend, SlotChoice, SlotSession
 from duplexrt.config import RuntimeConfig
 from duplexrt.core.affinity import pin_this_thread, restore
 from duplexrt.core.capacity import CapacityEstimator
 from duplexrt.core.handoffs import HandoffKind, Handoffs
 from duplexrt.core.histogram import Histogram, Summary
 from duplexrt.core.inbox import Batch, Control, ControlOp, Inbox, PutTicket
+from duplexrt.core.interrupt import Interrupted, Interrupter
 from duplexrt.core.slot_owner import SlotOwner
 
 log = logging.getLogger("duplexrt.scheduler")
@@ -37,6 +38,9 @@ THREAD_NAME = "duplexrt-scheduler"
 #: of the server's CPU is a column of ``benchmarks/server.py``), so for such a model the cycle, not
 #: the step, is the cost (echo, a model at zero cost, a tiny CPU one).
 DRAIN_BELOW_MS = 0.1
+#: A load interrupted by a stop (``Scheduler.run`` cancelled while the model loads) gets this
+#: long to unwind before its thread is left behind.
+LOAD_STOP_S = 10.0
 
 
 class NoFreeSlotError(RuntimeError):
@@ -215,14 +219,17 @@ class Scheduler:
         #: How far apart cycles of steps under ``DRAIN_BELOW_MS`` start while input keeps coming.
         self.cheap_cycle = (config.cheap_step_cycle_ms or config.gather_window_ms) / 1e3
         self.max_consecutive_failures = config.max_consecutive_step_failures
-        #: Step cost by batch size, learnt on this thread; its ``estimate`` is what admission reads.
-        info = backend.info
-        self.capacity = CapacityEstimator(self.slots, info.frame_size / info.sample_rate,
-                                          config.capacity_margin, config.max_sessions)
-        self.inbox = Inbox(self.slots, config.inbox_depth,
-                           lambda: handoffs.count_from_any_thread(HandoffKind.SCHEDULER_WAKE))
-        self._free_slots = list(range(self.slots - 1, -1, -1))  # pop() gives the lowest
+        self._config = config
+        #: How the slot count came about (``runtime.slots``, or the backend's choice at load).
+        self.slot_choice = SlotChoice(self.slots, "configured", "runtime.slots")
+        # Sized for the slots configured; a count the backend chooses at load (``"auto"``: 0
+        # here) is sized again on the thread once it is known, before anyone can open a slot.
+        self._size_slots(self.slots)
         self._session_ids = itertools.count(1)
+        #: Set when trio stops the scheduler: a load that finishes after it serves nothing.
+        self._stop = threading.Event()
+        #: Lets trio stop a load under way (``core/interrupt.py``) instead of waiting for it.
+        self._load_interrupter = Interrupter()
         #: ``runtime.pin_host_threads``: the CPU this thread shares with the trio thread.
         self.pin_cpu: int | None = None
         self.unpinned_cpus: set[int] | None = None
@@ -251,6 +258,18 @@ class Scheduler:
         self.delivery_delay = Histogram()
         #: Per backend stage, its duration per step (written on the trio thread, once per step).
         self.stage_time: dict[str, Histogram] = {}
+
+    def _size_slots(self, slots: int) -> None:
+        """The structures sized by the slot count: the inbox's queues, the free list, the
+        capacity estimate."""
+        config, info, handoffs = self._config, self.backend.info, self.handoffs
+        self.slots = slots
+        #: Step cost by batch size, learnt on this thread; its ``estimate`` is what admission reads.
+        self.capacity = CapacityEstimator(slots, info.frame_size / info.sample_rate,
+                                          config.capacity_margin, config.max_sessions)
+        self.inbox = Inbox(slots, config.inbox_depth,
+                           lambda: handoffs.count_from_any_thread(HandoffKind.SCHEDULER_WAKE))
+        self._free_slots = list(range(slots - 1, -1, -1))  # pop() gives the lowest
 
     # -- trio side -------------------------------------------------------------------------
 
@@ -303,7 +322,17 @@ class Scheduler:
             await self._finished.wait()
             raise RuntimeError("the scheduler thread stopped unexpectedly") from self._thread_error
         finally:
+            self._stop.set()
             self.inbox.stop()
+            if not self._started.is_set() and self._load_interrupter.interrupt():
+                # Stopped while the model loads (SIGTERM to a pod still loading): the load is
+                # interrupted rather than waited for, and given a few seconds to unwind.
+                log.warning("stopping the model's load")
+                with trio.CancelScope(shield=True), trio.move_on_after(LOAD_STOP_S):
+                    await self._finished.wait()
+                if not self._finished.is_set():
+                    log.error("the model's load did not stop within %g s; its thread is left behind", LOAD_STOP_S)
+                    return
             with trio.CancelScope(shield=True):
                 await self._finished.wait()
             self._thread.join()
@@ -405,7 +434,13 @@ class Scheduler:
             # Born pinned like the trio thread that started it: the model loads with every core
             # (a CPU model's thread pool starts here), and only then does this thread pin itself.
             restore(self.unpinned_cpus)
-            self.backend.load()
+            with self._load_interrupter.interruptible():
+                self.backend.load()
+            if self.backend.info.slots != self.slots:  # chosen at load (``runtime.slots = "auto"``)
+                self._size_slots(self.backend.info.slots)
+            if self._stop.is_set():  # trio stopped while the model loaded: serve nothing
+                self.inbox.stop()
+            self.slot_choice = self.backend.slot_choice or self.slot_choice
             shape = (self.slots, self.frame_size)
             self._inputs = _host_buffer(shape, self.backend.info.device)
             self._outputs = _host_buffer(shape, self.backend.info.device)
@@ -416,7 +451,10 @@ class Scheduler:
             pin_this_thread(self.pin_cpu)
             self._rows = np.zeros(self.slots, dtype=np.int64)
         except BaseException as exc:
-            log.exception("backend %r failed to load", self.backend.info.name)
+            if isinstance(exc, Interrupted):
+                log.warning("the model's load was stopped")
+            else:
+                log.exception("backend %r failed to load", self.backend.info.name)
             try:
                 self.backend.close()  # whatever it did load (device memory, thread pools) goes
             except Exception:

@@ -22,7 +22,7 @@ import trio
 import trio_websocket
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
 
-from duplexrt.backends import Backend
+from duplexrt.backends import Backend, SlotChoice
 from duplexrt.config import Config
 from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, split_token
 from duplexrt.core.runtime import Runtime, open_runtime
@@ -489,7 +489,8 @@ class Server:
                     "sessions": stats.runtime.sessions_active,
                     "consecutive_step_failures": stats.runtime.scheduler.consecutive_step_failures,
                     "replica_id": stats.replica_id, "admitted": stats.admitted, "detached": stats.detached,
-                    "capacity": stats.runtime.capacity.as_dict()}
+                    "capacity": stats.runtime.capacity.as_dict(),
+                    "slot_choice": stats.runtime.slot_choice.as_dict()}
             return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
@@ -566,6 +567,8 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
             task_status.started()
             async for signum in signals:
                 log.warning("received %s", signal.Signals(signum).name)
+                if _stop_if_loading(server, nursery):
+                    continue
                 if server.draining:
                     server.abort()  # closing handshakes run shielded: only this ends them now
                     nursery.cancel_scope.cancel()
@@ -579,7 +582,7 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
             await nursery.start(watch_signals, nursery)
             async with trio.open_nursery() as inner:
                 await inner.start(server.run)
-                _say_hello(config, server.ports)
+                _say_hello(config, server.ports, server.statistics().runtime.slot_choice)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # A port in use or a model that cannot load is one error for the caller, not nested groups.
@@ -590,6 +593,17 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
     finally:
         for handler in handlers:
             handler.removeFilter(tag)
+
+
+def _stop_if_loading(server: Server, nursery: trio.Nursery) -> bool:
+    """A signal before the model has loaded (Kubernetes stops pods that are still loading):
+    there is no session to drain, so everything stops now.  The cancellation reaches the
+    scheduler, which interrupts the load (``core/interrupt.py``) and lets it unwind."""
+    if server.runtime is not None:
+        return False
+    log.warning("stopping: the model has not finished loading")
+    nursery.cancel_scope.cancel()
+    return True
 
 
 class _ReplicaTag(logging.Filter):
@@ -608,7 +622,7 @@ class _ReplicaTag(logging.Filter):
         return True
 
 
-def _say_hello(config: Config, ports: list[int]) -> None:
+def _say_hello(config: Config, ports: list[int], slots: SlotChoice) -> None:
     """One plain line on stderr at the default log level, without turning every info log on:
     where to point a browser, and what is served."""
     if not hello.handlers:
@@ -621,9 +635,9 @@ def _say_hello(config: Config, ports: list[int]) -> None:
     browse = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     browse = f"[{browse}]" if ":" in browse else browse
     hello.info("duplexrt is up: open http://%s:%d/ to talk to it, or /dashboard to watch it. "
-               "Listening on %s port(s) %s with WebSocket routes %s (backend %s, %d slots).",
+               "Listening on %s port(s) %s with WebSocket routes %s (backend %s, %d slots: %s).",
                browse, ports[0], host, ", ".join(map(str, ports)), ", ".join(ROUTES),
-               config.backend.name, config.runtime.slots)
+               config.backend.name, slots.slots, slots.reason)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -75,6 +75,8 @@ def stats_json(stats: ServerStatistics, config: Config) -> bytes:
         "api_key_required": bool(config.server.api_key),
         "ready": runtime.ready and not stats.draining,
         "slots": runtime.slots,
+        # How the slot count came about: runtime.slots as given, or what "auto" chose and why.
+        "slot_choice": runtime.slot_choice.as_dict(),
         # What admission lets in: the sessions the fitted step cost fits in a frame period (or
         # runtime.max_sessions), never above the slots.
         "capacity": runtime.capacity.limit,

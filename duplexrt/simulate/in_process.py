@@ -178,4 +178,4 @@ async def run_find_capacity(config: Config, options: SimulateOptions, *, backend
 
         estimate = runtime.scheduler.capacity.estimate
         start = estimate.limit if estimate.source != "none" else None
-        return await find_capacity(probe, config.runtime.slots, start=start, on_probe=on_probe, retries=retries)
+        return await find_capacity(probe, runtime.scheduler.slots, start=start, on_probe=on_probe, retries=retries)

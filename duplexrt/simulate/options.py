@@ -48,7 +48,7 @@ class SimulateOptions:
                                  ("--repeat", self.repeat, 1), ("--warmup-frames", self.warmup_frames, 0)):
             if value < low:
                 raise ConfigError(f"{name} must be at least {low}, got {value}")
-        if slots and self.concurrency > config.runtime.slots:
+        if slots and isinstance(config.runtime.slots, int) and self.concurrency > config.runtime.slots:
             raise ConfigError(
                 f"--concurrency {self.concurrency} exceeds runtime.slots = {config.runtime.slots}; "
                 f"raise it with --slots {self.concurrency}"

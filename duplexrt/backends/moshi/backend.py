@@ -40,16 +40,19 @@ import inspect
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import attrs
 import numpy as np
 
-from duplexrt.backends.base import Backend, BackendInfo, SlotSession, number_option, take_options
-from duplexrt.backends.moshi import loading, sampling
-from duplexrt.backends.moshi.rows import RowWiper
+from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, SlotChoice, SlotSession,
+                                    number_option, take_options)
+from duplexrt.backends.moshi import auto_slots, loading, memory, sampling
+from duplexrt.backends.moshi.cuda import StepClock, select_device
 from duplexrt.backends.moshi.env import import_moshi
-from duplexrt.config import ConfigError
+from duplexrt.backends.moshi.rows import RowWiper
+from duplexrt.config import MAX_SLOTS, ConfigError
 
 log = logging.getLogger("duplexrt.backends.moshi")
 
@@ -178,6 +181,20 @@ class MoshiSettings:
         )
 
 
+@attrs.frozen
+class _Model:
+    """What ``load`` built, kept to allocate the rows (again, while ``"auto"`` times sizes)."""
+
+    models: Any
+    torch: Any
+    mimi: Any
+    lm: Any
+    tokenizer: Any
+    model_type: str
+    gen_config: dict[str, Any]
+    cfg_coef: float
+
+
 def _none_or_int(value: float | None) -> int | None:
     return None if value is None else int(value)
 
@@ -197,7 +214,10 @@ def _streaming_roots(module: Any) -> list[Any]:
 
 
 class MoshiBackend(Backend):
-    def __init__(self, info: BackendInfo, options: Mapping[str, Any]) -> None:
+    chooses_slots = True
+
+    def __init__(self, info: BackendInfo, options: Mapping[str, Any], *,
+                 memory_source: memory.MemorySource | None = None) -> None:
         self.settings = MoshiSettings.from_options(options)
         if info.sample_rate != MODEL_SAMPLE_RATE:
             raise ConfigError(f"audio.sample_rate must be {MODEL_SAMPLE_RATE} (Mimi's) for {NAME}, "
@@ -211,7 +231,15 @@ class MoshiBackend(Backend):
         self.stage_steps = 0
         #: What was loaded: model type, sampling settings, max delay... (set by ``load``).
         self.description: dict[str, Any] = {}
+        #: What one slot holds (set by ``load``, from the model's configuration).
+        self.slot_bytes: memory.SlotBytes | None = None
+        #: Free memory of the device, read after the weights (None: ``memory.device_memory``;
+        #: tests give their own to exercise the arithmetic's refusals on a CPU).
+        self._memory_source = memory_source
         self._loaded = False
+        self._loaded_rows = False
+        self._model: _Model | None = None
+        self._cuda = self.settings.device.startswith("cuda")
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -264,55 +292,191 @@ class MoshiBackend(Backend):
         return provider.prepare_and_provide(attributes)
 
     def load(self) -> None:
+        """Build the model (once: a backend loaded again keeps it, and only sizes its rows
+        again), then size and allocate the slots and warm up."""
         import torch
 
         settings = self.settings
-        models = import_moshi(settings.device)
+        import_moshi(settings.device)
         sampling.install()
+        if settings.device.startswith("cuda"):
+            select_device(torch.cuda, settings.device)  # before anything is built or captured
         with torch.no_grad():
-            mimi, lm, tokenizer, model_type, gen_config = self._load_model(models, torch)
-            if mimi.sample_rate != self.info.sample_rate or mimi.frame_size != self.info.frame_size:
-                raise ConfigError(f"audio.sample_rate / audio.frame_size ({self.info.sample_rate}, "
-                                  f"{self.info.frame_size}) differ from the model's ({mimi.sample_rate}, "
-                                  f"{mimi.frame_size})")
-            if lm.dep_q == 0:
-                raise ConfigError(f"this checkpoint generates no audio (dep_q = 0): the {NAME} backend "
-                                  "serves speech-to-speech models only")
-            cfg_coef = settings.cfg_coef if settings.cfg_coef is not None else float(gen_config.pop("cfg_coef", 1.0))
-            gen_config.pop("cfg_coef", None)
-            if settings.greedy is not None:
-                gen_config["use_sampling"] = not settings.greedy
-            for key in ("temp", "temp_text", "top_k", "top_k_text"):
-                value = getattr(settings, key)
-                if value is not None:
-                    gen_config[key] = value
-            accepted = inspect.signature(models.LMGen).parameters
-            for key in [k for k in gen_config if k not in accepted or k in ("lm_model", "condition_tensors")]:
-                log.warning("ignoring %r from the checkpoint's lm_gen_config: LMGen takes no such argument", key)
-                del gen_config[key]
-            conditions = self._conditions(lm, model_type, cfg_coef)
-            lm_gen = models.LMGen(lm, cfg_coef=cfg_coef, condition_tensors=conditions,
-                                  support_out_of_sync=True, **gen_config)
-            slots = self.info.slots
-            mimi.streaming_forever(slots)
-            lm_gen.streaming_forever(slots)
-            self._setup(torch, mimi, lm, lm_gen, tokenizer)
-            self.description = {
-                "model_type": model_type,
-                "checkpoint": settings.checkpoint or f"{settings.random or 'tiny'}(seed={settings.seed})",
-                "dtype": str(lm.dtype).removeprefix("torch."), "device": settings.device,
-                "use_sampling": lm_gen.use_sampling, "temp": lm_gen.temp, "temp_text": lm_gen.temp_text,
-                "top_k": lm_gen.top_k, "top_k_text": lm_gen.top_k_text, "cfg_coef": cfg_coef,
-                "max_delay": lm_gen.max_delay, "text_card": lm.text_card, "slots": slots,
-            }
+            if self._model is None:
+                self._model = self._build(torch)
+            mimi, lm, cfg_coef = self._model.mimi, self._model.lm, self._model.cfg_coef
+            self._release_rows()  # sized again from the weights alone
+            # What one slot holds, from the model's own modules, before any of it is allocated
+            # (the attentions' context is what the K/V rings will hold: see ``memory``).
+            self.slot_bytes = memory.slot_bytes(mimi, lm, guided=cfg_coef != 1.0)
+            device_memory = (self._memory_source or memory.device_memory)(settings.device)  # after the weights
+            fit = memory.slots_that_fit(self.slot_bytes.total, device_memory) if device_memory else None
+            if self.info.slots == CHOSEN_AT_LOAD:
+                self.slot_choice = self._choose_slots(fit, device_memory)
+            else:
+                slots = self.info.slots
+                if fit is not None and slots > fit:
+                    raise ConfigError(self._does_not_fit(slots, fit, device_memory))
+                self._allocate(slots)
+                self._warm_up(settings.warmup_steps)
+                self.slot_choice = SlotChoice(slots, "configured", "runtime.slots",
+                                              self._memory_details(fit, device_memory))
             flush = settings.flush_frames
             if flush is None:
-                flush = HIBIKI_FLUSH_FRAMES if model_type == "hibiki" else 0
+                flush = HIBIKI_FLUSH_FRAMES if self._model.model_type == "hibiki" else 0
             self.info = attrs.evolve(self.info, flush_frames=flush)
             self.description["flush_frames"] = flush
-            self._warm_up(settings.warmup_steps)
         self._loaded = True
         log.info("moshi backend loaded: %s", self.description)
+        log.info("moshi backend slots: %d (%s): %s", self.info.slots, self.slot_choice.source,
+                 self.slot_choice.reason)
+
+    def resize(self, slots: int) -> None:
+        """Size the rows for ``slots`` sessions again, keeping the model (every row's state is let
+        go: between sessions only), with the same memory check and warm-up as ``load``: one model
+        timed at many batch sizes (``benchmarks/gpu.py``)."""
+        self.info = attrs.evolve(self.info, slots=slots)
+        self.load()
+
+    def _build(self, torch: Any) -> _Model:
+        settings = self.settings
+        models = import_moshi(settings.device)
+        mimi, lm, tokenizer, model_type, gen_config = self._load_model(models, torch)
+        if mimi.sample_rate != self.info.sample_rate or mimi.frame_size != self.info.frame_size:
+            raise ConfigError(f"audio.sample_rate / audio.frame_size ({self.info.sample_rate}, "
+                              f"{self.info.frame_size}) differ from the model's ({mimi.sample_rate}, "
+                              f"{mimi.frame_size})")
+        if lm.dep_q == 0:
+            raise ConfigError(f"this checkpoint generates no audio (dep_q = 0): the {NAME} backend "
+                              "serves speech-to-speech models only")
+        cfg_coef = settings.cfg_coef if settings.cfg_coef is not None else float(gen_config.pop("cfg_coef", 1.0))
+        gen_config.pop("cfg_coef", None)
+        if settings.greedy is not None:
+            gen_config["use_sampling"] = not settings.greedy
+        for key in ("temp", "temp_text", "top_k", "top_k_text"):
+            value = getattr(settings, key)
+            if value is not None:
+                gen_config[key] = value
+        accepted = inspect.signature(models.LMGen).parameters
+        for key in [k for k in gen_config if k not in accepted or k in ("lm_model", "condition_tensors")]:
+            log.warning("ignoring %r from the checkpoint's lm_gen_config: LMGen takes no such argument", key)
+            del gen_config[key]
+        return _Model(models, torch, mimi, lm, tokenizer, model_type, gen_config, cfg_coef)
+
+    # -- sizing ------------------------------------------------------------------------------------
+
+    def _memory_details(self, fit: int | None, device_memory: memory.DeviceMemory | None) -> dict[str, Any]:
+        details: dict[str, Any] = {"bytes_per_slot": self.slot_bytes.as_dict(), "fit_memory": fit}
+        if device_memory is not None:
+            details.update(free_bytes=device_memory.free, total_bytes=device_memory.total,
+                           reserve_bytes=device_memory.reserve, memory_source=device_memory.source)
+        return details
+
+    def _does_not_fit(self, slots: int, fit: int, device_memory: memory.DeviceMemory) -> str:
+        per = self.slot_bytes
+        gb = memory.gigabytes
+        parts = (f"LM K/V {gb(per.lm_kv)}, depformer {gb(per.depformer_kv)}, Mimi K/V {gb(per.mimi_kv)}, "
+                 f"Mimi convolutions {gb(per.mimi_conv)}, the rest {gb(per.bookkeeping)}")
+        advice = f"set runtime.slots = {fit} (--slots {fit}) or \"auto\"" if fit else \
+            "not even one slot fits: free memory on the device, or a device with more"
+        return (f"runtime.slots = {slots} does not fit: each slot holds {gb(per.total)} of state ({parts}), "
+                f"{gb(slots * per.total)} for {slots}, and {self.settings.device} has {gb(device_memory.free)} "
+                f"free after the weights ({device_memory.source}), less {gb(device_memory.reserve)} kept for "
+                f"activations and CUDA graphs: at most {fit} slot{'s' if fit != 1 else ''} fit; {advice}")
+
+    def _choose_slots(self, fit: int | None, device_memory: memory.DeviceMemory | None) -> SlotChoice:
+        """``runtime.slots = "auto"``: time full batches of a few sizes up to what fits the memory
+        (``auto_slots``), keep the largest whose step leaves the margin."""
+        limit = MAX_SLOTS if fit is None else min(fit, MAX_SLOTS)
+        if limit < 1:
+            raise ConfigError(self._does_not_fit(1, 0, device_memory))
+        info = self.info
+        budget = info.frame_ms * (1.0 - info.capacity_margin)
+        steady = max(self.settings.warmup_steps - self._unsettled_steps, 3)
+        timed: list[int] = []
+
+        def time_at(rows: int) -> float:
+            self._allocate(rows)
+            # The process's very first steps also pay for what later sizes find ready (kernel
+            # caches, first touches of memory): two more unmeasured steps for the first size.
+            extra = 0 if timed else 2
+            timed.append(rows)
+            cost = self._warm_up(self._unsettled_steps + extra + steady, unsettled=self._unsettled_steps + extra)
+            log.info("moshi backend: a full batch of %d rows steps in %.2f ms (budget %.2f ms)", rows,
+                     cost * 1e3, budget)
+            return cost * 1e3
+
+        found = auto_slots.search(time_at, limit, budget)
+        timings = dict(found.timings)
+        if self.info.slots != found.slots:  # the last size timed was another: allocate the one kept
+            self._allocate(found.slots)
+            cost = self._warm_up(self._unsettled_steps + steady)
+            timings.setdefault(found.slots, cost * 1e3)
+        step = timings[found.slots]  # what the choice was made on
+        memory_note = (f"{fit} fit the memory ({memory.gigabytes(self.slot_bytes.total)} a slot)"
+                       if fit is not None else "the device's free memory is unknown")
+        frame = f"{info.capacity_margin:.0%} of the {info.frame_ms:g} ms frame"
+        if not found.within_budget:
+            reason = (f"auto: not even {found.slots} row steps within {budget:.1f} ms ({step:.1f} ms): no "
+                      f"session will keep real time on this device; {memory_note}")
+            log.warning("moshi backend: %s", reason)
+        elif found.slots == limit:
+            reason = f"auto: all {limit} that fit the memory step in {step:.1f} ms, leaving {frame}" \
+                if fit is not None else f"auto: {limit}, the most runtime.slots allows, step in {step:.1f} ms"
+        else:
+            over = f"; {found.over} took {timings[found.over]:.1f} ms" if found.over else ""
+            reason = (f"auto: the largest batch timed whose step ({step:.1f} ms) leaves {frame} "
+                      f"(budget {budget:.1f} ms){over}; {memory_note}")
+        details = self._memory_details(fit, device_memory)
+        details.update(budget_ms=round(budget, 3), step_ms=round(step, 3),
+                       timed=[{"rows": rows, "step_ms": round(ms, 3)} for rows, ms in found.timings])
+        return SlotChoice(found.slots, "auto", reason, details)
+
+    @property
+    def _unsettled_steps(self) -> int:
+        """Warm-up steps that are not a steady step: the first (allocation, kernel selection,
+        torch.compile), and on a GPU the second too, where the package captures its CUDA graphs
+        (``CUDAGraphed`` runs a function plainly once, captures on its second call)."""
+        return 2 if self.settings.device.startswith("cuda") else 1
+
+    def _allocate(self, slots: int) -> None:
+        """Streaming state for ``slots`` rows (whatever state there was is let go first)."""
+        model = self._model
+        torch = model.torch
+        self._release_rows()
+        self.info = attrs.evolve(self.info, slots=slots)
+        conditions = self._conditions(model.lm, model.model_type, model.cfg_coef)
+        lm_gen = model.models.LMGen(model.lm, cfg_coef=model.cfg_coef, condition_tensors=conditions,
+                                    support_out_of_sync=True, **model.gen_config)
+        self._rows_stack = ExitStack()
+        self._loaded_rows = True  # from here on, a release closes whatever was entered
+        self._rows_stack.enter_context(model.mimi.streaming(slots))
+        self._rows_stack.enter_context(lm_gen.streaming(slots))
+        self._setup(torch, model.mimi, model.lm, lm_gen, model.tokenizer)
+        settings = self.settings
+        self.description = {
+            "model_type": model.model_type,
+            "checkpoint": settings.checkpoint or f"{settings.random or 'tiny'}(seed={settings.seed})",
+            "dtype": str(model.lm.dtype).removeprefix("torch."), "device": settings.device,
+            "use_sampling": lm_gen.use_sampling, "temp": lm_gen.temp, "temp_text": lm_gen.temp_text,
+            "top_k": lm_gen.top_k, "top_k_text": lm_gen.top_k_text, "cfg_coef": model.cfg_coef,
+            "max_delay": lm_gen.max_delay, "text_card": model.lm.text_card, "slots": slots,
+        }
+
+    def _release_rows(self) -> None:
+        if not self._loaded_rows:
+            return
+        self._loaded_rows = False
+        self._rows_stack.close()  # every module's streaming state (and its CUDA graphs) goes
+        for name in ("_lm_gen", "_sampler", "_pcm_dev", "_exec", "_clock", "_wiper", "_encoder_wiper"):
+            setattr(self, name, None)
+        import gc
+
+        import torch
+
+        gc.collect()
+        if self._cuda:
+            torch.cuda.empty_cache()  # the rows' memory (and their CUDA graphs' pools) back to the device
 
     def _setup(self, torch: Any, mimi: Any, lm: Any, lm_gen: Any, tokenizer: Any) -> None:
         slots, frame = self.info.slots, self.info.frame_size
@@ -356,7 +520,7 @@ class MoshiBackend(Backend):
         if cuda:
             self._exec = torch.zeros(slots, dtype=torch.bool, device=device)
             self._pcm_dev = torch.zeros((slots, 1, frame), dtype=torch.float32, device=device)
-            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(len(STAGES) + 1)]
+            self._clock = StepClock(torch.cuda, device, len(STAGES) + 1)
         else:
             self._exec = self._mask_t
             self._pcm_dev = self._pcm_t
@@ -380,9 +544,10 @@ class MoshiBackend(Backend):
                 pieces.append(tokenizer.id_to_piece(token).replace("\u2581", " "))
         self._pieces = pieces
 
-    def _warm_up(self, steps: int) -> None:
-        """Steps on silence with every row, so that allocation, kernel selection and CUDA graph
-        capture happen now; then every row is reset."""
+    def _warm_up(self, steps: int, unsettled: int | None = None) -> float:
+        """Steps on silence with every row, so that allocation, kernel selection, torch.compile and
+        CUDA graph capture happen now; then every row is reset.  Returns the median of the steady
+        steps (seconds; 0.0 when there were none), which seeds the capacity estimate."""
         slots = self.info.slots
         rows = np.arange(slots, dtype=np.int64)
         silence = np.zeros((slots, self.info.frame_size), dtype=np.float32)
@@ -392,12 +557,15 @@ class MoshiBackend(Backend):
             started = time.perf_counter()
             self.step(rows, silence, out)
             costs.append(time.perf_counter() - started)
-        # The first step pays for allocation and compilation; the rest are what a step costs.
-        # A fixed batch costs the same whatever the rows: that is a flat line at full batch.
-        settled = costs[1:] or costs
-        if settled:
-            cost = sorted(settled)[len(settled) // 2]
-            self.warmup_costs = ((1, cost), (slots, cost))
+        # Only steady steps say what a step costs: not the first (allocation, compilation), nor on
+        # a GPU the second (graph capture).  A fixed batch costs the same whatever the rows: a
+        # flat line at full batch.
+        settled = costs[self._unsettled_steps if unsettled is None else unsettled:]
+        cost = sorted(settled)[len(settled) // 2] if settled else 0.0
+        self.warmup_costs = ((1, cost), (slots, cost)) if settled else ()
+        if steps and not settled:
+            log.info("moshi backend: %d warm-up step(s), none steady (the first %d are not): the capacity "
+                     "estimate starts from the first sessions' steps", steps, self._unsettled_steps)
         self._reset[:] = True
         self._apply_resets()
         self._frames[:] = 0
@@ -405,6 +573,8 @@ class MoshiBackend(Backend):
         self.stage_seconds = dict.fromkeys(STAGES, 0.0)
         self.stage_steps = 0
         self.last_stages = ()
+        return cost
+
 
     # -- slots -------------------------------------------------------------------------------------
 
@@ -455,9 +625,9 @@ class MoshiBackend(Backend):
         mask[rows] = True
         self._pcm[rows] = inputs
         if cuda:
-            events = self._events
+            marks = self._clock
             t_first = clock()
-            events[0].record()
+            marks.mark(0)
             self._exec.copy_(self._mask_t, non_blocking=True)
             self._pcm_dev.copy_(self._pcm_t, non_blocking=True)
         exec_mask = self._exec
@@ -473,7 +643,7 @@ class MoshiBackend(Backend):
         if len(first):
             self._reset_encoder(torch, first)
         if cuda:
-            events[1].record()
+            marks.mark(1)
         t1 = clock()
 
         # lm: one LMGen step over the batch, sampling from each row's own stream.
@@ -482,7 +652,7 @@ class MoshiBackend(Backend):
             tokens = self._lm_gen.step(codes)
         self._sampler.counters.add_(exec_mask)
         if cuda:
-            events[2].record()
+            marks.mark(2)
         t2 = clock()
 
         # decode: rows with audio tokens (not warming up, not masked) through Mimi's decoder.
@@ -494,8 +664,8 @@ class MoshiBackend(Backend):
         if cuda:
             self._out_t.copy_(pcm, non_blocking=True)
             self._text_t.copy_(tokens[:, 0, 0], non_blocking=True)
-            events[3].record()
-            events[3].synchronize()
+            marks.mark(3)
+            marks.wait()  # blocking: the thread sleeps until the GPU is done (see ``cuda``)
             synced = clock()
             out, text = self._out, self._text
         else:
@@ -510,7 +680,7 @@ class MoshiBackend(Backend):
         if cuda:
             # Device time between the events, plus the host work outside them (the scatter before
             # the first, the gather after the last).
-            durations = [int(events[i].elapsed_time(events[i + 1]) * 1e6) for i in range(3)]
+            durations = marks.elapsed_ns()
             durations[0] += max(0, t_first - t0)
             durations[2] += t3 - synced
         else:
@@ -546,11 +716,10 @@ class MoshiBackend(Backend):
         return {name: total * 1e3 / steps for name, total in self.stage_seconds.items()}
 
     def close(self) -> None:
-        if not self._loaded:
-            return
+        """Let the model and its state go (also after a load that failed or was stopped)."""
         self._loaded = False
-        for name in ("_mimi", "_lm", "_lm_gen", "_sampler", "_pcm_dev", "_exec"):
+        self._release_rows()
+        self._model = None
+        for name in ("_mimi", "_lm"):
             setattr(self, name, None)
-        if self._cuda:
-            self._torch.cuda.empty_cache()
 

@@ -1,0 +1,372 @@
+"""The GPU table in one call: step time by batch, the wait's CPU, a masked batch, and one paced
+serving round over real WebSockets, for the Moshi 7B architecture with seeded random weights
+(``moshi-7b-random``: nothing to download), built once and reused by every phase.
+
+Runs from the repository root with nothing installed but the device machine's own Python, torch
+and common packages, plus a folder of wheels for the rest (``benchmarks/gpu.sh --wheels DIR``
+installs it with ``pip install --no-index --no-deps --target`` and sets ``PYTHONPATH``; see
+docs/capacity.md, "Sizing a GPU").  Without CUDA it runs the same phases on the tiny model with
+small sizes, so that CI keeps it working (``tests/test_gpu_script.py``); those are no GPU figures.
+
+    python3 benchmarks/gpu.py --out DIR [--budget-s 330]
+
+Phases, each under its own time limit, the JSON (``DIR/gpu.json``) rewritten after each:
+
+1. ``device``: what ran (torch, CUDA, the GPU, its memory, whether torch.compile and graphs are on).
+2. ``build``: the model built once; its weights and per-slot state (the arithmetic of
+   ``backends/moshi/memory.py``) and how many slots fit the free memory.
+3. ``steps``: for each batch size (1, 8, 16, 32, 48, 64, 80; sizes that cannot fit are skipped),
+   the backend sized to it (CUDA graphs captured, torch.compile as served) and a full batch
+   stepped: step time p50/p99, per stage, this thread's CPU per step (the wait is the backend's
+   blocking one), and the GPU memory allocated.
+4. ``wait``: the CPU one thread spends waiting for 50 ms of GPU work, with a spinning event
+   (CUDA's default) and with a blocking one (what the backend uses).
+5. ``masked``: the largest batch measured, with one and with an eighth of its rows active.
+6. ``serve``: ``duplexrt serve`` on that model at the largest batch whose step leaves the capacity
+   margin (5 % of the 80 ms frame), and paced callers over real WebSockets from another process
+   (``benchmarks/bare_cli.py simulate --url``): frames late, lag p50/p99, host CPU per frame.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: Every module the phases import, checked before anything runs: (module, what provides it).
+REQUIRED = (
+    ("numpy", "numpy"), ("torch", "torch"), ("attrs", "attrs"), ("typer", "typer"), ("h11", "h11"),
+    ("prometheus_client", "prometheus-client"), ("einops", "einops"), ("safetensors", "safetensors"),
+    ("sentencepiece", "sentencepiece"), ("huggingface_hub", "huggingface-hub"), ("trio", "trio"),
+    ("trio_websocket", "trio-websocket"), ("wsproto", "wsproto"), ("outcome", "outcome"),
+    ("sniffio", "sniffio"), ("sortedcontainers", "sortedcontainers"), ("idna", "idna"), ("soxr", "soxr"),
+    ("sphn", "sphn"), ("pybase64", "pybase64"), ("websockets", "websockets"),
+    ("webrtcvad", "webrtcvad-wheels"), ("moshi", "moshi"), ("duplexrt", "this checkout"),
+)
+GPU_SIZES = (1, 8, 16, 32, 48, 64, 80)
+CPU_SIZES = (1, 2, 4)
+#: Seconds each phase may take (GPU, CPU); the whole run is also bounded by --budget-s.
+LIMITS = {"build": (120, 120), "steps": (150, 120), "wait": (20, 10), "masked": (40, 60), "serve": (90, 120)}
+FRAME = 1920
+FRAME_MS = 80.0
+
+
+def check_imports() -> list[str]:
+    """What is missing, named with what provides it (empty: everything imports)."""
+    missing = []
+    for module, provider in REQUIRED:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any failure to import is a missing part
+            missing.append(f"{module} (from {provider}): {type(exc).__name__}: {exc}")
+    return missing
+
+
+class Results:
+    """The JSON, rewritten whole after every phase (a run cut short keeps what it had)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "phases": {}}
+
+    def put(self, phase: str, value: dict) -> None:
+        self.data["phases"][phase] = value
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self.data, indent=1, default=str))
+        temporary.replace(self.path)
+
+
+def _ms(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {"mean": round(statistics.fmean(values), 3), "p50": round(ordered[len(ordered) // 2], 3),
+            "p99": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 3),
+            "max": round(ordered[-1], 3)}
+
+
+def device_phase(cuda: bool) -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "machine": platform.machine(), "cuda": cuda,
+            "torch_compile": not os.environ.get("NO_TORCH_COMPILE"),
+            "cuda_graphs": cuda and os.environ.get("NO_CUDA_GRAPH", "").lower() in ("", "0", "no", "n")}
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda_version=torch.version.cuda,
+                    capability=f"{props.major}.{props.minor}")
+    return info
+
+
+def build_phase(options: dict, first: int) -> tuple[object, dict]:
+    from duplexrt.backends.base import BackendInfo
+    from duplexrt.backends.moshi import MoshiBackend, memory
+
+    backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, first), options)
+    started = time.perf_counter()
+    backend.load()
+    seconds = time.perf_counter() - started
+    model = backend._model  # noqa: SLF001 - the benchmark reads what it built
+    fit = backend.slot_choice.details.get("fit_memory")
+    return backend, {"load_s": round(seconds, 2), "weights_bytes": memory.weight_bytes(model.lm, model.mimi),
+                     "bytes_per_slot": backend.slot_bytes.as_dict(), "fit_memory": fit,
+                     "free_bytes": backend.slot_choice.details.get("free_bytes"),
+                     "reserve_bytes": backend.slot_choice.details.get("reserve_bytes")}
+
+
+def _timed_steps(backend, active: int, steps: int, cuda: bool) -> dict:
+    import numpy as np
+
+    from duplexrt.backends.base import SlotSession
+
+    rows = np.arange(active, dtype=np.int64)
+    for slot in rows:
+        backend.open_slot(int(slot), SlotSession(int(slot) + 1))
+    inputs = (np.random.default_rng(0).standard_normal((active, FRAME)) * 0.3).astype(np.float32)
+    outputs = np.empty_like(inputs)
+    backend.step(rows, inputs, outputs)  # the joining rows' reset lands in this one
+    walls, cpus = [], []
+    stages: dict[str, list[float]] = {}
+    for _ in range(steps):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        backend.step(rows, inputs, outputs)
+        cpus.append((time.thread_time() - cpu) * 1e3)
+        walls.append((time.perf_counter() - wall) * 1e3)
+        for name, ns in backend.last_stages:
+            stages.setdefault(name, []).append(ns / 1e6)
+    for slot in rows:
+        backend.close_slot(int(slot))
+    return {"step_ms": _ms(walls), "stage_ms": {name: round(statistics.fmean(v), 3) for name, v in stages.items()},
+            "thread_cpu_ms_per_step": round(statistics.fmean(cpus), 3),
+            "thread_cpu_share": round(sum(cpus) / sum(walls), 3)}
+
+
+def _memory_now(cuda: bool) -> dict:
+    if not cuda:
+        return {}
+    import torch
+
+    return {"allocated_bytes": torch.cuda.memory_allocated(), "peak_bytes": torch.cuda.max_memory_allocated(),
+            "reserved_bytes": torch.cuda.memory_reserved()}
+
+
+def steps_phase(backend, sizes: tuple[int, ...], fit: int | None, steps: int, cuda: bool, deadline: float,
+                budget_ms: float, on_row) -> dict:
+    import torch
+
+    rows = []
+    for size in sizes:
+        if fit is not None and size > fit:
+            rows.append({"rows": size, "skipped": f"does not fit: {fit} slots fit the memory"})
+            on_row(rows)
+            continue
+        if time.monotonic() > deadline:
+            rows.append({"rows": size, "skipped": "the phase's time ran out"})
+            on_row(rows)
+            continue
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        try:
+            backend.resize(size)
+            row = {"rows": size, "resize_s": round(time.perf_counter() - started, 2)}
+            row.update(_timed_steps(backend, size, steps, cuda))
+        except torch.OutOfMemoryError as exc:  # the arithmetic's reserve was too small: say so, stop here
+            rows.append({"rows": size, "error": f"out of memory: {exc}"[:500], **_memory_now(cuda)})
+            on_row(rows)
+            break
+        row.update(_memory_now(cuda))
+        row["within_budget"] = row["step_ms"]["p50"] <= budget_ms
+        rows.append(row)
+        on_row(rows)
+    return {"budget_ms": budget_ms, "steps_per_size": steps, "rows": rows}
+
+
+def wait_phase(cuda: bool) -> dict:
+    """CPU a thread spends waiting for ~50 ms of GPU work: spinning event against blocking one."""
+    if not cuda:
+        return {"skipped": "no GPU: a CPU model has no device to wait for"}
+    import torch
+
+    def waited(blocking: bool, cycles: int) -> tuple[float, float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=blocking)
+        start.record()
+        torch.cuda._sleep(cycles)  # noqa: SLF001 - torch's own busy kernel, for exactly this
+        end.record()
+        cpu = time.thread_time()
+        end.synchronize()
+        return (time.thread_time() - cpu) * 1e3, start.elapsed_time(end)
+
+    cycles = 1_000_000
+    _, ms = waited(True, cycles)
+    cycles = int(cycles * 50.0 / max(ms, 1e-3))
+    result = {}
+    for name, blocking in (("spinning", False), ("blocking", True)):
+        runs = [waited(blocking, cycles) for _ in range(10)]
+        result[name] = {"gpu_ms": round(statistics.fmean(r[1] for r in runs), 2),
+                        "thread_cpu_ms": round(statistics.fmean(r[0] for r in runs), 3)}
+    return result
+
+
+def masked_phase(backend, slots: int, steps: int, cuda: bool) -> dict:
+    backend.resize(slots)
+    runs = []
+    for active in sorted({1, max(1, slots // 8), slots}):
+        runs.append({"active": active, **_timed_steps(backend, active, steps, cuda)})
+    return {"slots": slots, "runs": runs}
+
+
+def serve_phase(backend, slots: int, seconds: float, out: Path, limit_s: float) -> dict:
+    """``duplexrt serve`` on the built model at ``slots``, paced callers from another process."""
+    import attrs
+    import trio
+
+    from duplexrt.config import load_config
+    from duplexrt.server import Server
+
+    backend.info = attrs.evolve(backend.info, slots=slots)  # the scheduler's load sizes it again
+    config = load_config(None, ["server.port=0", 'backend.name="moshi"', f"runtime.slots={slots}",
+                                'runtime.late_input="fill"', "metrics.log_stats=false"])
+    frames = max(4, int(seconds * 1000 / FRAME_MS))
+    report = out / "serve-clients.json"
+    result: dict = {"slots": slots, "sessions": slots, "frames_per_session": frames}
+
+    async def main() -> None:
+        server = Server(config, backend)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            before = server.statistics().runtime
+            cpu = time.process_time()
+            command = [sys.executable, str(ROOT / "benchmarks" / "bare_cli.py"), "simulate", "--url",
+                       f"ws://127.0.0.1:{server.ports[0]}/v1/duplex", "--concurrency", str(slots),
+                       "--mode", "paced", "--frames", str(frames), "--message-ms", "80", "--no-progress",
+                       "--json", str(report)]
+            with trio.move_on_after(limit_s) as guard:
+                done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+            result["server_process_cpu_s"] = round(time.process_time() - cpu, 3)
+            after = server.statistics().runtime
+            if guard.cancelled_caught:
+                result["error"] = f"the clients did not finish within {limit_s:g} s"
+            else:
+                result["clients_exit_status"] = done.returncode
+                result["clients_output"] = done.stdout.decode()[-3000:] + done.stderr.decode()[-2000:]
+            stepped = after.scheduler.frames - before.scheduler.frames
+            result["frames_stepped"] = stepped
+            result["steps"] = after.scheduler.steps - before.scheduler.steps
+            result["scheduler_thread_cpu_s"] = round(after.scheduler.thread_cpu_seconds
+                                                     - before.scheduler.thread_cpu_seconds, 3)
+            if stepped:
+                result["host_cpu_us_per_frame"] = round(result["server_process_cpu_s"] / stepped * 1e6, 1)
+            result["slot_choice"] = after.slot_choice.as_dict()
+            server.shutdown()
+
+    trio.run(main)
+    if report.exists():
+        rounds = json.loads(report.read_text()).get("rounds", [])
+        if rounds:
+            r = rounds[-1]
+            lag = r.get("frame_lag_ms") or {}
+            result.update(late_frames=r.get("late_frames"), lag_p50_ms=lag.get("p50"), lag_p99_ms=lag.get("p99"),
+                          real_time_factor=r.get("real_time_factor"),
+                          server_cpu_us_per_frame=r.get("server_cpu_us_per_frame"),
+                          frames_out=r.get("frames_out"), failures=r.get("failures"))
+    return result
+
+
+def run_phase(results: Results, name: str, limit_s: float, work):
+    """``work()`` as phase ``name``: its result (or its error) written at once.  Past ``limit_s``
+    the process dumps every thread's stack and exits (faulthandler): a hung GPU call cannot take
+    the next phases' time, and what was written so far stays."""
+    faulthandler.dump_traceback_later(limit_s, exit=True)
+    try:
+        value = work()
+    except Exception as exc:  # noqa: BLE001 - recorded, and the next phases still run
+        value = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    results.put(name, value)
+    print(f"{name}:", json.dumps({k: v for k, v in value.items() if k not in ("clients_output", "traceback")}),
+          flush=True)
+    return value
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmark-gpu"))
+    parser.add_argument("--budget-s", type=float, default=330.0, help="the whole run's seconds")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per size (0: 20 on a GPU, 3 on a CPU)")
+    parser.add_argument("--serve-seconds", type=float, default=0.0, help="the paced round (0: 30 s GPU, 3 s CPU)")
+    args = parser.parse_args()
+    missing = check_imports()
+    if missing:
+        print("benchmarks/gpu.py cannot run: missing\n  " + "\n  ".join(missing), file=sys.stderr)
+        return 3
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("NO_TORCH_COMPILE", "1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = Results(args.out / "gpu.json")
+    began = time.monotonic()
+    end = began + args.budget_s
+    which = 0 if cuda else 1
+
+    def deadline(phase: str) -> float:
+        return min(end, time.monotonic() + LIMITS[phase][which])
+
+    from duplexrt.config import load_config
+
+    # The presets' own model options: configs/moshi-7b-random.toml on a GPU, moshi-tiny.toml on a CPU.
+    preset = ROOT / "configs" / ("moshi-7b-random.toml" if cuda else "moshi-tiny.toml")
+    options = dict(load_config(preset).backend.options)
+    sizes = GPU_SIZES if cuda else CPU_SIZES
+    steps = args.steps or (20 if cuda else 3)
+    budget_ms = FRAME_MS * 0.95
+    hard = 30.0  # beyond a phase's own limit, before faulthandler ends the process
+
+    run_phase(results, "device", 60, lambda: device_phase(cuda))
+    made: dict = {}
+
+    def build() -> dict:
+        made["backend"], built = build_phase(options, sizes[0])
+        return built
+
+    built = run_phase(results, "build", LIMITS["build"][which] + hard, build)
+    backend = made.get("backend")
+    if backend is None:
+        return 1
+    table = run_phase(results, "steps", LIMITS["steps"][which] + hard + 60, lambda: steps_phase(
+        backend, sizes, built["fit_memory"], steps, cuda, deadline("steps"), budget_ms,
+        lambda rows: results.put("steps", {"budget_ms": budget_ms, "rows": rows})))
+    measured = [r for r in table.get("rows", []) if "step_ms" in r]
+    run_phase(results, "wait", LIMITS["wait"][which] + hard, lambda: wait_phase(cuda))
+    if measured and time.monotonic() < end:
+        run_phase(results, "masked", LIMITS["masked"][which] + hard,
+                  lambda: masked_phase(backend, measured[-1]["rows"], steps, cuda))
+    within = [r["rows"] for r in measured if r["within_budget"]]
+    if measured and time.monotonic() < end:
+        serve_slots = max(within) if within else 1
+        seconds = args.serve_seconds or (30.0 if cuda else 3.0)
+        limit = min(LIMITS["serve"][which], max(10.0, end - time.monotonic()))
+        run_phase(results, "serve", limit + hard + 60,
+                  lambda: serve_phase(backend, serve_slots, seconds, args.out, limit))
+    results.data["seconds"] = round(time.monotonic() - began, 1)
+    results.put("done", {"seconds": results.data["seconds"]})
+    print(f"wrote {results.path} in {results.data['seconds']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
