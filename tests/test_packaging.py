@@ -1,6 +1,9 @@
 """The product as a pip user gets it: the sdist and the wheel built from this checkout, the wheel
 installed into a fresh virtual environment outside it, and the installed ``duplexrt serve``
 serving one short session on the echo model and one on the tiny Moshi chosen by preset name.
+Then the wheel alone, ``pip install duplexrt-*.whl`` into another fresh environment, as a user
+trying the echo model does: no torch comes with it, echo and synthetic serve, and the moshi
+backend refuses to start with one line naming what is missing and the command that installs it.
 
 The install runs packaging/install.sh, the same commands ``make install`` and the Dockerfile
 run, so what passes here is what the container image installs.  It takes about a minute: pip
@@ -181,6 +184,59 @@ def test_the_installed_server_serves_a_session_and_stops_on_sigterm(product, pre
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def bare(product) -> Path:
+    """The wheel installed on its own (its declared dependencies, no extra): the bin folder."""
+    venv = product["work"] / "bare-venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    env = {**os.environ, "PIP_COMPILE": "0"}
+    env.pop("PYTHONPATH", None)
+    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
+          str(product["wheel"])], env=env, cwd=product["work"])
+    return venv / "bin"
+
+
+def test_the_wheel_alone_brings_no_torch_and_serves_echo_and_synthetic(product, bare):
+    work = product["work"]
+    probe = subprocess.run([str(bare / "python"), "-c", "import importlib.util as u; "
+                            "print(u.find_spec('torch'), u.find_spec('moshi'))"],
+                           capture_output=True, text=True, cwd=work, env=_outside_env(), check=True)
+    assert probe.stdout.split() == ["None", "None"], probe.stdout
+    port = _free_port()
+    log = work / "serve-bare.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(bare / "duplexrt"), "serve", "--port", str(port)], cwd=work,
+                                env=_outside_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert _wait_ready(proc, port, log)["backend"] == "echo"
+        audio = np.random.default_rng(3).uniform(-0.5, 0.5, 4 * FRAME).astype("<f4")
+        output, end = _one_session(port, audio)
+        assert end["reason"] == "stop"
+        np.testing.assert_array_equal(output[2 * FRAME:], audio[:2 * FRAME])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    simulated = subprocess.run([str(bare / "duplexrt"), "simulate", "-b", "synthetic", "-o", "step_ms=1",
+                                "--concurrency", "4", "--frames", "8", "--no-progress"],
+                               capture_output=True, text=True, cwd=work, env=_outside_env(), timeout=120)
+    assert simulated.returncode == 0, simulated.stderr[-3000:]
+
+
+def test_the_moshi_backend_without_its_packages_names_them_all_and_the_command(product, bare):
+    refused = subprocess.run([str(bare / "duplexrt"), "serve", "--port", "0", "--config", "moshi-tiny"],
+                             capture_output=True, text=True, cwd=product["work"], env=_outside_env(),
+                             timeout=120)
+    assert refused.returncode == 2
+    assert "Traceback" not in refused.stderr, refused.stderr
+    [line] = [line for line in refused.stderr.splitlines() if line.startswith("duplexrt: error: ")]
+    named = line.partition("not installed: ")[2].partition(". ")[0].split(", ")
+    assert {"torch", "moshi", "einops", "sentencepiece"} <= set(named), line
+    assert line.endswith("Install them with: pip install 'duplexrt[moshi]'"), line
 
 
 def test_the_dockerfile_installs_what_this_test_proves():
