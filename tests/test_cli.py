@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from duplexrt_cli.app import app
@@ -13,13 +14,47 @@ from duplexrt_cli.app import app
 runner = CliRunner()
 
 
-def test_help_lists_the_commands():
-    result = runner.invoke(app, ["--help"], terminal_width=200)
+def _commands(output: str) -> list[tuple[str, str]]:
+    """The command list of a --help: (name, summary) per command, in order."""
+    listing = output.split("Commands:\n", 1)[1]
+    rows: list[tuple[str, str]] = []
+    for line in listing.splitlines():
+        if line.startswith("  ") and not line.startswith("   ") and line.strip():
+            name, _, summary = line.strip().partition(" ")
+            rows.append((name, summary.strip()))
+        elif line.strip() and rows:  # a summary's continuation line
+            rows[-1] = (rows[-1][0], rows[-1][1] + " " + line.strip())
+    return rows
+
+
+def test_help_lists_the_commands_serve_first_each_with_a_whole_sentence():
+    result = runner.invoke(app, ["--help"], terminal_width=80)
     assert result.exit_code == 0
-    for command in ("serve", "simulate", "client"):
-        assert f" {command} " in result.output, command
-    # Each with the first line of its own help, so a user can tell them apart.
-    assert "Serve the model over WebSocket" in result.output
+    rows = _commands(result.output)
+    assert [name for name, _ in rows] == ["serve", "simulate", "client", "configs"]
+    for name, summary in rows:
+        assert summary.endswith(".") and not summary.endswith("..."), (name, summary)
+    assert dict(rows)["serve"] == "Serve a model to many real-time sessions over WebSocket."
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["simulate"], ["client"], ["configs"]])
+def test_every_help_takes_h_and_shows_no_type_placeholders(command):
+    short = runner.invoke(app, [*command, "-h"], terminal_width=100)
+    assert short.exit_code == 0 and short.output == runner.invoke(app, [*command, "--help"], terminal_width=100).output
+    for placeholder in ("<bool>", "<list[", "<str>"):
+        assert placeholder not in short.output, (command, placeholder)
+
+
+def test_simulate_help_keeps_the_extra_name_in_brackets():
+    result = runner.invoke(app, ["simulate", "--help"], terminal_width=200)
+    assert "duplexrt[plot]" in " ".join(result.output.split())
+
+
+def test_a_log_level_that_does_not_exist_is_a_clear_error_not_a_traceback():
+    result = runner.invoke(app, ["serve", "--log-level", "verbose"])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "'verbose' is not one of 'debug', 'info', 'warning', 'error'" in result.output
 
 
 def test_simulate_help_explains_the_options():
