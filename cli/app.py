@@ -216,6 +216,11 @@ def simulate(
     probe_seconds: Annotated[float, typer.Option(
         help="--find-capacity: paced audio per probe, in seconds.  The criterion asks for 30; shorter "
              "probes are for smoke tests, and the result says so.")] = 30.0,
+    require_real_time: Annotated[bool, typer.Option(
+        "--require-real-time", metavar="",
+        help="Paced mode: also fail (exit status 1) when a measured round misses the real-time "
+             "criterion (docs/capacity.md: real-time factor at most 1.0, 99.9 % of frames within a "
+             "frame period + the step time + 10 ms), not only when a guard fails.")] = False,
     probe_retries: Annotated[int, typer.Option(
         help="--find-capacity: probe a count that fails on time again, up to this many times; it holds if "
              "any try does (other processes on the host can only make a probe fail).")] = 1,
@@ -253,13 +258,24 @@ def simulate(
         if find_capacity and url is None:  # the search's ceiling is the slots; --concurrency plays no part
             concurrency = min(concurrency, cfg.runtime.slots)
         wire_format = format or (default_format(url) if url is not None else AudioFormat.PCM_F32LE.value)
+        paced = mode is Mode.paced
+        if require_real_time and not paced and not find_capacity:
+            raise ConfigError("--require-real-time judges paced rounds: add --mode paced")
+        # Paced rounds keep each frame's lag: the real-time verdict reads them.
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
                                   mode=mode.value, format=AudioFormat.parse(wire_format).value,
                                   sample_rate=sample_rate, warmup_frames=warmup_frames, repeat=repeat,
-                                  late_ms=late_ms, keep_samples=plot is not None, drop_rate=drop_rate)
+                                  late_ms=late_ms, keep_samples=plot is not None or paced, drop_rate=drop_rate)
         options.check(cfg, slots=url is None)
         if drop_rate and url is None:
             raise ConfigError("--drop-rate cuts real connections: it needs --url")
+        if plot is not None:  # before the run, not after it: a missing extra fails at once
+            from duplexrt.simulate.plot import PlotUnavailable, require_matplotlib
+
+            try:
+                require_matplotlib()
+            except PlotUnavailable as exc:
+                raise ConfigError(str(exc)) from None
     except (ConfigError, AudioFormatError) as exc:
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress
@@ -284,6 +300,7 @@ def simulate(
         typer.echo(f"duplexrt: error: {exc.message}", err=True)
         raise typer.Exit(1) from None
     typer.echo(format_table(report))
+    missed = _real_time_verdicts(report, cfg.audio.frame_seconds)
     if json_path is not None:
         json_path.write_text(report.to_json())
     if plot is not None:
@@ -298,8 +315,22 @@ def simulate(
         typer.echo(f"guard failed: {failure}", err=True)
     if len(failures) > 20:
         typer.echo(f"... and {len(failures) - 20} more guard failures", err=True)
-    if failures:
+    if failures or (require_real_time and missed):
         raise typer.Exit(1)
+
+
+def _real_time_verdicts(report, frame_seconds: float) -> int:
+    """Print the real-time criterion's verdict for each paced round; return how many missed it."""
+    from duplexrt.simulate.find_capacity import describe_verdict, judge
+
+    missed = 0
+    for i, round_ in enumerate(report.rounds, 1):
+        if round_.mode != "paced":
+            continue
+        verdict = judge(round_, frame_seconds * 1e3)
+        missed += not verdict.holds
+        typer.echo(f"round {i}: {describe_verdict(verdict, round_.elapsed_s)}")
+    return missed
 
 
 def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: bool, adopt: bool,

@@ -114,6 +114,44 @@ def test_simulate_plot_draws_a_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_a_paced_run_that_misses_real_time_says_so_and_can_fail_on_it():
+    # A model step of 100 ms cannot keep up with 80 ms frames: every guard passes (all frames
+    # back, in order), but the criterion does not.
+    args = ["simulate", "-b", "synthetic", "-o", "step_ms=100", "--mode", "paced", "--concurrency", "2",
+            "--frames", "12", "--no-progress"]
+    lenient = runner.invoke(app, args)
+    assert lenient.exit_code == 0, lenient.output
+    [line] = [line for line in lenient.output.splitlines() if "real time (docs/capacity.md)" in line]
+    assert line.startswith("round 1: real time (docs/capacity.md): FAILS: ") and "indicative only" in line
+    strict = runner.invoke(app, [*args, "--require-real-time"])
+    assert strict.exit_code == 1 and "FAILS" in strict.output
+
+
+def test_a_paced_run_in_real_time_holds():
+    result = runner.invoke(app, ["simulate", "-b", "synthetic", "-o", "step_ms=2", "--mode", "paced",
+                                 "--concurrency", "2", "--frames", "12", "--no-progress", "--require-real-time"])
+    assert result.exit_code == 0, result.output
+    assert "round 1: real time (docs/capacity.md): holds (" in result.output
+
+
+def test_require_real_time_needs_paced_rounds():
+    result = runner.invoke(app, ["simulate", "--require-real-time", "--frames", "4"])
+    assert result.exit_code == 2 and "--mode paced" in result.output
+
+
+def test_plot_without_matplotlib_fails_before_the_run(tmp_path):
+    # FAKE: a matplotlib that cannot be imported, first on the path (the real one is installed
+    # here, as the test extra asks).
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    done = subprocess.run([sys.executable, "-m", "duplexrt_cli.app", "simulate", "--frames", "100000",
+                           "--concurrency", "64", "--plot", str(tmp_path / "x.png"), "--no-progress"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 2
+    assert "pip install 'duplexrt[plot]'" in done.stderr and "elapsed" not in done.stdout
+
+
 def test_turning_stage_metrics_off_with_log_stats_on_is_refused_naming_both():
     result = runner.invoke(app, ["serve", "--no-collect-stage-metrics", "--port", "0"])
     assert result.exit_code == 2
