@@ -29,6 +29,9 @@ async def _server(nursery, *overrides: str) -> Server:
     ("/static/charts.js", "text/javascript; charset=utf-8", b"drawChart"),
     ("/static/dashboard.js", "text/javascript; charset=utf-8", b"/stats"),
     ("/static/style.css", "text/css; charset=utf-8", b"body"),
+    # The pages' icon, and where browsers look without a link: no 404 in the console.
+    ("/static/favicon.svg", "image/svg+xml", b"<svg"),
+    ("/favicon.ico", "image/svg+xml", b"<svg"),
 ])
 async def test_pages_and_static_files_are_served_with_their_types_and_no_key(nursery, path, content_type, marker):
     server = await _server(nursery, 'server.api_key="s3cret"')

@@ -24,8 +24,9 @@ _TYPES = {
     ".svg": "image/svg+xml",
 }
 
-#: Page routes: the paths a person types, and the file each one is.
-PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
+#: Page routes: the paths a person types, and the file each one is.  /favicon.ico for clients
+#: that ask for it without reading the pages' icon link.
+PAGES = {"/": "index.html", "/dashboard": "dashboard.html", "/favicon.ico": "favicon.svg"}
 
 #: Frame lag bucket edges for /stats, in ms: 0.25 ms to ~10 s, 25% apart.  The dashboard
 #: subtracts two readings and takes percentiles of what happened in between, so no state is
