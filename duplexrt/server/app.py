@@ -43,7 +43,7 @@ from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, 
 from duplexrt.wsnative import NativeWebSocket
 
 log = logging.getLogger("duplexrt.server")
-#: The start-up line: printed at the default level (warning) without turning every info log on.
+#: The start-up line: printed whatever the log level (even --log-level warning or error).
 hello = logging.getLogger("duplexrt.hello")
 
 #: Browsers cannot set Authorization on a WebSocket: like OpenAI's Realtime API, they offer the key
@@ -620,7 +620,7 @@ class _ReplicaTag(logging.Filter):
 
 
 def _say_hello(config: Config, ports: list[int]) -> None:
-    """One plain line on stderr at the default log level, without turning every info log on:
+    """One plain line on stderr whatever the log level (its own handler, no timestamp):
     where to point a browser, and what is served."""
     if not hello.handlers:
         handler = logging.StreamHandler()
