@@ -463,7 +463,9 @@ def serve(
 ) -> None:
     from duplexrt.server import serve as run_server
 
-    logging.getLogger().setLevel(log_level.value.upper())
+    root = logging.getLogger()
+    level_before = root.level
+    root.setLevel(log_level.value.upper())
     try:
         overrides = _overrides(backend, backend_option, slots, offload, set_)
         overrides += _metrics_overrides(collect_stage_metrics, log_stats_flag)
@@ -481,6 +483,8 @@ def serve(
         raise _fail(str(exc)) from None
     except OSError as exc:
         raise _fail(f"cannot listen: {exc}") from None
+    finally:
+        root.setLevel(level_before)  # run in process (a test's CliRunner), the level goes back
 
 
 # Registered here, in the order `duplexrt --help` lists them: serving first.

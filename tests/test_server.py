@@ -109,7 +109,7 @@ async def test_readyz_is_503_while_the_model_fails_every_step_and_clients_get_no
         assert end["reason"] == "error"
         assert re.fullmatch(r"the model failed on this step \(error id err_[0-9a-f]+\)", end["error"]), end
         error_id = end["error"].split()[-1].rstrip(")")
-        [logged] = [r for r in caplog.records if error_id in r.getMessage()]
+        [logged] = [r for r in caplog.records if error_id in r.getMessage() and r.exc_info]
         assert "CUDA error" in str(logged.exc_info[1]) and "/srv/models" in str(logged.exc_info[1])
 
     status, _, body = await http_get(running.port, "/readyz")
