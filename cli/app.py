@@ -6,7 +6,7 @@ import enum
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import trio
 import typer
@@ -16,6 +16,9 @@ from duplexrt.audio import AudioFormat, AudioFormatError
 from duplexrt.config import ConfigError, load_config
 from duplexrt.core.scheduler import BackendLoadError
 from duplexrt.routes import client_paths, routes_help
+
+if TYPE_CHECKING:
+    from duplexrt.simulate.report import SimulationReport
 
 app = typer.Typer(
     name="duplexrt",
@@ -319,7 +322,7 @@ def simulate(
         raise typer.Exit(1)
 
 
-def _real_time_verdicts(report, frame_seconds: float) -> int:
+def _real_time_verdicts(report: SimulationReport, frame_seconds: float) -> int:
     """Print the real-time criterion's verdict for each paced round; return how many missed it."""
     from duplexrt.simulate.find_capacity import describe_verdict, judge
 
