@@ -15,8 +15,11 @@ $(BIN)/python:
 # torch 2.13.0 first (on these machines a local CPU build; an unpinned request would pull a
 # multi-GB CUDA build; the package itself keeps torch>=2.4 open for users), then duplexrt, then
 # the moshi package without its version pins (see the script for why).
+# The warning filter hides setuptools' "Editable installation" notice (a banner of asterisks about
+# folders named like the package, which is how a checkout is laid out): only that message.
 $(VENV)/.installed: pyproject.toml Makefile packaging/install.sh | $(BIN)/python
-	PIP='$(BIN)/python -m pip' sh packaging/install.sh -e '.[test]'
+	PYTHONWARNINGS='ignore:Editable installation:Warning' PIP='$(BIN)/python -m pip' \
+		sh packaging/install.sh -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -6,7 +6,7 @@ import enum
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import trio
 import typer
@@ -17,12 +17,19 @@ from duplexrt.config import ConfigError, load_config
 from duplexrt.core.scheduler import BackendLoadError
 from duplexrt.routes import client_paths, routes_help
 
+if TYPE_CHECKING:
+    from duplexrt.simulate.report import SimulationReport
+
 app = typer.Typer(
     name="duplexrt",
     help="Serve full-duplex speech models (Moshi, Hibiki and kin) to many real-time sessions per GPU.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: no `<bool>` beside every flag, and text in brackets (`duplexrt[plot]`) is not
+    # taken for markup and dropped.
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -40,8 +47,8 @@ def _root(
     """Serve full-duplex speech models (Moshi, Hibiki and kin) to many real-time sessions per GPU."""
 
 
-configs_app = typer.Typer(no_args_is_help=False, add_completion=False)
-app.add_typer(configs_app, name="configs")
+configs_app = typer.Typer(no_args_is_help=False, add_completion=False, rich_markup_mode=None)
+app.add_typer(configs_app, name="configs", short_help="List the model presets, or show one (configs show NAME).")
 
 
 @configs_app.callback(invoke_without_command=True)
@@ -80,6 +87,13 @@ class Offload(str, enum.Enum):
     always = "always"
 
 
+class LogLevel(str, enum.Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
 ConfigOption = Annotated[
     Optional[str],
     typer.Option("--config", "-c", metavar="NAME|FILE",
@@ -89,31 +103,33 @@ ConfigOption = Annotated[
 ]
 SetOption = Annotated[
     Optional[list[str]],
-    typer.Option("--set", help="Override any config key: --set runtime.inbox_depth=8 (repeatable)."),
+    typer.Option("--set", metavar="KEY=VALUE",
+                 help="Override any config key: --set runtime.inbox_depth=8 (repeatable)."),
 ]
 BackendOption = Annotated[
-    Optional[str], typer.Option("--backend", "-b", help="Model backend: echo (default), synthetic or moshi.",
+    Optional[str], typer.Option("--backend", "-b", metavar="NAME",
+                                help="Model backend: echo (default), synthetic or moshi.",
                                 envvar="DUPLEXRT_BACKEND")
 ]
 BackendOptionOption = Annotated[
     Optional[list[str]],
-    typer.Option("--backend-option", "-o",
+    typer.Option("--backend-option", "-o", metavar="KEY=VALUE",
                  help="A backend option KEY=VALUE, e.g. -o step_ms=20 -o slot_us=50 (repeatable)."),
 ]
-SlotsOption = Annotated[Optional[str], typer.Option("--slots", help="Sessions served at once (batch rows): a "
+SlotsOption = Annotated[Optional[str], typer.Option("--slots", metavar="N|auto", help="Sessions served at once (batch rows): a "
                                                                    "number, or auto (the moshi backend: the "
                                                                    "most that fit the GPU's memory and keep "
                                                                    "real time, measured at load).",
                                                     envvar="DUPLEXRT_SLOTS")]
 CollectOption = Annotated[
     Optional[bool],
-    typer.Option("--collect-stage-metrics/--no-collect-stage-metrics",
+    typer.Option("--collect-stage-metrics/--no-collect-stage-metrics", metavar="",
                  help="Per-frame stage timing (metrics.collect_stage_metrics). Usage and finish reasons "
                       "are exact either way."),
 ]
 LogStatsOption = Annotated[
     Optional[bool],
-    typer.Option("--log-stats/--no-log-stats",
+    typer.Option("--log-stats/--no-log-stats", metavar="",
                  help="A periodic one-line summary in the log (metrics.log_stats); needs stage metrics."),
 ]
 OffloadOption = Annotated[
@@ -160,14 +176,13 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-@app.command()
 def simulate(
     concurrency: Annotated[int, typer.Option(help="Virtual sessions at once.")] = 96,
     frames: Annotated[int, typer.Option(help="Model frames (80 ms each by default) per session.")] = 512,
     message_ms: Annotated[float, typer.Option(help="Audio per client message, in ms (160 = two frames).")] = 160.0,
     mode: Annotated[Mode, typer.Option(help="burst: send as fast as the runtime takes it; "
                                             "paced: send in real time, as a live caller does.")] = Mode.burst,
-    format: Annotated[Optional[str], typer.Option("--format", help="Wire format both ways: pcm_f32le, pcm_s16le, "
+    format: Annotated[Optional[str], typer.Option("--format", metavar="FORMAT", help="Wire format both ways: pcm_f32le, pcm_s16le, "
                                                                    "g711_ulaw, g711_alaw or opus (default "
                                                                    "pcm_f32le; with --url, the route's: "
                                                                    "pcm_s16le on /v1/realtime and "
@@ -179,18 +194,20 @@ def simulate(
     repeat: Annotated[int, typer.Option(help="Measured rounds, each reported.")] = 1,
     late_ms: Annotated[float, typer.Option(help="Paced mode: a frame whose output comes back later than "
                                                 "this after its input was sent is late.")] = 80.0,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw each round's per-frame lag over "
+    json_path: Annotated[Optional[Path], typer.Option("--json", metavar="FILE",
+                                                      help="Also write the report as JSON here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Also draw each round's per-frame lag over "
                                                                "time and its histogram into this PNG "
                                                                "(needs matplotlib: duplexrt[plot]).")] = None,
-    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
+    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", metavar="",
                                                      help="Progress bar (default: when stderr is a terminal).")] = None,
     url: Annotated[Optional[str], typer.Option(
+        metavar="URL",
         help=f"Load a running server instead: ws://HOST:PORT/ROUTE ({client_paths()}). "
              "Each virtual session is a real WebSocket; server-side figures come from its /metrics, and "
              "--backend/-o describe the server's backend for the guards (default: the backend its "
              "/readyz names, with its default options).")] = None,
-    api_key: Annotated[Optional[str], typer.Option(help="With --url: the server's API key (sent as "
+    api_key: Annotated[Optional[str], typer.Option(metavar="KEY", help="With --url: the server's API key (sent as "
                                                         "'Authorization: Bearer KEY').",
                                                    envvar="DUPLEXRT_API_KEY")] = None,
     drop_rate: Annotated[float, typer.Option(
@@ -198,13 +215,18 @@ def simulate(
              "a Close frame; each resumes on its own (docs/resume.md) and the guards check that no "
              "frame was lost or heard twice.")] = 0.0,
     find_capacity: Annotated[bool, typer.Option(
-        "--find-capacity",
+        "--find-capacity", metavar="",
         help="Bisect paced concurrency (up to the slots: --slots, or the server's) for the most sessions "
              "that hold the real-time criterion (docs/capacity.md) over at least 30 s of audio; print it "
              "with its lag percentiles and the runtime's own admission estimate.")] = False,
     probe_seconds: Annotated[float, typer.Option(
         help="--find-capacity: paced audio per probe, in seconds.  The criterion asks for 30; shorter "
              "probes are for smoke tests, and the result says so.")] = 30.0,
+    require_real_time: Annotated[bool, typer.Option(
+        "--require-real-time", metavar="",
+        help="Paced mode: also fail (exit status 1) when a measured round misses the real-time "
+             "criterion (docs/capacity.md: real-time factor at most 1.0, 99.9 % of frames within a "
+             "frame period + the step time + 10 ms), not only when a guard fails.")] = False,
     probe_retries: Annotated[int, typer.Option(
         help="--find-capacity: probe a count that fails on time again, up to this many times; it holds if "
              "any try does (other processes on the host can only make a probe fail).")] = 1,
@@ -244,13 +266,24 @@ def simulate(
         if find_capacity and url is None and fixed_slots is not None:
             concurrency = min(concurrency, fixed_slots)  # the search's ceiling is the slots
         wire_format = format or (default_format(url) if url is not None else AudioFormat.PCM_F32LE.value)
+        paced = mode is Mode.paced
+        if require_real_time and not paced and not find_capacity:
+            raise ConfigError("--require-real-time judges paced rounds: add --mode paced")
+        # Paced rounds keep each frame's lag: the real-time verdict reads them.
         options = SimulateOptions(concurrency=concurrency, frames=frames, message_ms=message_ms,
                                   mode=mode.value, format=AudioFormat.parse(wire_format).value,
                                   sample_rate=sample_rate, warmup_frames=warmup_frames, repeat=repeat,
-                                  late_ms=late_ms, keep_samples=plot is not None, drop_rate=drop_rate)
+                                  late_ms=late_ms, keep_samples=plot is not None or paced, drop_rate=drop_rate)
         options.check(cfg, slots=url is None)
         if drop_rate and url is None:
             raise ConfigError("--drop-rate cuts real connections: it needs --url")
+        if plot is not None:  # before the run, not after it: a missing extra fails at once
+            from duplexrt.simulate.plot import PlotUnavailable, require_matplotlib
+
+            try:
+                require_matplotlib()
+            except PlotUnavailable as exc:
+                raise ConfigError(str(exc)) from None
     except (ConfigError, AudioFormatError) as exc:
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress
@@ -275,6 +308,7 @@ def simulate(
         typer.echo(f"duplexrt: error: {exc.message}", err=True)
         raise typer.Exit(1) from None
     typer.echo(format_table(report))
+    missed = _real_time_verdicts(report, cfg.audio.frame_seconds)
     if json_path is not None:
         json_path.write_text(report.to_json())
     if plot is not None:
@@ -289,8 +323,22 @@ def simulate(
         typer.echo(f"guard failed: {failure}", err=True)
     if len(failures) > 20:
         typer.echo(f"... and {len(failures) - 20} more guard failures", err=True)
-    if failures:
+    if failures or (require_real_time and missed):
         raise typer.Exit(1)
+
+
+def _real_time_verdicts(report: SimulationReport, frame_seconds: float) -> int:
+    """Print the real-time criterion's verdict for each paced round; return how many missed it."""
+    from duplexrt.simulate.find_capacity import describe_verdict, judge
+
+    missed = 0
+    for i, round_ in enumerate(report.rounds, 1):
+        if round_.mode != "paced":
+            continue
+        verdict = judge(round_, frame_seconds * 1e3)
+        missed += not verdict.holds
+        typer.echo(f"round {i}: {describe_verdict(verdict, round_.elapsed_s)}")
+    return missed
 
 
 def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: bool, adopt: bool,
@@ -347,25 +395,24 @@ class ClientProtocolName(str, enum.Enum):
     live = "live"
 
 
-@app.command()
 def client(
     input_path: Annotated[Path, typer.Argument(metavar="IN.wav", help="Audio file to send (WAV, or anything "
                                                                       "sphn reads); mixed to mono.")],
-    url: Annotated[str, typer.Option(help="ws://HOST:PORT/ROUTE: /v1/duplex (PCM f32 at the file's rate; "
+    url: Annotated[str, typer.Option(metavar="URL", help="ws://HOST:PORT/ROUTE: /v1/duplex (PCM f32 at the file's rate; "
                                           "?format=&rate= to choose), /v1/realtime (pcm16 24 kHz; "
                                           "?duplex=1 for one continuous response), /api/chat (Opus) or "
                                           "/v1/live/sessions (OpenAI Live, pcm16 24 kHz).")],
-    out: Annotated[Path, typer.Option("--out", "-O", help="Where to write what comes back (WAV).")],
-    realtime: Annotated[bool, typer.Option("--realtime", help="Send in real time, one 80 ms message every "
+    out: Annotated[Path, typer.Option("--out", "-O", metavar="OUT.wav", help="Where to write what comes back (WAV).")],
+    realtime: Annotated[bool, typer.Option("--realtime", metavar="", help="Send in real time, one 80 ms message every "
                                                               "80 ms, as a live caller does (default: as "
                                                               "fast as the server takes it).")] = False,
-    api_key: Annotated[Optional[str], typer.Option(help="The server's API key (sent as 'Authorization: "
+    api_key: Annotated[Optional[str], typer.Option(metavar="KEY", help="The server's API key (sent as 'Authorization: "
                                                         "Bearer KEY').", envvar="DUPLEXRT_API_KEY")] = None,
     protocol: Annotated[Optional[ClientProtocolName], typer.Option(
-        help="Speak this protocol whatever the URL's path (for a server behind a proxy).")] = None,
-    idle_timeout: Annotated[float, typer.Option(help="Once the input is sent, give up after this many "
+        metavar="duplex|realtime|moshi|live", help="Speak this protocol whatever the URL's path (for a server behind a proxy).")] = None,
+    idle_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Once the input is sent, give up after this many "
                                                      "seconds without a message.")] = 10.0,
-    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
+    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", metavar="",
                                                      help="Progress bar (default: when stderr is a terminal).")] = None,
 ) -> None:
     """Stream an audio file to a running server and write what comes back to a WAV file.
@@ -392,22 +439,25 @@ _SERVE_HELP = f"""Serve the model over WebSocket on one port:
 {routes_help()}
   GET /healthz, /readyz, /metrics (Prometheus)
 
-SIGINT or SIGTERM stops accepting, tells every session it is closing and drains within
-server.shutdown_grace_s; a second signal stops at once."""
+SIGINT or SIGTERM (or POST /drain with the key, from a preStop hook) begins a drain:
+/readyz answers 503 "draining", new sessions are refused, and the calls under way go on until
+they end or server.shutdown_grace_s (300 s) passes; then they are told "shutdown" and cut.  A
+second signal stops at once."""
 
 
-@app.command(help=_SERVE_HELP)
 def serve(
-    host: Annotated[Optional[str], typer.Option(help="Address to listen on (default 127.0.0.1).",
+    host: Annotated[Optional[str], typer.Option(metavar="HOST", help="Address to listen on (default 127.0.0.1).",
                                                 envvar="DUPLEXRT_HOST")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port to listen on (default 8000; 0 picks a free one).",
+    port: Annotated[Optional[int], typer.Option(metavar="PORT", help="Port to listen on (default 8000; 0 picks a free one).",
                                                 envvar="DUPLEXRT_PORT")] = None,
-    api_key: Annotated[Optional[str], typer.Option(help="Require this key from clients, as "
+    api_key: Annotated[Optional[str], typer.Option(metavar="KEY", help="Require this key from clients, as "
                                                         "'Authorization: Bearer KEY' or ?api_key=KEY.",
                                                    envvar="DUPLEXRT_API_KEY")] = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.",
-                                           envvar="DUPLEXRT_LOG_LEVEL")] = "warning",
-    replica_id: Annotated[Optional[str], typer.Option(help="This replica's name behind a load balancer, in "
+    log_level: Annotated[LogLevel, typer.Option(help="What the log shows: debug, info (every session's "
+                                                "start and end, the stats line, the drain), warning "
+                                                "or error.", envvar="DUPLEXRT_LOG_LEVEL",
+                                           case_sensitive=False)] = LogLevel.info,
+    replica_id: Annotated[Optional[str], typer.Option(metavar="NAME", help="This replica's name behind a load balancer, in "
                                                            "/readyz, /metrics and the log (default: host "
                                                            "name:port).", envvar="DUPLEXRT_REPLICA_ID")] = None,
     collect_stage_metrics: CollectOption = None,
@@ -421,7 +471,9 @@ def serve(
 ) -> None:
     from duplexrt.server import serve as run_server
 
-    logging.getLogger().setLevel(log_level.upper())
+    root = logging.getLogger()
+    level_before = root.level
+    root.setLevel(log_level.value.upper())
     try:
         overrides = _overrides(backend, backend_option, slots, offload, set_)
         overrides += _metrics_overrides(collect_stage_metrics, log_stats_flag)
@@ -439,6 +491,15 @@ def serve(
         raise _fail(str(exc)) from None
     except OSError as exc:
         raise _fail(f"cannot listen: {exc}") from None
+    finally:
+        root.setLevel(level_before)  # run in process (a test's CliRunner), the level goes back
+
+
+# Registered here, in the order `duplexrt --help` lists them: serving first.
+app.command(help=_SERVE_HELP, short_help="Serve a model to many real-time sessions over WebSocket.")(serve)
+app.command(short_help="Load the runtime (or a running server) with virtual sessions and report the cost.")(
+    simulate)
+app.command(short_help="Stream an audio file to a running server; write what comes back.")(client)
 
 
 def main() -> None:

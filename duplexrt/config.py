@@ -272,9 +272,10 @@ class ServerConfig:
     #: ... and send its first message within this time once the WebSocket is open.
     first_message_timeout_s: float = attrs.field(
         default=10.0, validator=_float_range("server.first_message_timeout_s", 0.1, 3600))
-    #: On SIGINT/SIGTERM, how long sessions get to finish what they have before being cut.
+    #: The drain (SIGINT/SIGTERM, POST /drain): how long the calls under way may go on before
+    #: they are told ``shutdown``.  Five minutes: longer than a Moshi call can last (its context).
     shutdown_grace_s: float = attrs.field(
-        default=5.0, validator=_float_range("server.shutdown_grace_s", 0.0, 3600))
+        default=300.0, validator=_float_range("server.shutdown_grace_s", 0.0, 3600))
     #: A closing connection's last messages and closing handshake get this long; a peer that
     #: has not answered Close by then is dropped.
     close_timeout_s: float = attrs.field(

@@ -8,12 +8,13 @@
 #
 # 1. torch first, pinned: an unpinned request lets pip pick any build.  TORCH (default
 #    torch==2.13.0) and TORCH_INDEX_URL (default: pip's own index; on Linux that is a CUDA build,
-#    https://download.pytorch.org/whl/cpu gives the CPU one) choose it.  duplexrt itself asks
-#    only torch>=2.4.
+#    https://download.pytorch.org/whl/cpu gives the CPU one) choose it.  duplexrt needs torch only
+#    for the moshi backend (its `moshi` extra asks torch>=2.4): `pip install duplexrt` alone
+#    serves the echo and synthetic models without it.
 # 2. The requirement(s) given: duplexrt itself.
 # 3. The moshi package (the `moshi` backend: Moshi, Hibiki, the tiny test model).  It pins
 #    torch<2.10 and numpy<2.3 but runs fine beside torch 2.13 and numpy 2.x, so it goes in
-#    without its pins, with the light dependencies it really uses.
+#    without its pins, after the light dependencies it really uses.
 set -eu
 : "${PIP:=python3 -m pip}"
 : "${TORCH:=torch==2.13.0}"
@@ -24,6 +25,9 @@ else
     $PIP install --quiet "$TORCH"
 fi
 $PIP install --quiet "$@"
-$PIP install --quiet --no-deps moshi==0.2.13
+# The light dependencies before the package itself: pip checks what is installed against every
+# pin after an install that resolves dependencies, and would print moshi's torch and numpy pins
+# as red ERROR lines; the last step, --no-deps, checks nothing.
 $PIP install --quiet 'safetensors>=0.4,<0.8' 'huggingface-hub>=0.24,<1.0' 'einops>=0.7,<0.9' \
     'sentencepiece>=0.2,<0.3' 'tqdm>=4.48'
+$PIP install --quiet --no-deps moshi==0.2.13

@@ -100,13 +100,43 @@ async def test_talk_page_echoes_the_microphone_shows_text_and_the_dashboard_sees
         assert await dashboard.evaluate("document.getElementById('sessions').textContent") == "1 / 4 / 4"
         assert server.runtime.metrics.sessions_active == 1
 
+        await talk.evaluate("document.getElementById('stop').click()")
+        await talk.wait_for("duplexrt.state === 'idle'", "the session to end")
+    assert server.runtime.metrics.sessions_opened == 1
+
+
+@needs_chromium
+async def test_the_pages_on_the_real_echo_model_have_their_icon_and_explain_the_dashboard(nursery, tmp_path):
+    """The README's screenshots come from here: the echo model as `duplexrt serve` runs it (no
+    text: echo has none), so what they show is what its page shows."""
+    server = await _server(nursery)
+    base = f"http://127.0.0.1:{server.ports[0]}"
+    rate = server.config.audio.sample_rate
+    async with open_browser(_tone(tmp_path / "tone.wav")) as browser:
+        talk = await browser.open(f"{base}/")
+        await talk.wait_for("window.duplexrt.server", "the page to read /stats")
+        # The icon the page names is there (no 404 in the console for it).
+        icon = await talk.evaluate("fetch(document.querySelector('link[rel=icon]').href)"
+                                   ".then(r => [r.status, r.headers.get('content-type')])")
+        assert icon == [200, "image/svg+xml"]
+        await talk.evaluate("document.getElementById('start').click()")
+        await talk.wait_for(f"duplexrt.playedSamples > {rate}", "a second of echo played")
+        assert await talk.evaluate("document.getElementById('text').textContent.trim()") == ""
+        assert "backend echo" in await talk.evaluate("document.getElementById('info').textContent")
+        dashboard = await browser.open(f"{base}/dashboard", height=1120)  # every panel in the shot
+        await dashboard.wait_for("dashboard.readings >= 6 && dashboard.current.stepsPerSecond > 0",
+                                 "dashboard readings while the session runs")
+        # Every panel says in a line what it shows.
+        panels = await dashboard.evaluate(
+            "[...document.querySelectorAll('.panel')].map(p => [p.querySelector('h2').textContent, "
+            "(p.querySelector('.explain') || {}).textContent || ''])")
+        assert len(panels) == 8 and all(len(text) > 30 for _, text in panels), panels
         await talk.wait_for("duplexrt.lagMs !== null && document.getElementById('lag').textContent !== '–'",
                             "the lag tile")
         await talk.screenshot(tmp_path / "talk-page.png")
         await dashboard.screenshot(tmp_path / "dashboard.png")
         await talk.evaluate("document.getElementById('stop').click()")
         await talk.wait_for("duplexrt.state === 'idle'", "the session to end")
-    assert server.runtime.metrics.sessions_opened == 1
     for shot in ("talk-page.png", "dashboard.png"):
         assert (tmp_path / shot).read_bytes().startswith(b"\x89PNG")
         _keep(tmp_path / shot)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from duplexrt_cli.app import app
@@ -13,13 +14,47 @@ from duplexrt_cli.app import app
 runner = CliRunner()
 
 
-def test_help_lists_the_commands():
-    result = runner.invoke(app, ["--help"], terminal_width=200)
+def _commands(output: str) -> list[tuple[str, str]]:
+    """The command list of a --help: (name, summary) per command, in order."""
+    listing = output.split("Commands:\n", 1)[1]
+    rows: list[tuple[str, str]] = []
+    for line in listing.splitlines():
+        if line.startswith("  ") and not line.startswith("   ") and line.strip():
+            name, _, summary = line.strip().partition(" ")
+            rows.append((name, summary.strip()))
+        elif line.strip() and rows:  # a summary's continuation line
+            rows[-1] = (rows[-1][0], rows[-1][1] + " " + line.strip())
+    return rows
+
+
+def test_help_lists_the_commands_serve_first_each_with_a_whole_sentence():
+    result = runner.invoke(app, ["--help"], terminal_width=80)
     assert result.exit_code == 0
-    for command in ("serve", "simulate", "client"):
-        assert f" {command} " in result.output, command
-    # Each with the first line of its own help, so a user can tell them apart.
-    assert "Serve the model over WebSocket" in result.output
+    rows = _commands(result.output)
+    assert [name for name, _ in rows] == ["serve", "simulate", "client", "configs"]
+    for name, summary in rows:
+        assert summary.endswith(".") and not summary.endswith("..."), (name, summary)
+    assert dict(rows)["serve"] == "Serve a model to many real-time sessions over WebSocket."
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["simulate"], ["client"], ["configs"]])
+def test_every_help_takes_h_and_shows_no_type_placeholders(command):
+    short = runner.invoke(app, [*command, "-h"], terminal_width=100)
+    assert short.exit_code == 0 and short.output == runner.invoke(app, [*command, "--help"], terminal_width=100).output
+    for placeholder in ("<bool>", "<list[", "<str>"):
+        assert placeholder not in short.output, (command, placeholder)
+
+
+def test_simulate_help_keeps_the_extra_name_in_brackets():
+    result = runner.invoke(app, ["simulate", "--help"], terminal_width=200)
+    assert "duplexrt[plot]" in " ".join(result.output.split())
+
+
+def test_a_log_level_that_does_not_exist_is_a_clear_error_not_a_traceback():
+    result = runner.invoke(app, ["serve", "--log-level", "verbose"])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "'verbose' is not one of 'debug', 'info', 'warning', 'error'" in result.output
 
 
 def test_simulate_help_explains_the_options():
@@ -77,6 +112,44 @@ def test_simulate_plot_draws_a_png(tmp_path):
     assert result.exit_code == 0, result.output
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_a_paced_run_that_misses_real_time_says_so_and_can_fail_on_it():
+    # A model step of 100 ms cannot keep up with 80 ms frames: every guard passes (all frames
+    # back, in order), but the criterion does not.
+    args = ["simulate", "-b", "synthetic", "-o", "step_ms=100", "--mode", "paced", "--concurrency", "2",
+            "--frames", "12", "--no-progress"]
+    lenient = runner.invoke(app, args)
+    assert lenient.exit_code == 0, lenient.output
+    [line] = [line for line in lenient.output.splitlines() if "real time (docs/capacity.md)" in line]
+    assert line.startswith("round 1: real time (docs/capacity.md): FAILS: ") and "indicative only" in line
+    strict = runner.invoke(app, [*args, "--require-real-time"])
+    assert strict.exit_code == 1 and "FAILS" in strict.output
+
+
+def test_a_paced_run_in_real_time_holds():
+    result = runner.invoke(app, ["simulate", "-b", "synthetic", "-o", "step_ms=2", "--mode", "paced",
+                                 "--concurrency", "2", "--frames", "12", "--no-progress", "--require-real-time"])
+    assert result.exit_code == 0, result.output
+    assert "round 1: real time (docs/capacity.md): holds (" in result.output
+
+
+def test_require_real_time_needs_paced_rounds():
+    result = runner.invoke(app, ["simulate", "--require-real-time", "--frames", "4"])
+    assert result.exit_code == 2 and "--mode paced" in result.output
+
+
+def test_plot_without_matplotlib_fails_before_the_run(tmp_path):
+    # FAKE: a matplotlib that cannot be imported, first on the path (the real one is installed
+    # here, as the test extra asks).
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    done = subprocess.run([sys.executable, "-m", "duplexrt_cli.app", "simulate", "--frames", "100000",
+                           "--concurrency", "64", "--plot", str(tmp_path / "x.png"), "--no-progress"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 2
+    assert "pip install 'duplexrt[plot]'" in done.stderr and "elapsed" not in done.stdout
 
 
 def test_turning_stage_metrics_off_with_log_stats_on_is_refused_naming_both():

@@ -231,6 +231,18 @@ async def test_realtime_pacing_takes_as_long_as_the_audio(nursery, tmp_path):
     assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", sent, RATE)
 
 
+async def test_a_session_the_server_ends_early_reports_what_was_really_sent(nursery, tmp_path):
+    """A 4 s file, paced, to a server that ends every session at 1.2 s (``length``): the line says
+    about 1.2 s sent, not the file's 4 s."""
+    port = await _serve(nursery, "runtime.max_session_seconds=1.2")
+    _wav(tmp_path / "in.wav", _noise(50 * FRAME, seed=9), RATE)
+    code, stdout, stderr, _ = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/duplex", tmp_path / "in.wav",
+                                            realtime=True)
+    sent = float(stdout.split("sent ", 1)[1].split(" s,")[0])
+    assert "length" in stdout, stdout
+    assert 1.2 <= sent <= 1.2 + 0.5, stdout  # up to a few messages in flight when the end came
+
+
 async def test_api_key_is_sent_as_a_bearer_token(nursery, tmp_path):
     port = await _serve(nursery, 'server.api_key="s3cret"')
     _wav(tmp_path / "in.wav", _noise(FRAME, seed=5), RATE)

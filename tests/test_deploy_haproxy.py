@@ -73,7 +73,7 @@ class Cluster:
                 self.replicas[name] = subprocess.Popen(
                     [sys.executable, "-m", "duplexrt_cli.app", "serve", "--port", str(self.ports[name]),
                      "--replica-id", name, "--slots", str(slots), "--log-level", "info",
-                     "--set", "server.first_message_timeout_s=120", "--set", "server.shutdown_grace_s=10"],
+                     "--set", "server.first_message_timeout_s=120", "--set", "server.shutdown_grace_s=60"],
                     env=env, stdout=log, stderr=subprocess.STDOUT)
         lb_env = {**os.environ, "DUPLEXRT_LB_BIND": f"127.0.0.1:{self.lb_port}",
                   "DUPLEXRT_LB_STATS": f"127.0.0.1:{self.stats_port}",
@@ -181,8 +181,9 @@ async def test_replicas_behind_haproxy_spread_fill_and_drain(cluster):
         assert counts["replica1"] == 16 and abs(counts["replica2"] - counts["replica3"]) <= 1, counts
         assert cluster.refused("replica1", "no_free_slot") == refused_before
 
-        # SIGTERM drains r2: /readyz is 503 "draining" at once, its sessions end with reason
-        # shutdown, HAProxy takes it out within a check interval, new sessions go elsewhere.
+        # SIGTERM drains r2: /readyz is 503 "draining" at once, HAProxy takes it out within a
+        # check interval and new sessions go elsewhere, while r2's calls go on through the
+        # balancer, every frame answered, until they end; then r2 exits.
         on_r2 = [ws for ws, replica in sessions if replica == "replica2"]
         sent = time.monotonic()
         cluster.replicas["replica2"].send_signal(signal.SIGTERM)
@@ -195,11 +196,26 @@ async def test_replicas_behind_haproxy_spread_fill_and_drain(cluster):
         with trio.fail_after(CHECK_INTERVAL_S + CHECK_SLACK_S):
             while cluster.balancer_status()["replica2"] == "UP":
                 await trio.sleep(0.02)
-        for ws in on_r2:
-            assert (await _end_of(ws))["reason"] == "shutdown"
-        assert await trio.to_thread.run_sync(cluster.replicas["replica2"].wait, PATIENCE_S) == 0
         later = [await _open(nursery, cluster.lb_port) for _ in range(4)]
         assert {replica for _, replica in later} == {"replica3"}
+        audio = frames(4, seed=3)
+        for ws in on_r2:
+            with trio.fail_after(PATIENCE_S):
+                for message in audio:
+                    await ws.send_message(message)
+                heard = b""
+                while len(heard) < 4 * FRAME * 4:
+                    message = await ws.get_message()
+                    assert isinstance(message, bytes), message
+                    heard += message
+            # Echo, two frames late: the call is still the same conversation.
+            assert heard == bytes(2 * FRAME * 4) + b"".join(audio[:2])
+        assert cluster.replicas["replica2"].poll() is None, "draining, not gone"
+        for ws in on_r2:
+            await ws.send_message(json.dumps({"type": "input.end"}))
+            assert (await _end_of(ws))["reason"] == "stop"
+        assert await trio.to_thread.run_sync(cluster.replicas["replica2"].wait, PATIENCE_S) == 0
+        assert "drained: every call ended" in cluster.log("replica2")
 
         for ws, _ in sessions + later:
             await ws.aclose()

@@ -1,6 +1,9 @@
 """The product as a pip user gets it: the sdist and the wheel built from this checkout, the wheel
 installed into a fresh virtual environment outside it, and the installed ``duplexrt serve``
 serving one short session on the echo model and one on the tiny Moshi chosen by preset name.
+Then the wheel alone, ``pip install duplexrt-*.whl`` into another fresh environment, as a user
+trying the echo model does: no torch comes with it, echo and synthetic serve, and the moshi
+backend refuses to start with one line naming what is missing and the command that installs it.
 
 The install runs packaging/install.sh, the same commands ``make install`` and the Dockerfile
 run, so what passes here is what the container image installs.  It takes about a minute: pip
@@ -158,29 +161,77 @@ def _one_session(port: int, audio: np.ndarray) -> tuple[np.ndarray, dict]:
                 return np.frombuffer(received, dtype="<f4"), event
 
 
-@pytest.mark.parametrize("preset", [None, "moshi-tiny"], ids=["default-echo", "moshi-tiny"])
-def test_the_installed_server_serves_a_session_and_stops_on_sigterm(product, preset):
+def _serve_one_session(command: list[str], work: Path, log: Path, seed: int) -> tuple[dict, np.ndarray, np.ndarray, dict]:
+    """Start the installed server, talk one session, stop it with SIGTERM (exit status 0):
+    its /readyz, the audio sent, the audio heard and the session's end."""
     port = _free_port()
-    log = product["work"] / f"serve-{preset or 'default'}.log"
-    args = [str(product["bin"] / "duplexrt"), "serve", "--port", str(port), "--log-level", "info"]
     with log.open("w") as out:
-        proc = subprocess.Popen([*args, *(["--config", preset] if preset else [])], cwd=product["work"],
-                                env=_outside_env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*command, "--port", str(port)], cwd=work, env=_outside_env(), stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
         ready = _wait_ready(proc, port, log)
-        assert ready["backend"] == ("moshi" if preset else "echo")
-        audio = np.random.default_rng(7).uniform(-0.5, 0.5, 4 * FRAME).astype("<f4")
+        audio = np.random.default_rng(seed).uniform(-0.5, 0.5, 4 * FRAME).astype("<f4")
         output, end = _one_session(port, audio)
-        assert end["reason"] == "stop"
-        assert len(output) == len(audio) and np.isfinite(output).all()
-        if preset is None:  # the echo model, two frames late by default
-            np.testing.assert_array_equal(output[2 * FRAME:], audio[:2 * FRAME])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return ready, audio, output, end
+
+
+@pytest.mark.parametrize("preset", [None, "moshi-tiny"], ids=["default-echo", "moshi-tiny"])
+def test_the_installed_server_serves_a_session_and_stops_on_sigterm(product, preset):
+    command = [str(product["bin"] / "duplexrt"), "serve", "--log-level", "info",
+               *(["--config", preset] if preset else [])]
+    ready, audio, output, end = _serve_one_session(command, product["work"],
+                                                   product["work"] / f"serve-{preset or 'default'}.log", seed=7)
+    assert ready["backend"] == ("moshi" if preset else "echo")
+    assert end["reason"] == "stop"
+    assert len(output) == len(audio) and np.isfinite(output).all()
+    if preset is None:  # the echo model, two frames late by default
+        np.testing.assert_array_equal(output[2 * FRAME:], audio[:2 * FRAME])
+
+
+@pytest.fixture(scope="module")
+def bare(product) -> Path:
+    """The wheel installed on its own (its declared dependencies, no extra): the bin folder."""
+    venv = product["work"] / "bare-venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    env = {**os.environ, "PIP_COMPILE": "0"}
+    env.pop("PYTHONPATH", None)
+    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
+          str(product["wheel"])], env=env, cwd=product["work"])
+    return venv / "bin"
+
+
+def test_the_wheel_alone_brings_no_torch_and_serves_echo_and_synthetic(product, bare):
+    work = product["work"]
+    probe = subprocess.run([str(bare / "python"), "-c", "import importlib.util as u; "
+                            "print(u.find_spec('torch'), u.find_spec('moshi'))"],
+                           capture_output=True, text=True, cwd=work, env=_outside_env(), check=True)
+    assert probe.stdout.split() == ["None", "None"], probe.stdout
+    ready, audio, output, end = _serve_one_session([str(bare / "duplexrt"), "serve"], work, work / "serve-bare.log",
+                                                   seed=3)
+    assert ready["backend"] == "echo" and end["reason"] == "stop"
+    np.testing.assert_array_equal(output[2 * FRAME:], audio[:2 * FRAME])
+    simulated = subprocess.run([str(bare / "duplexrt"), "simulate", "-b", "synthetic", "-o", "step_ms=1",
+                                "--concurrency", "4", "--frames", "8", "--no-progress"],
+                               capture_output=True, text=True, cwd=work, env=_outside_env(), timeout=120)
+    assert simulated.returncode == 0, simulated.stderr[-3000:]
+
+
+def test_the_moshi_backend_without_its_packages_names_them_all_and_the_command(product, bare):
+    refused = subprocess.run([str(bare / "duplexrt"), "serve", "--port", "0", "--config", "moshi-tiny"],
+                             capture_output=True, text=True, cwd=product["work"], env=_outside_env(),
+                             timeout=120)
+    assert refused.returncode == 2
+    assert "Traceback" not in refused.stderr, refused.stderr
+    [line] = [line for line in refused.stderr.splitlines() if line.startswith("duplexrt: error: ")]
+    named = line.partition("not installed: ")[2].partition(". ")[0].split(", ")
+    assert {"torch", "moshi", "einops", "sentencepiece"} <= set(named), line
+    assert line.endswith("Install them with: pip install 'duplexrt[moshi]'"), line
 
 
 def test_the_dockerfile_installs_what_this_test_proves():

@@ -98,6 +98,12 @@ def check_shape(event: dict) -> None:
         assert isinstance(body["message"], str) and body["message"]
     elif kind in ("session.input_audio.muted", "session.input_audio.unmuted"):
         pass
+    elif kind in ("session.instructions.appended", "session.thinking.appended", "session.commentary.appended"):
+        # pipecat's ContextAppendedEvent: the accepted range on the session timeline.
+        assert type(event["start_ms"]) is int and type(event["end_ms"]) is int
+        assert 0 <= event["start_ms"] <= event["end_ms"]
+    elif kind == "session.updated":
+        assert isinstance(event["session"]["id"], str)  # the complete resolved session
     else:
         raise AssertionError(f"an event the public client does not know: {kind}")
 
@@ -251,11 +257,60 @@ def test_mute_replaces_audio_with_silence_of_the_same_length(name, fmt):
     assert send(protocol, "session.input_audio.append", audio=b64(loud)) == AudioIn(loud)
 
 
-@pytest.mark.parametrize("kind", ["session.update", "session.instructions.append", "session.thinking.append",
-                                  "session.commentary.append", "response.item.create", "response.create"])
-def test_delegation_and_text_events_are_named_errors_and_the_session_goes_on(kind):
+APPENDS = ["session.instructions.append", "session.thinking.append", "session.commentary.append"]
+
+
+@pytest.mark.parametrize("kind", APPENDS)
+def test_context_appends_are_acknowledged_where_the_session_is_and_change_nothing(kind):
+    protocol, progress = started()
+    progress.frames_in = 25  # two seconds in
+    # As LiveKit's generate_reply sends it: delegation_id present and null.
+    event = send(protocol, kind, event_id="ask_1", delegation_id=None, content="Greet the user warmly.")
+    assert isinstance(event, Reply)
+    [message] = event.messages
+    body = json.loads(message)
+    assert body == {"type": kind.replace(".append", ".appended"), "client_event_id": "ask_1",
+                    "start_ms": 2000, "end_ms": 2000}
+    check_shape(body)
+    assert protocol.input_spec == protocol.output_spec and not protocol.muted
+    assert isinstance(send(protocol, kind, delegation_id="del_7", content=""), Reply), "a delegation's id"
+
+
+@pytest.mark.parametrize("fields, code, words", [
+    ({"delegation_id": None}, "missing_required_parameter", "needs 'content'"),
+    ({"delegation_id": None, "content": 5}, "invalid_type", "needs 'content'"),
+    ({"content": "x"}, "missing_required_parameter", "needs 'delegation_id'"),
+    ({"content": "x", "delegation_id": 3}, "invalid_type", "delegation_id must be null or a string"),
+])
+def test_malformed_appends_are_named_errors_and_the_session_goes_on(fields, code, words):
+    for kind in APPENDS:
+        protocol, _ = started()
+        event = send(protocol, kind, event_id="a", **fields)
+        assert isinstance(event, ProtocolError) and not event.fatal, event
+        assert (event.code, event.event_id) == (code, "a") and words in event.message and kind in event.message
+
+
+def test_session_update_is_answered_with_the_complete_resolved_session():
+    protocol, _ = make(model="duplexrt-echo", session_id="live_u")
+    started_body = json.loads(send(protocol, "session.start", session={
+        "model": "gpt-live-1", "audio": {"format": {"type": "audio/pcmu"}}}).messages[0])
+    # What LiveKit sends when the agent's tools change: a sparse delegation update.
+    event = send(protocol, "session.update", event_id="delegation_update_1", session={
+        "delegation": {"type": "responses", "responses": {"model": "gpt-5.6-luna", "tools": []}}})
+    assert isinstance(event, Reply)
+    body = json.loads(event.messages[0])
+    check_shape(body)
+    assert body == {"type": "session.updated", "client_event_id": "delegation_update_1",
+                    "session": started_body["session"]}
+    for fields, code in (({}, "missing_required_parameter"), ({"session": [1]}, "invalid_type")):
+        error = send(protocol, "session.update", **fields)
+        assert isinstance(error, ProtocolError) and not error.fatal and error.code == code
+
+
+@pytest.mark.parametrize("kind", ["response.item.create", "response.create"])
+def test_delegation_events_are_named_errors_and_the_session_goes_on(kind):
     protocol, _ = started()
-    event = send(protocol, kind, event_id="x" * 500, delegation_id=None, content="hello")
+    event = send(protocol, kind, event_id="x" * 500, item={"type": "function_call_output"})
     assert isinstance(event, ProtocolError) and not event.fatal
     assert event.code == "unsupported_event" and event.message.startswith(kind)
     assert len(event.event_id) <= 101, "client ids are echoed short"
@@ -264,6 +319,17 @@ def test_delegation_and_text_events_are_named_errors_and_the_session_goes_on(kin
     check_shape(body)
     assert body["error"]["client_event_id"] == event.event_id
     assert body["error"]["code"] not in ("invalid_api_key", "insufficient_quota", "forbidden")
+
+
+def test_a_reconnect_reseeding_its_history_is_accepted():
+    """LiveKit sends the whole conversation so far as ``input`` on every (re)connect."""
+    history = [{"type": "message", "role": ("user", "assistant")[i % 2],
+                "content": [{"type": ("input_text", "output_text")[i % 2], "text": f"turn {i} " * 40}]}
+               for i in range(200)]
+    protocol, _ = make()
+    event = send(protocol, "session.start", session={"model": "m", "instructions": "x" * 20000, "input": history})
+    assert isinstance(event, Reconfigure) and protocol.started
+    assert len(event.messages[0]) < 300, "nothing of it is echoed back"
 
 
 def test_malformed_messages():
@@ -457,6 +523,9 @@ async def test_a_session_echoes_continuously_mutes_and_closes_with_exact_usage()
                 await client.send("session.input_audio.mute", event_id="m")
             if i == 6:
                 await client.send("session.input_audio.unmute", event_id="u")
+            if i == 2:  # a greeting, as LiveKit's generate_reply asks for one, and a tools change
+                await client.send("session.commentary.append", event_id="c", delegation_id=None, content="Say hi.")
+                await client.send("session.update", event_id="u2", session={"delegation": {"type": "responses"}})
             await client.transport.send(json.dumps({"type": "session.input_audio.append",
                                                     "audio": b64(audio[i * chunk:(i + 1) * chunk])}))
         await client.send("response.create", event_id="r")
@@ -476,8 +545,36 @@ async def test_a_session_echoes_continuously_mutes_and_closes_with_exact_usage()
     assert error["error"]["code"] == "unsupported_event" and error["error"]["client_event_id"] == "r"
     kinds = [e["type"] for e in client.events]
     assert "session.input_audio.muted" in kinds and "session.input_audio.unmuted" in kinds
+    [appended] = [e for e in client.events if e["type"] == "session.commentary.appended"]
+    assert appended["client_event_id"] == "c" and appended["start_ms"] % 80 == 0
+    [updated] = [e for e in client.events if e["type"] == "session.updated"]
+    assert updated["session"] == client.events[0]["session"]
     assert kinds.count("session.usage.updated") >= 1
     assert client.closed is not None and client.closed.code == 1000
+
+
+async def test_100_ms_appends_are_carried_across_80_ms_frames_sample_for_sample():
+    """LiveKit appends 100 ms (2400 samples); the model's frames are 80 ms (1920).  Seven
+    appends are 8.75 frames: every remainder is carried into the next frame, the last partial
+    frame is padded with silence at session.close, and nothing is lost, doubled or reordered."""
+    config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
+    rng = np.random.default_rng(100)
+    audio = rng.integers(-20000, 20000, 7 * 2400, dtype=np.int16).astype("<i2").tobytes()
+
+    async def script(client: Client) -> None:
+        await client.send("session.start", session={"model": "m"})
+        await client.wait_for("session.started")
+        for i in range(7):
+            await client.send("session.input_audio.append", audio=b64(audio[i * 4800:(i + 1) * 4800]))
+        await client.send("session.close")
+        await client.wait_for("session.closed")
+
+    client, end_ = await serve_one(config, script)
+    check_sequence(client.events)
+    heard = client.audio()
+    assert len(heard) == 9 * 2 * FRAME, "8.75 frames in: 9 out"
+    assert heard[:len(audio)] == audio and heard[len(audio):] == bytes(len(heard) - len(audio))
+    assert client.events[-1]["usage"]["frames_in"] == end_.frames_in == 9
 
 
 async def test_a_session_reaching_its_length_limit_closes_as_expired():

@@ -119,6 +119,37 @@ async def test_no_resume_within_the_window_ends_the_session_with_resume_expired(
         resumable.check(0)
 
 
+async def test_abandon_ends_a_detached_session_at_once_and_a_later_drop_too(autojump_clock):
+    """A second shutdown signal: no client will come back, so no window is waited out."""
+    client, server = memory_transport_pair()
+    detached = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await _drop(client)
+    async with trio.open_nursery() as nursery:
+        ended = {}
+
+        async def receive() -> None:
+            with pytest.raises(TransportClosed) as caught:
+                await detached.receive()
+            ended["at"], ended["reason"] = trio.current_time(), caught.value.finish_reason
+
+        nursery.start_soon(receive)
+        await trio.sleep(3)  # waiting for its client, 7 s of the window left
+        abandoned_at = trio.current_time()
+        detached.abandon()
+    assert ended == {"at": abandoned_at, "reason": FinishReason.RESUME_EXPIRED}
+    with trio.fail_after(1):
+        await detached.close()  # nothing to wait for
+    # Still attached when abandoned: the drop that follows ends it instead of detaching it.
+    client, server = memory_transport_pair()
+    attached = ResumableTransport(server, "r.b", window_s=10, journal_s=15)
+    attached.abandon()
+    await _drop(client)
+    started = trio.current_time()
+    with pytest.raises(TransportClosed):
+        await attached.receive()
+    assert trio.current_time() == started and not attached.detached
+
+
 async def test_a_clean_close_is_the_end_not_a_drop(autojump_clock):
     client, server = memory_transport_pair()
     resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=15)

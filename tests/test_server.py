@@ -109,7 +109,7 @@ async def test_readyz_is_503_while_the_model_fails_every_step_and_clients_get_no
         assert end["reason"] == "error"
         assert re.fullmatch(r"the model failed on this step \(error id err_[0-9a-f]+\)", end["error"]), end
         error_id = end["error"].split()[-1].rstrip(")")
-        [logged] = [r for r in caplog.records if error_id in r.getMessage()]
+        [logged] = [r for r in caplog.records if error_id in r.getMessage() and r.exc_info]
         assert "CUDA error" in str(logged.exc_info[1]) and "/srv/models" in str(logged.exc_info[1])
 
     status, _, body = await http_get(running.port, "/readyz")
@@ -311,12 +311,14 @@ async def test_websockets_library_client_talks_to_the_duplex_route(nursery):
     assert end["type"] == "session.end" and end["usage"]["frames_out"] == 3
 
 
-def test_sigterm_drains_sessions_and_exits_zero(tmp_path):
-    """README: SIGINT/SIGTERM tells every session it is closing (reason ``shutdown``, close code
-    1001), answers the frames already taken, exits 0.  The real command in its own process."""
+def test_sigterm_with_no_grace_tells_every_session_at_once_and_answers_what_it_took(tmp_path):
+    """README: when the drain's grace period is over (here at once: shutdown_grace_s = 0), each
+    call left is told it is closing (reason ``shutdown``, close code 1001), the frames it already
+    took are answered, and the process exits 0.  The real command in its own process; calls that
+    go on through a drain are in tests/test_drain.py."""
     from websockets.sync.client import connect
 
-    with ServeProcess("--set", "server.shutdown_grace_s=5") as server:
+    with ServeProcess("--set", "server.shutdown_grace_s=0") as server:
         audio = b""
         with connect(f"ws://127.0.0.1:{server.port}/v1/duplex") as ws:
             ws.recv()  # session.created
@@ -339,7 +341,7 @@ def test_sigterm_drains_sessions_and_exits_zero(tmp_path):
         assert len(audio) == 3 * FRAME * 4
         assert close.rcvd.code == 1001
         assert server.proc.wait(timeout=PATIENCE) == 0
-        server.wait_for_line("shutting down: 1 session(s) to drain")
+        server.wait_for_line("draining: 1 call left, 0 s to go")
 
 
 def test_a_second_signal_stops_at_once_without_waiting_for_the_grace_period():
@@ -349,7 +351,7 @@ def test_a_second_signal_stops_at_once_without_waiting_for_the_grace_period():
         with socket.create_connection(("127.0.0.1", server.port)):
             server.wait_for_line("duplexrt is up")
             server.proc.send_signal(signal.SIGTERM)
-            server.wait_for_line("shutting down")
+            server.wait_for_line("draining:")
             assert server.proc.poll() is None  # draining: the silent connection is still open
             server.proc.send_signal(signal.SIGTERM)
             # Far less than the 600 s grace: only process exit is waited for.
@@ -398,9 +400,9 @@ class _Collect:
 
 
 async def test_shutdown_answers_every_frame_taken_then_closes_with_1001(nursery):
-    """README: on shutdown every session is told it is closing and drained: the frames it had
-    taken are answered (frames_out == frames_in), then session.end with reason ``shutdown``."""
-    running, backend, returned = await _start_stalled(nursery)
+    """README: when the drain's grace is over every session is told it is closing: the frames it
+    had taken are answered (frames_out == frames_in), then session.end with reason ``shutdown``."""
+    running, backend, returned = await _start_stalled(nursery, "server.shutdown_grace_s=0")
     backend.stall()
     heard = _Collect()
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex")) as ws:
@@ -428,7 +430,7 @@ async def test_shutdown_answers_every_frame_taken_then_closes_with_1001(nursery)
 async def test_a_websocket_handshake_that_arrives_while_draining_gets_503(nursery):
     """README: shutdown stops accepting.  A connection accepted before the shutdown whose
     handshake arrives after it is answered 503, while an open session drains."""
-    running, backend, returned = await _start_stalled(nursery)
+    running, backend, returned = await _start_stalled(nursery, "server.shutdown_grace_s=0")
     backend.stall()
     heard = _Collect()
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex")) as ws:
@@ -461,15 +463,16 @@ async def test_a_websocket_handshake_that_arrives_while_draining_gets_503(nurser
 
 
 def test_a_session_that_cannot_drain_is_cut_after_the_grace_period_and_the_server_exits():
-    """README: drain *within* ``server.shutdown_grace_s``, exit 0.  A model whose step takes far
-    longer than the grace period: the session is cut when the grace ends, the client still hears
+    """README: the calls left when ``server.shutdown_grace_s`` is over are told ``shutdown``, and the
+    server exits 0.  A model whose step takes far longer than the close timeout: the session is cut
+    after it, the client still hears
     why (reason ``shutdown``, 1001, fewer frames out than in), and the process exits.  Real time
     is the point here, so only loose bounds on a real clock."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
     with ServeProcess("--backend", "synthetic", "-o", "step_ms=1500",
-                      "--set", "server.shutdown_grace_s=0.3") as server:
+                      "--set", "server.shutdown_grace_s=0.3", "--set", "server.close_timeout_s=1") as server:
         with connect(f"ws://127.0.0.1:{server.port}/v1/duplex") as ws:
             ws.recv()  # session.created
             ws.send(_noise(3 * FRAME, seed=22).tobytes())

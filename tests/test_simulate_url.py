@@ -6,6 +6,8 @@ checked for presence and consistency here, not for size)."""
 
 from __future__ import annotations
 
+import re
+
 import socket
 
 import pytest
@@ -50,7 +52,7 @@ READ_PATHS = pytest.mark.parametrize("read_hub", [True, False], ids=["read-hub",
 @pytest.mark.parametrize("mode", ["burst", "paced"])
 @pytest.mark.parametrize("route", list(ROUTES))
 async def test_every_route_passes_the_guards_with_server_figures(nursery, route, mode, read_hub):
-    base = await _serve(nursery, f"server.read_hub={str(read_hub).lower()}")
+    base = await _serve(nursery, f"server.read_hub={str(read_hub).lower()}", 'server.replica_id="gpu-7"')
     report = await _simulate(base + route, format=ROUTES[route], mode=mode,
                              message_ms=80 if mode == "paced" else 160)
     (round_,) = report.rounds
@@ -79,6 +81,9 @@ async def test_every_route_passes_the_guards_with_server_figures(nursery, route,
     table = format_table(report)
     assert "server CPU per frame (µs)" in table and "load-generator CPU per frame (µs)" in table
     assert "server CPU on the scheduler thread (%)" in table
+    # Which replica's /metrics the server figures are (behind a balancer: one replica's).
+    assert server.server_replica == "gpu-7"
+    assert re.search(r"^server figures from replica +gpu-7$", table, re.M), table
     assert report.settings["route"] == {"/v1/duplex": "duplex", "/v1/realtime": "realtime",
                                         "/api/chat": "moshi", "/v1/live/sessions": "live"}[route]
 
@@ -160,3 +165,20 @@ async def test_drop_rate_cuts_connections_and_every_session_resumes_with_no_fram
     assert (round_.measured.drops, round_.measured.resumes) == (8, 8)
     assert round_.frames_in == round_.frames_out == 8 * 30
     assert "connections cut / sessions resumed" in format_table(report)
+
+
+def test_server_figures_from_two_replicas_are_not_subtracted():
+    """Behind a balancer the scrapes before and after a round may reach two replicas: their
+    counters have nothing to do with each other, so no server figure is shown, and a note says why."""
+    from duplexrt.client.metrics import MetricsSnapshot
+    from duplexrt.simulate.network import _server_figures
+
+    def scrape(replica: str, frames: int) -> MetricsSnapshot:
+        return MetricsSnapshot.parse(f'duplexrt_replica_info{{replica_id="{replica}"}} 1.0\n'
+                                     f"duplexrt_frames_in_total {frames}\nduplexrt_steps_total {frames}\n")
+
+    same = _server_figures(scrape("r1", 10), scrape("r1", 50))
+    assert (same["replica"], same["frames_in"], same["note"]) == ("r1", 40, None)
+    mixed = _server_figures(scrape("r1", 10), scrape("r2", 50))
+    assert mixed["frames_in"] is None and mixed["replica"] is None
+    assert "different replicas (r1 then r2)" in mixed["note"]

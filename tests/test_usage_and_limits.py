@@ -154,10 +154,10 @@ async def test_log_stats_writes_one_line_per_interval(caplog):
             nursery.start_soon(log_stats, runtime, 0.05)
             await run_session(runtime, _chunks(_audio(4, seed=5)), F32, session_id=1)
             with trio.fail_after(PATIENCE):
-                while not caplog.records:
+                while not [r for r in caplog.records if r.name == "duplexrt.stats"]:
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
-    line = caplog.records[0].getMessage()
+    line = [r for r in caplog.records if r.name == "duplexrt.stats"][0].getMessage()
     for part in ("sessions", "steps/s", "mean batch", "frame latency p50", "p99", "handoffs/s", "offloads/s"):
         assert part in line
 

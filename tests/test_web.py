@@ -29,6 +29,9 @@ async def _server(nursery, *overrides: str) -> Server:
     ("/static/charts.js", "text/javascript; charset=utf-8", b"drawChart"),
     ("/static/dashboard.js", "text/javascript; charset=utf-8", b"/stats"),
     ("/static/style.css", "text/css; charset=utf-8", b"body"),
+    # The pages' icon, and where browsers look without a link: no 404 in the console.
+    ("/static/favicon.svg", "image/svg+xml", b"<svg"),
+    ("/favicon.ico", "image/svg+xml", b"<svg"),
 ])
 async def test_pages_and_static_files_are_served_with_their_types_and_no_key(nursery, path, content_type, marker):
     server = await _server(nursery, 'server.api_key="s3cret"')
@@ -113,8 +116,9 @@ async def test_clients_offering_no_key_subprotocol_are_answered_as_before(nurser
 
 
 def test_serve_greets_at_the_default_log_level_with_the_talk_page_url():
-    """The real command: its first line is plain (no log level, no logger name), names the page to
-    open, the routes and the backend, and that page is there."""
+    """The real command: once it listens it says so in a plain line (no log level, no logger
+    name; the info lines before it are the start-up's own), naming the page to open, the routes
+    and the backend, and that page is there."""
     import os
     import signal
     import subprocess
@@ -124,8 +128,13 @@ def test_serve_greets_at_the_default_log_level_with_the_talk_page_url():
     proc = subprocess.Popen([sys.executable, "-m", "duplexrt_cli.app", "serve", "--port", "0"],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
+        before = []
         line = proc.stderr.readline()
-        assert line.startswith("duplexrt is up: open http://127.0.0.1:"), line
+        while line and not line.startswith("duplexrt is up"):
+            before.append(line)
+            line = proc.stderr.readline()
+        assert all(" INFO " in earlier for earlier in before), before
+        assert line.startswith("duplexrt is up: open http://127.0.0.1:"), (before, line)
         port = int(line.split("port(s) ")[1].split()[0])
         assert f"http://127.0.0.1:{port}/ " in line and "/dashboard" in line
         assert "/v1/duplex" in line and "backend echo" in line and "WARNING" not in line

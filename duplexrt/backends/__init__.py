@@ -22,6 +22,9 @@ def _synthetic(info: BackendInfo, options: Mapping[str, Any]) -> Backend:
 
 
 def _moshi(info: BackendInfo, options: Mapping[str, Any]) -> Backend:
+    from duplexrt.backends.optional import check_installed
+
+    check_installed()  # before torch is imported or the model thread starts: one clear error
     from duplexrt.backends.moshi import MoshiBackend
 
     return MoshiBackend(info, options)

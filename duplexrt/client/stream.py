@@ -86,6 +86,11 @@ class Prepared:
     expected_samples: int | None
     expected_frames: int
 
+    def seconds_of(self, messages: int) -> float:
+        """The audio in the first ``messages`` messages: each holds ``interval`` seconds but the
+        last, which holds the rest."""
+        return min(messages * self.interval, self.seconds_sent)
+
 
 @attrs.define
 class ClientResult:
@@ -219,12 +224,13 @@ async def stream_file(request: ClientRequest, prepared: Prepared, *, progress: b
                 nursery.cancel_scope.cancel()
             resumes = getattr(transport, "resumes", 0)
     except ConnectError as exc:
-        return ClientResult(EXIT_FAILED, prepared.seconds_sent, end=exc.message), np.zeros(0, np.float32)
+        return ClientResult(EXIT_FAILED, 0.0, end=exc.message), np.zeros(0, np.float32)
     audio = output.audio()
     rate = output.spec.sample_rate
     result = ClientResult(
         EXIT_OK if conversation.ok else EXIT_FAILED,
-        seconds_sent=prepared.seconds_sent,
+        # What was really sent: a server that ends the session early stops the file there.
+        seconds_sent=prepared.seconds_of(conversation.messages_sent),
         seconds_received=audio.size / rate,
         output_rate=rate,
         end=conversation.describe(),

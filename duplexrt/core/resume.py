@@ -121,6 +121,15 @@ class ResumableTransport:
         """The connection dropped and no client has resumed yet."""
         return self._current is None and not self._closed
 
+    def abandon(self) -> None:
+        """No resume will come (the server is stopping at once): end the window now, so that a
+        session detached, or detaching, does not wait it out."""
+        self._window = 0  # a drop from now on ends the session
+        if self._current is None:
+            self._expired = True
+            self._attached.set()
+        self._changed.unpark_all()
+
     # -- the session's side ----------------------------------------------------------------------
 
     async def receive(self) -> Message:

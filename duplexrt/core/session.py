@@ -220,6 +220,8 @@ class Session(SessionInput, SessionSink, SessionOutput):
         services.registry.add(self)
         if self._meter is not None:
             self._meter.opened()
+        log.info("session %s opened: %s in, %s out, slot %d, %d active", self.lease.session_id,
+                 self._protocol.input_spec, self._protocol.output_spec, self.lease.slot, metrics.sessions_active)
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel_scope = nursery.cancel_scope

@@ -19,11 +19,21 @@ Client events, and what this server does with them:
   of the same length, so the model's clock keeps running and it goes on speaking; acknowledged with
   ``session.input_audio.muted`` / ``unmuted``.
 * ``session.close``: no more input; the model answers what it was given, then ``session.closed``
-  (reason ``close_requested``, the final usage) and the server closes the connection.
-* ``session.update`` (delegation settings), ``session.instructions.append``,
-  ``session.thinking.append``, ``session.commentary.append``, ``response.item.create`` and
-  ``response.create`` need delegation or a text prompt, which no duplexrt backend has: each is
-  answered with an ``unsupported_event`` error naming it, and the session goes on.
+  (reason ``close_requested``, the final usage) and the server closes the connection.  A client
+  must wait for ``session.closed`` before it closes the WebSocket: a Close sent right behind
+  ``session.close`` is answered at once, and the end event with its usage is never sent.
+* ``session.instructions.append``, ``session.thinking.append`` and ``session.commentary.append``
+  (LiveKit's ``generate_reply`` sends commentary, for a greeting) are acknowledged as the service
+  does, ``session.<kind>.appended`` with ``client_event_id`` and the accepted range on the session
+  timeline (``start_ms`` = ``end_ms``, the session's position: nothing is injected), and change
+  nothing: no duplexrt backend takes text.  They need ``content`` (a string) and
+  ``delegation_id`` (present, null or a string), as the protocol says.
+* ``session.update`` (delegation settings, sent when an agent's tools change) is acknowledged
+  with ``session.updated`` carrying the complete resolved session, the one ``session.started``
+  showed: there is no delegation here, so nothing changes.  It needs a ``session`` object.
+* ``response.item.create`` and ``response.create`` drive delegated Responses work, which this
+  server does not have: each is answered with an ``unsupported_event`` error naming it, and the
+  session goes on.
 
 Server events:
 
@@ -115,15 +125,13 @@ CLOSE_REASONS: dict[FinishReason, str] = {
     FinishReason.RESUME_EXPIRED: _DEFAULT_REASON,
 }
 
-#: Client events that need delegation or a text prompt: no duplexrt backend can use them.
+#: Client events that need delegation: this server has none, and says so.
 _UNSUPPORTED = {
-    "session.update": "it changes delegation settings, and this server has no delegation",
-    "session.instructions.append": "no duplexrt backend takes a text prompt",
-    "session.thinking.append": "no duplexrt backend takes a text prompt",
-    "session.commentary.append": "no duplexrt backend takes a text prompt",
     "response.item.create": "this server has no delegation (no Responses backend)",
     "response.create": "this server has no delegation (no Responses backend)",
 }
+#: Context appends: acknowledged, and no-ops (no duplexrt backend takes text).
+_APPENDS = ("session.instructions.append", "session.thinking.append", "session.commentary.append")
 
 _BINARY = ProtocolError(
     "binary_not_supported",
@@ -134,6 +142,7 @@ _BINARY = ProtocolError(
 )
 
 _session_ids = itertools.count(1)
+_MISSING = object()
 
 
 def close_reason(finish_reason: str) -> str:
@@ -183,7 +192,10 @@ class LiveProtocol(Translator):
             "session.input_audio.mute": self._mute,
             "session.input_audio.unmute": self._unmute,
             "session.close": self._close,
+            "session.update": self._update,
         }
+        for name in _APPENDS:
+            self._handlers[name] = self._append_context
         for name in _UNSUPPORTED:
             self._handlers[name] = self._unsupported
 
@@ -308,9 +320,7 @@ class LiveProtocol(Translator):
         self.input_spec = self.output_spec = spec
         self._silence = _SILENCE[spec.format]
         self._audio = self._audio_rules()
-        body: dict[str, Any] = {"type": "session.started", "session": {
-            "id": self.session_id, "model": self.model,
-            "audio": {"format": self._format_object(spec)}}}
+        body: dict[str, Any] = {"type": "session.started", "session": self._session_resource()}
         if self.resume_token is not None:
             body["resume_token"] = self.resume_token
         started = json.dumps(body)
@@ -360,6 +370,39 @@ class LiveProtocol(Translator):
     def _close(self, data: dict[str, Any]) -> Event:
         self.close_requested = True
         return InputEnd()
+
+    def _append_context(self, data: dict[str, Any]) -> Event:
+        kind, event_id = data["type"], _client_event_id(data)
+        content = data.get("content")
+        if not isinstance(content, str):
+            return ProtocolError("invalid_type" if "content" in data else "missing_required_parameter",
+                                 f"{kind} needs 'content', a string, got {quote(content)}", event_id=event_id)
+        delegation_id = data.get("delegation_id", _MISSING)
+        if delegation_id is _MISSING:
+            return ProtocolError("missing_required_parameter",
+                                 f"{kind} needs 'delegation_id' (null for session context)", event_id=event_id)
+        if delegation_id is not None and not isinstance(delegation_id, str):
+            return ProtocolError("invalid_type", f"{kind}: delegation_id must be null or a string, "
+                                                 f"got {quote(delegation_id)}", event_id=event_id)
+        # Placed on the timeline where the session is now, spanning nothing: no backend takes text.
+        now_ms = round(self.progress.frames_in * self._frame_ms)
+        return Reply((json.dumps({"type": kind[:-len("append")] + "appended", "client_event_id": event_id,
+                                  "start_ms": now_ms, "end_ms": now_ms}),))
+
+    def _update(self, data: dict[str, Any]) -> Event:
+        event_id = _client_event_id(data)
+        session = data.get("session")
+        if type(session) is not dict:
+            return ProtocolError("invalid_type" if "session" in data else "missing_required_parameter",
+                                 "session.update needs a 'session' object", event_id=event_id)
+        # Only delegation settings may change once started, and there is no delegation here: the
+        # resolved session is the one session.started showed.
+        return Reply((json.dumps({"type": "session.updated", "client_event_id": event_id,
+                                  "session": self._session_resource()}),))
+
+    def _session_resource(self) -> dict[str, Any]:
+        """The resolved session, as ``session.started`` and ``session.updated`` show it."""
+        return {"id": self.session_id, "model": self.model, "audio": {"format": self._format_object(self.input_spec)}}
 
     def _unsupported(self, data: dict[str, Any]) -> Event:
         kind = data["type"]

@@ -10,7 +10,6 @@ does, the handler catches it: a misbehaving client never takes the server down.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import math
 import socket
@@ -30,20 +29,21 @@ from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import ProtocolError
 from duplexrt.readhub import ReadHub
 from duplexrt.reasons import CloseCode
+from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
 from duplexrt.server.streams import PrefixedStream
-from duplexrt.server.web import static_answer, stats_json
+from duplexrt.server.web import readyz_answer, static_answer, stats_json
 from duplexrt.transport import Transport, TransportClosed
 from duplexrt.websocket import WebSocketTransport
 from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
 from duplexrt.wsnative import NativeWebSocket
 
 log = logging.getLogger("duplexrt.server")
-#: The start-up line: printed at the default level (warning) without turning every info log on.
+#: The start-up line: printed whatever the log level (even --log-level warning or error).
 hello = logging.getLogger("duplexrt.hello")
 
 #: Browsers cannot set Authorization on a WebSocket: like OpenAI's Realtime API, they offer the key
@@ -148,26 +148,35 @@ class Server:
             connections.cancel_scope.cancel()
 
     def shutdown(self) -> None:
-        """Stop accepting, tell every session it is closing, and let ``run`` drain and return."""
+        """Begin the drain (duplexrt.server.drain): refuse new sessions, let the calls under way
+        finish within ``server.shutdown_grace_s``, then let ``run`` return."""
         if self._draining:
             return
         self._draining = True
-        log.info("shutting down: %d session(s) to drain", len(self.runtime.sessions) if self.runtime else 0)
         self._drain_requested.set()
 
-    def abort(self) -> None:
+    def _calls_left(self) -> int:
+        """Calls the drain waits for: sessions (detached ones included) or admitted connections."""
+        return max(self._admitted, len(self.runtime.sessions) if self.runtime is not None else 0)
+
+    def abort(self) -> bool:
         """Drop every connection now, closing handshakes under way included: nothing is left for
-        the shutdown to wait on."""
+        the shutdown to wait on.  False when none was open any more."""
+        for resumable, _, _ in self._resumable.values():
+            resumable.abandon()  # a connection dropped here must not wait for its client to resume
         for transport in list(self._transports):
             transport.abort()
         for stream in list(self._streams):
             stream.socket.close()
+        return bool(self._transports or self._streams)
 
     async def _drain(self) -> None:
         assert self.runtime is not None
-        for session in list(self.runtime.sessions):
-            session.shutdown()
-        with trio.move_on_after(self.config.server.shutdown_grace_s):
+        if await wait_for_calls(self._calls_left, self.config.server.shutdown_grace_s):
+            for session in list(self.runtime.sessions):
+                session.shutdown()
+        # Told or not, the sessions' last frames and closing handshakes, then stop listening.
+        with trio.move_on_after(self.config.server.close_timeout_s):
             while self._admitted:
                 await self._all_closed.park()
             assert self._accept_scope is not None
@@ -465,33 +474,31 @@ class Server:
     # -- plain HTTP ------------------------------------------------------------------------------
 
     async def _plain_http(self, stream: trio.SocketStream, head: RequestHead) -> None:
+        if head.path == DRAIN_PATH:  # POST, with the key: what a preStop hook calls
+            status, body, headers = drain_answer(head.method, self._authorized(head), self._draining,
+                                                 self._calls_left(), self.config.server.shutdown_grace_s)
+            if status == 202:
+                log.info("drain requested over HTTP")
+                self.shutdown()
+            await self._send(stream, response_bytes(status, body, "application/json", headers))
+            return
         if head.method not in ("GET", "HEAD"):
             await self._respond(stream, 405, "only GET is served here", [("allow", "GET")])
             return
-        status, body, content_type = self._plain_answer(head.path)
+        status, body, content_type = self._plain_answer(head.path, head.query)
         data = response_bytes(status, body, content_type)
         if head.method == "HEAD":  # the same head, no body
             data = data.partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
         await self._send(stream, data)
 
-    def _plain_answer(self, path: str) -> tuple[int, bytes, str]:
+    def _plain_answer(self, path: str, query: dict[str, str]) -> tuple[int, bytes, str]:
         runtime = self.runtime
         assert runtime is not None
         text = "text/plain; charset=utf-8"
         if path == "/healthz":
             return 200, b"ok\n", text
         if path == "/readyz":
-            stats = self.statistics()
-            reason = stats.not_ready_reason
-            body = {"ready": reason is None, "reason": reason, "model_loaded": stats.runtime.ready,
-                    "draining": stats.draining, "backend": stats.runtime.backend,
-                    "slots": stats.runtime.slots, "free_slots": stats.free_slots,
-                    "sessions": stats.runtime.sessions_active,
-                    "consecutive_step_failures": stats.runtime.scheduler.consecutive_step_failures,
-                    "replica_id": stats.replica_id, "admitted": stats.admitted, "detached": stats.detached,
-                    "capacity": stats.runtime.capacity.as_dict(),
-                    "slot_choice": stats.runtime.slot_choice.as_dict()}
-            return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
+            return readyz_answer(self.statistics(), query)
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
         if path == "/stats":
@@ -501,7 +508,8 @@ class Server:
             return page
         if path in ("/", "/routes"):  # the plain list, also where a build ships without the pages
             routes = "\n".join(f"  ws  {path}  ({route.name})" for path, route in ROUTES.items())
-            return 200, f"duplexrt\n{routes}\n  GET / /dashboard /stats /healthz /readyz /metrics\n".encode(), text
+            return 200, (f"duplexrt\n{routes}\n  GET / /dashboard /stats /healthz /readyz /metrics\n"
+                         f"  POST {DRAIN_PATH}\n").encode(), text
         return 404, f"nothing at {path}\n".encode(), text
 
     async def _respond(self, stream: trio.SocketStream, status: int, text: str,
@@ -561,17 +569,19 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
 
     server = Server(config, backend)
     tag = _ReplicaTag(server)
+    counted = Signals()
 
     async def watch_signals(nursery: trio.Nursery, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
             async for signum in signals:
-                log.warning("received %s", signal.Signals(signum).name)
-                if _stop_if_loading(server, nursery):
+                name = signal.Signals(signum).name
+                if _stop_if_loading(server, nursery, name):
                     continue
-                if server.draining:
-                    server.abort()  # closing handshakes run shielded: only this ends them now
+                if counted.receive(name):
                     nursery.cancel_scope.cancel()
+                    await keep_cutting(server.abort)  # closing handshakes run shielded
+                    return
                 server.shutdown()
 
     handlers = list(logging.getLogger().handlers)
@@ -584,6 +594,7 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
                 await inner.start(server.run)
                 _say_hello(config, server.ports, server.statistics().runtime.slot_choice)
             nursery.cancel_scope.cancel()
+        log.info("stopped")
     except BaseExceptionGroup as group:
         # A port in use or a model that cannot load is one error for the caller, not nested groups.
         leaves = _leaves(group)
@@ -595,13 +606,13 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
             handler.removeFilter(tag)
 
 
-def _stop_if_loading(server: Server, nursery: trio.Nursery) -> bool:
+def _stop_if_loading(server: Server, nursery: trio.Nursery, signal_name: str) -> bool:
     """A signal before the model has loaded (Kubernetes stops pods that are still loading):
     there is no session to drain, so everything stops now.  The cancellation reaches the
     scheduler, which interrupts the load (``core/interrupt.py``) and lets it unwind."""
     if server.runtime is not None:
         return False
-    log.warning("stopping: the model has not finished loading")
+    log.info("received %s: stopping now, the model has not finished loading", signal_name)
     nursery.cancel_scope.cancel()
     return True
 
@@ -623,7 +634,7 @@ class _ReplicaTag(logging.Filter):
 
 
 def _say_hello(config: Config, ports: list[int], slots: SlotChoice) -> None:
-    """One plain line on stderr at the default log level, without turning every info log on:
+    """One plain line on stderr whatever the log level (its own handler, no timestamp):
     where to point a browser, and what is served."""
     if not hello.handlers:
         handler = logging.StreamHandler()

@@ -47,6 +47,11 @@ class ServerStatistics:
 
         A model failing every step is not ready; new sessions are still admitted (see README: a
         step that works is what clears it, and only a session can bring one)."""
+        return self.not_serving_reason or self.full_reason
+
+    @property
+    def not_serving_reason(self) -> str | None:
+        """Why this replica takes no new session whatever its load (``/readyz?full=ok``), or None."""
         runtime = self.runtime
         if not runtime.ready:
             return "model_not_loaded"
@@ -54,8 +59,13 @@ class ServerStatistics:
             return "draining"
         if runtime.failing:
             return "model_failing"
+        return None
+
+    @property
+    def full_reason(self) -> str | None:
+        """``no_free_slot`` or ``at_capacity`` while every session it can carry is in use."""
         if self.free_slots <= 0:
             return "no_free_slot"
-        if self.admitted >= runtime.capacity.limit:
+        if self.admitted >= self.runtime.capacity.limit:
             return "at_capacity"
         return None

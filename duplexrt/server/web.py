@@ -24,8 +24,9 @@ _TYPES = {
     ".svg": "image/svg+xml",
 }
 
-#: Page routes: the paths a person types, and the file each one is.
-PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
+#: Page routes: the paths a person types, and the file each one is.  /favicon.ico for clients
+#: that ask for it without reading the pages' icon link.
+PAGES = {"/": "index.html", "/dashboard": "dashboard.html", "/favicon.ico": "favicon.svg"}
 
 #: Frame lag bucket edges for /stats, in ms: 0.25 ms to ~10 s, 25% apart.  The dashboard
 #: subtracts two readings and takes percentiles of what happened in between, so no state is
@@ -53,6 +54,29 @@ def static_answer(path: str) -> tuple[int, bytes, str] | None:
         return None
     file = _FILES[name]
     return 200, file.read_bytes(), _TYPES[file.suffix]
+
+
+#: ``/readyz?full=ok``: the readiness a Kubernetes probe should ask (deploy/kubernetes).  A replica
+#: that is merely full stays ready there: readiness also counts as availability for rolling updates
+#: (``maxUnavailable``) and disruption budgets, and a full pod taken out of them stalls both.  A
+#: full replica still refuses the session it cannot take (503 with Retry-After).
+FULL_OK = ("full", "ok")
+
+
+def readyz_answer(stats: ServerStatistics, query: dict[str, str]) -> tuple[int, bytes, str]:
+    """``/readyz``: 200 when this replica takes new sessions, else 503 with the reason; with
+    ``?full=ok``, 503 only when it serves nothing new whatever its load (not loaded, draining,
+    failing)."""
+    full = stats.full_reason
+    reason = stats.not_serving_reason if query.get(FULL_OK[0]) == FULL_OK[1] else stats.not_ready_reason
+    body = {"ready": reason is None, "reason": reason, "model_loaded": stats.runtime.ready,
+            "draining": stats.draining, "full": full is not None, "backend": stats.runtime.backend,
+            "slots": stats.runtime.slots, "free_slots": stats.free_slots,
+            "sessions": stats.runtime.sessions_active,
+            "consecutive_step_failures": stats.runtime.scheduler.consecutive_step_failures,
+            "replica_id": stats.replica_id, "admitted": stats.admitted, "detached": stats.detached,
+            "capacity": stats.runtime.capacity.as_dict(), "slot_choice": stats.runtime.slot_choice.as_dict()}
+    return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
 
 
 def stats_json(stats: ServerStatistics, config: Config) -> bytes:

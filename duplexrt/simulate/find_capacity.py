@@ -89,6 +89,20 @@ def judge(report: RoundReport, frame_ms: float) -> Verdict:
                    round=report)
 
 
+def describe_verdict(verdict: Verdict, seconds: float) -> str:
+    """One line for a paced round: whether it held in real time, why not, and the figures read;
+    a round shorter than the criterion's ``MIN_SECONDS`` says it is indicative only."""
+    figures = []
+    if verdict.on_time_share is not None:
+        figures.append(f"{100 * verdict.on_time_share:.2f} % of frames within {verdict.deadline_ms:.0f} ms")
+    if verdict.stream_rtf is not None and math.isfinite(verdict.stream_rtf):
+        figures.append(f"stream real-time factor {verdict.stream_rtf:.4f}")
+    words = "holds" if verdict.holds else f"FAILS: {verdict.reason}"
+    short = (f"; {seconds:.1f} s of audio, under the criterion's {MIN_SECONDS:g} s: indicative only"
+             if seconds < MIN_SECONDS else "")
+    return f"real time (docs/capacity.md): {words} ({', '.join(figures) or 'nothing measured'}){short}"
+
+
 @attrs.frozen
 class CapacitySearch:
     """What the bisection found."""

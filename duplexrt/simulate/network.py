@@ -277,6 +277,8 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
     frames_out_heard = sum(c.frames_heard for c in clients)
     lag_summary, late, rtf = pacing(clients, meter if paced else None, options.frames, frame_seconds)
     server = _server_figures(before, after)
+    if server["note"]:
+        notes.append(server["note"])
     return RoundReport(
         mode=options.mode,
         sessions=concurrency,
@@ -306,6 +308,7 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
             server_frames_out=server["frames_out"],
             server_step_ms_mean=server["step_ms_mean"],
             server_latency_ms_mean=server["latency_ms_mean"],
+            server_replica=server["replica"],
             notes=notes,
         ),
     )
@@ -412,10 +415,18 @@ def _frames_sent(workload: Workload, conversation: Conversation) -> int:
 def _server_figures(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> dict:
     """What the server's /metrics say it did between two scrapes."""
     figures: dict = {"handoffs": {}, "steps": None, "mean_batch": None, "cpu_us_per_frame": None,
-                     "scheduler_cpu_share": None,
+                     "scheduler_cpu_share": None, "replica": None, "note": None,
                      "frames_in": None, "frames_out": None, "step_ms_mean": None, "latency_ms_mean": None}
     if before is None or after is None:
         return figures
+    # Behind a balancer each scrape is answered by one replica, whichever it picked: the figures
+    # are that replica's, and two scrapes from two replicas have no difference worth showing.
+    replicas = [sorted(snapshot.by_label("duplexrt_replica_info", "replica_id")) for snapshot in (before, after)]
+    if replicas[0] != replicas[1]:
+        figures["note"] = (f"the two /metrics scrapes were answered by different replicas ({', '.join(replicas[0])} "
+                           f"then {', '.join(replicas[1])}), behind a balancer: no server figures")
+        return figures
+    figures["replica"] = ", ".join(replicas[1]) or None
 
     def delta(name: str) -> float | None:
         return after.delta(before, name)

@@ -16,8 +16,13 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
-def plot_report(report: SimulationReport, path: str | Path, *, late_ms: float) -> Path:
-    """Write the plot; one row per measured round (left: lag over time, right: histogram)."""
+def require_matplotlib() -> None:
+    """Raise PlotUnavailable unless matplotlib can be imported: checked before a run, so that a
+    missing extra fails at once rather than after minutes of load."""
+    _pyplot()
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -25,6 +30,12 @@ def plot_report(report: SimulationReport, path: str | Path, *, late_ms: float) -
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'duplexrt[plot]'") from None
+    return plt
+
+
+def plot_report(report: SimulationReport, path: str | Path, *, late_ms: float) -> Path:
+    """Write the plot; one row per measured round (left: lag over time, right: histogram)."""
+    plt = _pyplot()
     rounds = [r for r in report.rounds if r.lag_samples is not None]
     if not rounds:
         raise PlotUnavailable("no per-frame samples were kept for this run")
@@ -57,13 +68,7 @@ def plot_report(report: SimulationReport, path: str | Path, *, late_ms: float) -
 def plot_search(search, path: str | Path) -> Path:
     """``--find-capacity --plot``: frame lag percentiles by session count, each probe's deadline,
     and which held."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'duplexrt[plot]'") from None
+    plt = _pyplot()
     probes = sorted((p for p in search.probes if p.lag_p50_ms is not None), key=lambda p: p.sessions)
     if not probes:
         raise PlotUnavailable("no probe measured any frame lag")
@@ -78,7 +83,9 @@ def plot_search(search, path: str | Path) -> Path:
     if search.sessions:
         axis.axvline(search.sessions, color="black", linewidth=1, label=f"capacity {search.sessions}")
     axis.set_xlabel("paced sessions")
-    axis.set_ylabel("ms")
+    # Lags span from a few ms to seconds once past capacity: a log axis keeps both readable.
+    axis.set_yscale("log")
+    axis.set_ylabel("ms (log scale)")
     axis.set_title("--find-capacity: frame lag by session count")
     axis.legend(loc="upper left")
     figure.tight_layout()

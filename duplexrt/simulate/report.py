@@ -63,6 +63,9 @@ class ServerFigures:
     #: histograms' sums and counts.
     server_step_ms_mean: float | None = None
     server_latency_ms_mean: float | None = None
+    #: The replica whose /metrics gave the server figures (its ``server.replica_id``): behind a
+    #: balancer, one replica's figures, not the whole cluster's.
+    server_replica: str | None = None
     #: What could not be measured, and why (a failed scrape of /metrics).
     notes: list[str] = attrs.Factory(list)
 
@@ -73,7 +76,8 @@ _JSON_FIELDS = ("cpu_us_per_frame", "voluntary_switches", "involuntary_switches"
                 "latency_ms", "delivery_ms", "step_to_sent_ms", "step_ms", "sessions_connected",
                 "server_cpu_us_per_frame", "server_scheduler_cpu_share", "load_generator_cpu_us_per_frame",
                 "server_frames_in",
-                "server_frames_out", "server_step_ms_mean", "server_latency_ms_mean", "drops", "resumes")
+                "server_frames_out", "server_step_ms_mean", "server_latency_ms_mean", "server_replica", "drops",
+                "resumes")
 
 
 @attrs.frozen
@@ -231,6 +235,7 @@ def _format_url_table(report: SimulationReport) -> str:
         add("connections cut / sessions resumed",
             lambda r: f"{_optional(r.measured.drops, 'd')} / {r.measured.resumes}")
     add("frames in / out (clients)", lambda r: f"{r.frames_in} / {r.frames_out}")
+    add("server figures from replica", lambda r: r.measured.server_replica or "-")
     add("frames in / out (server)", lambda r: f"{_optional(r.measured.server_frames_in, 'd')} / "
                                               f"{_optional(r.measured.server_frames_out, 'd')}")
     add("server CPU per frame (µs)", lambda r: _optional(r.measured.server_cpu_us_per_frame, ".2f"))

@@ -3,6 +3,8 @@
 The package decides at import time whether to wrap its hot functions in ``torch.compile``; on a CPU
 that makes the first steps take ~20 s, so ``NO_TORCH_COMPILE=1`` is set before the first import
 when the model is to run on a CPU (an explicit setting in the environment is left alone).
+
+torch and the moshi package are optional (duplexrt.backends.optional says what is missing).
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import os
 import sys
 from types import ModuleType
 
+from duplexrt.backends.optional import MOSHI, check_installed, install_command
 from duplexrt.config import ConfigError
 
 log = logging.getLogger("duplexrt.backends.moshi")
 _warned = False
-
 
 def import_moshi(device: str = "cpu") -> ModuleType:
     """``moshi.models`` (loaders, LMGen, LMModel, MimiModel), imported for ``device``."""
@@ -28,11 +30,10 @@ def import_moshi(device: str = "cpu") -> ModuleType:
             _warned = True
             log.warning("moshi was imported before NO_TORCH_COMPILE=1 was set: the first CPU steps "
                         "will be compiled by torch.compile (slow)")
+    check_installed()
     try:
         import moshi.models as models
-    except ImportError as exc:
-        raise ConfigError(
-            "backend.name = \"moshi\" needs the moshi package (pip install 'duplexrt[moshi]', or "
-            f"pip install --no-deps moshi==0.2.13 beside torch and numpy): {exc}"
-        ) from None
+    except ImportError as exc:  # installed, but broken: say what failed, with the same advice
+        raise ConfigError(f"backend.name = \"moshi\": the moshi package failed to import ({exc}); "
+                          f"reinstall it with: {install_command([MOSHI[1]])}") from None
     return models

@@ -1,0 +1,272 @@
+"""The drain (duplexrt/server/drain.py): its parts alone on trio's test clock, then the real
+``duplexrt serve`` in a process of its own, with a call that goes on through the drain, a call
+cut when the grace period ends, the HTTP request a preStop hook makes, and ``/readyz?full=ok``.
+HAProxy taking a draining replica out is in tests/test_deploy_haproxy.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+
+import numpy as np
+import pytest
+import trio
+import trio_websocket
+
+from conftest import PATIENCE, ServeProcess
+from duplexrt.config import load_config
+from duplexrt.server import Server
+from duplexrt.server.drain import Signals, drain_answer, progress_line, wait_for_calls
+from test_server import http_get
+
+FRAME = 1920
+KEY = "sk-drain"
+
+
+# -- the parts -------------------------------------------------------------------------------------
+
+
+def test_progress_lines_say_calls_left_and_seconds_to_go():
+    assert progress_line(12, 240.0) == "draining: 12 calls left, 240 s to go"
+    assert progress_line(1, 0.2) == "draining: 1 call left, 1 s to go"
+    assert progress_line(0, -3) == "draining: 0 calls left, 0 s to go"
+
+
+async def test_the_wait_ends_when_the_last_call_does_and_reports_every_ten_seconds(autojump_clock, caplog):
+    caplog.set_level(logging.INFO, "duplexrt.server")
+    calls = {"left": 3}
+
+    async def calls_end() -> None:
+        for at in (5.1, 25.1, 31.3):  # seconds into the drain, between two polls
+            await trio.sleep_until(started + at)
+            calls["left"] -= 1
+
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(calls_end)
+        left = await wait_for_calls(lambda: calls["left"], 240.0)
+    assert left == 0
+    assert trio.current_time() - started == pytest.approx(31.5), "ends at the first poll after the last call"
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines == ["draining: 3 calls left, 240 s to go", "draining: 2 calls left, 230 s to go",
+                     "draining: 2 calls left, 220 s to go", "draining: 1 call left, 210 s to go",
+                     "drained: every call ended, after 31.5 s"]
+
+
+async def test_the_wait_gives_up_after_the_grace_period_and_says_so(autojump_clock, caplog):
+    caplog.set_level(logging.INFO, "duplexrt.server")
+    started = trio.current_time()
+    assert await wait_for_calls(lambda: 2, 25.0) == 2
+    assert trio.current_time() - started == pytest.approx(25.0)
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines[0] == "draining: 2 calls left, 25 s to go"
+    assert lines[-1].startswith("draining: grace period over (server.shutdown_grace_s = 25) with 2 calls left")
+
+
+async def test_no_calls_no_wait(autojump_clock):
+    started = trio.current_time()
+    assert await wait_for_calls(lambda: 0, 300.0) == 0
+    assert trio.current_time() == started
+
+
+def test_the_drain_request_is_a_post_with_the_key():
+    assert drain_answer("GET", True, False, 0, 300)[0] == 405
+    assert drain_answer("POST", False, False, 0, 300)[:1] == (401,)
+    status, body, _ = drain_answer("POST", True, True, 4, 300)
+    assert status == 202
+    assert json.loads(body) == {"draining": True, "already_draining": True, "calls": 4, "shutdown_grace_s": 300}
+
+
+def test_the_second_signal_is_the_one_that_cuts(caplog):
+    caplog.set_level(logging.INFO, "duplexrt.server")
+    counted = Signals()
+    assert counted.receive("SIGTERM") is False
+    assert counted.receive("SIGINT") is True
+    assert [r.levelname for r in caplog.records] == ["INFO", "INFO"]
+    assert caplog.records[0].getMessage().startswith("received SIGTERM: draining")
+
+
+# -- in process: readiness and the HTTP request --------------------------------------------------
+
+
+async def _serve(nursery, *overrides: str) -> Server:
+    config = load_config(None, ["server.port=0", "backend.options.delay_frames=0", "metrics.log_stats=false",
+                                *overrides])
+    server = Server(config)
+    await nursery.start(server.run)
+    return server
+
+
+async def test_readyz_full_ok_stays_ready_while_full_and_not_while_draining(nursery):
+    server = await _serve(nursery, "runtime.slots=1", "server.shutdown_grace_s=0")
+    port = server.ports[0]
+    async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{port}/v1/duplex") as ws:
+        await ws.get_message()  # session.created: the one slot is taken
+        status, _, body = await http_get(port, "/readyz")
+        assert (status, json.loads(body)["reason"], json.loads(body)["full"]) == (503, "no_free_slot", True)
+        status, _, body = await http_get(port, "/readyz?full=ok")
+        assert (status, json.loads(body)["reason"], json.loads(body)["full"]) == (200, None, True)
+        server.shutdown()
+        for path in ("/readyz", "/readyz?full=ok"):
+            status, _, body = await http_get(port, path)
+            assert (status, json.loads(body)["reason"]) == (503, "draining")
+
+
+async def test_post_drain_needs_the_key_then_begins_the_drain_once(nursery):
+    server = await _serve(nursery, f'server.api_key="{KEY}"', "server.shutdown_grace_s=600")
+    port = server.ports[0]
+    url = f"ws://127.0.0.1:{port}/v1/duplex"
+    call = await trio_websocket.connect_websocket_url(nursery, url, extra_headers=[("authorization", f"Bearer {KEY}")])
+    await call.get_message()  # a call under way keeps the drain (and the server) going
+    assert (await http_get(port, "/drain"))[0] == 405
+    assert (await http_get(port, "/drain", "POST"))[0] == 401
+    assert (await http_get(port, "/drain", "POST", "authorization: Bearer wrong\r\n"))[0] == 401
+    assert not server.draining
+    status, _, body = await http_get(port, "/drain", "POST", f"authorization: Bearer {KEY}\r\n")
+    assert status == 202 and json.loads(body)["already_draining"] is False and server.draining
+    status, _, body = await http_get(port, "/drain", "POST", f"authorization: Bearer {KEY}\r\n")
+    assert status == 202 and json.loads(body)["already_draining"] is True
+    assert json.loads((await http_get(port, "/readyz"))[2])["reason"] == "draining"
+    await call.aclose()
+
+
+async def test_a_flood_of_drain_requests_and_half_sent_ones_leave_the_server_serving(nursery):
+    """Hostile peers on the new path: wrong keys, heads cut short, then one real session works."""
+    server = await _serve(nursery, f'server.api_key="{KEY}"', "server.handshake_timeout_s=0.5")
+    port = server.ports[0]
+    with trio.fail_after(PATIENCE):
+        for _ in range(50):
+            assert (await http_get(port, "/drain", "POST", "authorization: Bearer x\r\n"))[0] == 401
+        for cut in (b"POST /dra", b"POST /drain HTTP/1.1\r\nauthorization: Bearer " + KEY.encode()):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(cut)
+            await stream.aclose()
+    assert not server.draining
+    url = f"ws://127.0.0.1:{port}/v1/duplex"
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(url, extra_headers=[("authorization", f"Bearer {KEY}")]) as ws:
+            assert json.loads(await ws.get_message())["type"] == "session.created"
+
+
+# -- the real command --------------------------------------------------------------------------------
+
+
+def _noise(frames: int, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(frames * FRAME) * 0.2).astype("<f4")
+
+
+def _readyz(port: int) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _refused_status(port: int) -> int:
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    with pytest.raises(InvalidStatus) as refused:
+        with connect(f"ws://127.0.0.1:{port}/v1/duplex", open_timeout=PATIENCE):
+            pass
+    return refused.value.response.status_code
+
+
+def _echoed(ws, audio: np.ndarray) -> bytes:
+    """Send ``audio``, read until as many bytes came back (echo, no delay)."""
+    ws.send(audio.tobytes())
+    heard = b""
+    while len(heard) < audio.nbytes:
+        message = ws.recv(timeout=PATIENCE)
+        assert isinstance(message, bytes), message
+        heard += message
+    return heard
+
+
+def test_a_call_goes_on_through_the_drain_and_the_server_exits_when_it_ends():
+    from websockets.sync.client import connect
+
+    with ServeProcess("-o", "delay_frames=0", "--no-log-stats", "--set", "server.shutdown_grace_s=120") as server:
+        with connect(f"ws://127.0.0.1:{server.port}/v1/duplex") as ws:
+            assert json.loads(ws.recv(timeout=PATIENCE))["type"] == "session.created"
+            before = _noise(3, seed=1)
+            assert _echoed(ws, before) == before.tobytes()
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            status, ready = _readyz(server.port)
+            assert (status, ready["reason"]) == (503, "draining")
+            assert time.monotonic() - signalled < PATIENCE
+            server.wait_for_line("draining: 1 call left, 120 s to go")
+            assert _refused_status(server.port) == 503  # no new sessions
+            # The call goes on: more audio, every frame of it answered, as before the signal.
+            for seed in range(2, 6):
+                after = _noise(2, seed=seed)
+                assert _echoed(ws, after) == after.tobytes()
+            assert server.proc.poll() is None
+            ws.send(json.dumps({"type": "input.end"}))
+            end = json.loads(ws.recv(timeout=PATIENCE))
+        assert end["type"] == "session.end" and end["reason"] == "stop"
+        assert end["usage"]["frames_in"] == end["usage"]["frames_out"] == 11
+        assert server.proc.wait(timeout=PATIENCE) == 0
+        server.wait_for_line("drained: every call ended")
+        server.wait_for_line("stopped")
+        assert not any("WARNING" in line or "Traceback" in line for line in server.lines), server.lines
+
+
+def test_a_call_still_going_when_the_grace_period_ends_is_told_shutdown_and_cut():
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    with ServeProcess("-o", "delay_frames=0", "--no-log-stats", "--set", "server.shutdown_grace_s=1") as server:
+        with connect(f"ws://127.0.0.1:{server.port}/v1/duplex") as ws:
+            ws.recv(timeout=PATIENCE)
+            audio = _noise(2, seed=7)
+            assert _echoed(ws, audio) == audio.tobytes()
+            server.proc.send_signal(signal.SIGTERM)
+            messages = []
+            try:
+                while True:  # the caller keeps talking; the server cuts it after a second
+                    ws.send(_noise(1, seed=8).tobytes())
+                    messages.append(ws.recv(timeout=PATIENCE))
+            except ConnectionClosed:  # a send can find the close first: what came before it is read
+                pass
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    messages.append(ws.recv(timeout=PATIENCE))
+        texts = [json.loads(m) for m in messages if isinstance(m, str)]
+        assert closed.value.rcvd.code == 1001, (closed.value, texts, server.lines)
+        assert [(e["type"], e["reason"]) for e in texts] == [("session.end", "shutdown")]
+        assert server.proc.wait(timeout=PATIENCE) == 0
+        server.wait_for_line("grace period over (server.shutdown_grace_s = 1) with 1 call left")
+
+
+def test_a_drain_begun_over_http_is_not_cut_by_the_sigterm_that_follows_it():
+    """What Kubernetes does: the preStop hook's POST /drain, then SIGTERM.  That SIGTERM is the
+    first signal: the call goes on; only another one cuts."""
+    from websockets.sync.client import connect
+
+    with ServeProcess("-o", "delay_frames=0", "--no-log-stats", "--api-key", KEY,
+                      "--set", "server.shutdown_grace_s=120") as server:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with connect(f"ws://127.0.0.1:{server.port}/v1/duplex", additional_headers=headers) as ws:
+            ws.recv(timeout=PATIENCE)
+            import urllib.request
+
+            request = urllib.request.Request(f"http://127.0.0.1:{server.port}/drain", method="POST",
+                                             headers=headers)
+            with urllib.request.urlopen(request, timeout=PATIENCE) as answer:
+                assert answer.status == 202 and json.loads(answer.read())["calls"] == 1
+            server.proc.send_signal(signal.SIGTERM)
+            server.wait_for_line("received SIGTERM: draining")
+            audio = _noise(3, seed=9)
+            assert _echoed(ws, audio) == audio.tobytes()
+            server.proc.send_signal(signal.SIGTERM)  # the second signal: cut now
+            assert server.proc.wait(timeout=PATIENCE) == 0
+        server.wait_for_line("received SIGTERM again: stopping now")

@@ -1,0 +1,63 @@
+"""The README's OpenAI SDK example, as the README prints it, run against a real server.
+
+The script is taken from the README (the ``python`` block whose first line names
+``openai_realtime_example.py``), written to a file and run in a process of its own with the
+arguments its first line shows, as a reader would run it.  What it wrote is then compared with
+what it sent: the echo model answers the turn with the very same audio.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from duplexrt.config import load_config
+from duplexrt.server import Server
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+KEY = "sk-readme"
+
+
+def readme_block(first_line_contains: str) -> str:
+    """The README's fenced ``python`` block whose first line holds ``first_line_contains``."""
+    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+    found = [block for block in blocks if first_line_contains in block.split("\n", 1)[0]]
+    assert len(found) == 1, f"{len(found)} README blocks start with {first_line_contains!r}"
+    return found[0]
+
+
+def test_the_readme_names_the_example_and_this_test():
+    text = README.read_text()
+    assert "tests/test_readme_examples.py" in text
+    assert readme_block("openai_realtime_example.py").startswith("# openai_realtime_example.py: python ")
+
+
+async def test_the_openai_sdk_example_sends_a_turn_and_writes_the_reply(nursery, tmp_path):
+    config = load_config(None, ["server.port=0", "runtime.slots=2", "backend.options.delay_frames=0",
+                                f'server.api_key="{KEY}"', "metrics.log_stats=false"])
+    server = Server(config)
+    await nursery.start(server.run)
+    script = tmp_path / "openai_realtime_example.py"
+    script.write_text(readme_block("openai_realtime_example.py"))
+    samples = (np.random.default_rng(29).standard_normal(24000 * 2) * 3000).astype("<i2")  # 2 s: 25 frames
+    with wave.open(str(tmp_path / "in.wav"), "wb") as source:
+        source.setnchannels(1)
+        source.setsampwidth(2)
+        source.setframerate(24000)
+        source.writeframes(samples.tobytes())
+    with trio.fail_after(60):
+        done = await trio.run_process(
+            [sys.executable, str(script), f"http://127.0.0.1:{server.ports[0]}/v1", KEY,
+             str(tmp_path / "in.wav"), str(tmp_path / "out.wav")], capture_stdout=True, capture_stderr=True,
+            check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert done.stdout.decode().split() == ["completed", "25", "frames"]
+    with wave.open(str(tmp_path / "out.wav")) as reply:
+        assert (reply.getframerate(), reply.getnchannels(), reply.getsampwidth()) == (24000, 1, 2)
+        heard = reply.readframes(reply.getnframes())
+    assert heard == samples.tobytes(), "the echo model answers the turn with the same audio"
