@@ -140,9 +140,10 @@ async def test_a_call_longer_than_the_ring_ends_with_length_or_slides_on(beyond,
     assert after.end.reason == "stop" and after.end.frames_out == 3 and free == 2
 
 
-async def test_with_a_shorter_max_session_seconds_the_shorter_cap_ends_the_call():
-    config = _tiny("backend.options.context_seconds=0.8", 'backend.options.beyond_context="end"',
-                   "runtime.max_session_seconds=0.4")  # 10 and 5 frames
+@pytest.mark.parametrize("ring_s, cap_s", [(0.8, 0.4), (0.4, 0.8)])
+async def test_with_runtime_max_session_seconds_too_the_shorter_cap_ends_the_call(ring_s, cap_s):
+    config = _tiny(f"backend.options.context_seconds={ring_s}", 'backend.options.beyond_context="end"',
+                   f"runtime.max_session_seconds={cap_s}")  # 5 frames either way
     async with open_runtime(config) as runtime:
         run = await run_session(runtime, [_frames_bytes(10, 12), INPUT_END], F32, session_id=5)
     assert run.end.reason == "length" and run.end.frames_out == 5
