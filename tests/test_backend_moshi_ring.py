@@ -269,6 +269,17 @@ def test_a_ring_the_model_cannot_have_is_refused_at_load_naming_its_range(second
     backend.close()
 
 
+def test_duplexrt_serve_with_a_ring_past_the_models_context_stops_at_load_and_says_why():
+    from typer.testing import CliRunner
+
+    from cli.app import app
+
+    result = CliRunner().invoke(app, ["serve", "-b", "moshi", "-o", "tiny=true", "-o", "context_seconds=300",
+                                      "--slots", "1", "--port", "0", "--no-log-stats"])
+    assert result.exit_code == 2
+    assert "backend.options.context_seconds = 300 is beyond this model's context" in result.output
+
+
 def test_the_ring_at_exactly_the_models_context_or_one_frame_is_taken():
     for seconds, positions in ((5.12, TINY_POSITIONS), (0.08, 1)):
         backend = _backend(1, context_seconds=seconds)
