@@ -243,6 +243,7 @@ def ring_phase(backend, rows: tuple[int, ...], rings: tuple[int, ...], steps: in
                 cell: dict = {"rows": size, "ring_positions": positions, "ring_seconds": positions / frame_rate}
                 if time.monotonic() > deadline:
                     cells.append({**cell, "skipped": "the phase's time ran out"})
+                    on_cell(cells)
                     continue
                 backend.settings = attrs.evolve(settings, context_seconds=positions / frame_rate)
                 if cuda:
@@ -250,7 +251,7 @@ def ring_phase(backend, rows: tuple[int, ...], rings: tuple[int, ...], steps: in
                 started = time.perf_counter()
                 try:
                     backend.resize(size)
-                except Exception as exc:  # noqa: BLE001 - a size that does not fit (ConfigError, OOM): said, the rest go on
+                except Exception as exc:  # noqa: BLE001 - a size that does not fit (ConfigError, OOM): said
                     cells.append({**cell, "skipped": f"{type(exc).__name__}: {exc}"[:500]})
                     on_cell(cells)
                     continue
@@ -406,7 +407,8 @@ def main() -> int:
     if measured and time.monotonic() < end:
         ring_rows, rings = GPU_RING if cuda else CPU_RING
         run_phase(results, "ring", LIMITS["ring"][which] + hard + 30, lambda: ring_phase(
-            backend, ring_rows, rings, steps, cuda, deadline("ring"), lambda cells: results.put("ring", {"cells": cells})))
+            backend, ring_rows, rings, steps, cuda, deadline("ring"),
+            lambda cells: results.put("ring", {"cells": cells})))
     if measured and time.monotonic() < end:
         run_phase(results, "masked", LIMITS["masked"][which] + hard,
                   lambda: masked_phase(backend, measured[-1]["rows"], steps, cuda))

@@ -65,7 +65,9 @@ def test_a_cell_past_the_deadline_is_skipped_not_run(gpu_script):
     backend = MoshiBackend(BackendInfo("moshi", 24000, 1920, 1), {"tiny": True, "warmup_steps": 1})
     backend.load()
     try:
-        result = gpu_script.ring_phase(backend, (2,), (16, 64), 2, False, 0.0, lambda cells: None)
+        seen: list[int] = []
+        result = gpu_script.ring_phase(backend, (2,), (16, 64), 2, False, 0.0, lambda cells: seen.append(len(cells)))
+        assert backend.info.slots == 1 and backend.ring.positions == 64  # nothing was resized
     finally:
         backend.close()
-    assert [c.get("skipped") for c in result["cells"]] == ["the phase's time ran out"] * 2
+    assert [c.get("skipped") for c in result["cells"]] == ["the phase's time ran out"] * 2 and seen == [1, 2]
