@@ -140,6 +140,32 @@ async def test_a_call_longer_than_the_ring_ends_with_length_or_slides_on(beyond,
     assert after.end.reason == "stop" and after.end.frames_out == 3 and free == 2
 
 
+async def test_a_peer_that_floods_past_the_ring_and_drops_leaves_its_slot_fresh():
+    """15 frames at a 10-position ring in one message, then the connection dropped without a
+    word or a read: the session ends, its slot comes back, and the next call in it is a fresh
+    call (the same audio as in a new runtime)."""
+    from duplexrt.transport import memory_transport_pair
+
+    config = _tiny("runtime.slots=1", "backend.options.context_seconds=0.8", 'backend.options.beyond_context="end"')
+    follow = [_frames_bytes(13, 4), INPUT_END]
+    async with open_runtime(config) as runtime:
+        client, server = memory_transport_pair()
+        ended = []
+        async with trio.open_nursery() as nursery:
+            async def serve() -> None:
+                ended.append(await runtime.serve(server, input_spec=F32, session_id=8))
+
+            nursery.start_soon(serve)
+            await client.send(_frames_bytes(12, 15))
+            await client.close(1001, "gone")
+        free = runtime.scheduler.free_slots
+        after = await run_session(runtime, follow, F32, session_id=9)
+    async with open_runtime(config) as runtime:
+        fresh = await run_session(runtime, follow, F32, session_id=9)
+    assert ended and ended[0].frames_in <= 10 and free == 1
+    assert after.end.reason == "stop" and bytes(after.client.audio) == bytes(fresh.client.audio)
+
+
 @pytest.mark.parametrize("ring_s, cap_s", [(0.8, 0.4), (0.4, 0.8)])
 async def test_with_runtime_max_session_seconds_too_the_shorter_cap_ends_the_call(ring_s, cap_s):
     config = _tiny(f"backend.options.context_seconds={ring_s}", 'backend.options.beyond_context="end"',

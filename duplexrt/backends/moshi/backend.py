@@ -29,6 +29,9 @@ load and streams for the life of the process; each slot is one row.
   then silence, and to finish the translation after it.  So the flush frame ``end_input`` marks
   is replaced by those codes (the row's encoder does not advance on it, as nothing was encoded),
   and the frames after it are plain silence through Mimi.
+* **The K/V ring** of each row (``ring``): ``context_seconds`` sizes the LM's rings before any
+  state is allocated, so a server that caps its calls holds more slots; a call reaching the
+  ring's end ends with ``length`` (``max_session_frames``) or slides on, forgetting.
 * **Stages** (encode, lm, decode) are timed every step: running totals in ``stage_seconds`` /
   ``stage_steps`` and this step's durations in ``last_stages`` (CUDA events on a GPU, so timing
   costs no extra synchronisation).
@@ -185,16 +188,8 @@ class MoshiSettings:
             flush_frames=_none_or_int(_optional_number(opts, "flush_frames", 0, 10000, integer=True)),
             random=random,
             context_seconds=_optional_number(opts, "context_seconds", 0, 7 * 24 * 3600),
-            beyond_context=_beyond_context(opts),
+            beyond_context=ring.check_beyond_context(opts["beyond_context"]),
         )
-
-
-def _beyond_context(options: Mapping[str, Any]) -> str:
-    value = options["beyond_context"]
-    if value not in ring.BEYOND_CONTEXT:
-        raise ConfigError(f"backend.options.beyond_context for {NAME} must be one of "
-                          f"{', '.join(repr(v) for v in ring.BEYOND_CONTEXT)}, got {value!r}")
-    return value
 
 
 @attrs.frozen

@@ -89,12 +89,18 @@ def model_context(lm: Any) -> int:
     return int(context)
 
 
+def check_beyond_context(value: Any) -> str:
+    """``backend.options.beyond_context``, or a ``ConfigError`` naming the choices."""
+    if not isinstance(value, str) or value not in BEYOND_CONTEXT:
+        raise ConfigError(f"backend.options.beyond_context for moshi must be one of "
+                          f"{', '.join(repr(v) for v in BEYOND_CONTEXT)}, got {value!r}")
+    return value
+
+
 def choose(context_seconds: float | None, beyond_context: str, model_positions: int, frame_rate: float) -> Ring:
     """The ring for ``context_seconds`` (None: the model's own context), refused with a
     ``ConfigError`` that names the range when it holds no frame or more than the model's context."""
-    if beyond_context not in BEYOND_CONTEXT:
-        raise ConfigError(f"backend.options.beyond_context for moshi must be one of {', '.join(BEYOND_CONTEXT)}, "
-                          f"got {beyond_context!r}")
+    check_beyond_context(beyond_context)
     model_seconds = model_positions / frame_rate
     if context_seconds is None:
         positions = model_positions
@@ -120,4 +126,4 @@ def apply(lm: Any, ring: Ring) -> None:
     set_attention_context(lm.transformer, ring.positions)
 
 
-__all__ = ["Ring", "BEYOND_CONTEXT", "model_context", "choose", "apply"]
+__all__ = ["Ring", "BEYOND_CONTEXT", "check_beyond_context", "model_context", "choose", "apply"]
