@@ -175,6 +175,31 @@ async def test_with_runtime_max_session_seconds_too_the_shorter_cap_ends_the_cal
     assert run.end.reason == "length" and run.end.frames_out == 5
 
 
+async def test_unset_the_ring_is_cut_to_runtime_max_session_seconds_and_holds_every_call_whole(caplog):
+    """No call outlasts ``runtime.max_session_seconds``, so no row needs a longer ring: unset,
+    ``context_seconds`` follows it (here 0.8 s, 10 positions of the model's 64), and the call,
+    ended at 10 frames, was heard whole: the same audio as the full-context model's."""
+    frames = _frames_bytes(14, 14)
+    ends = {}
+    for name, overrides in (("capped", ["runtime.max_session_seconds=0.8"]),
+                            ("full", ["runtime.max_session_seconds=0.8", "backend.options.context_seconds=5.12"])):
+        with caplog.at_level("INFO", logger="duplexrt.backends.moshi"):
+            async with open_runtime(_tiny("backend.options.greedy=true", *overrides)) as runtime:
+                choice = runtime.scheduler.slot_choice
+                ends[name] = (choice, await run_session(runtime, [frames, INPUT_END], F32, session_id=2))
+    capped, full = ends["capped"], ends["full"]
+    assert capped[0].details["ring"]["positions"] == 10 and capped[0].details["ring"]["source"] == "max_session_seconds"
+    assert "as runtime.max_session_seconds caps calls" in capped[0].reason
+    assert full[0].details["ring"]["positions"] == TINY_POSITIONS
+    assert capped[0].details["bytes_per_slot"]["lm_kv"] == 2 * 2 * 64 * 10 * 4
+    for _, run in (capped, full):
+        assert run.end.reason == "length" and run.end.frames_out == 10
+    np.testing.assert_allclose(np.frombuffer(bytes(capped[1].client.audio), np.float32),
+                               np.frombuffer(bytes(full[1].client.audio), np.float32), rtol=1e-4, atol=1e-5)
+    # the explicit ring longer than every call: said at load
+    assert "backend.options.context_seconds = 0.8 would hold the same calls in less memory" in caplog.text
+
+
 async def test_the_model_own_context_ends_a_call_under_end_and_not_under_slide():
     """Unset, the ring is the model's own context: "end" ends a call there (where the model
     would otherwise wrap its ring without a word)."""
@@ -336,7 +361,7 @@ async def test_readyz_stats_and_the_reason_show_the_ring():
         server.shutdown()
     assert status == 200
     expected = {"positions": 25, "seconds": 2.0, "model_positions": TINY_POSITIONS, "model_seconds": 5.12,
-                "beyond_context": "slide"}
+                "beyond_context": "slide", "source": "context_seconds"}
     assert ready["slot_choice"]["ring"] == expected
     assert json.loads(stats)["slot_choice"]["ring"] == expected
     assert "a K/V ring of 25 positions a row (2 s, of the model's 64 (5.12 s)): a longer call forgets" \

@@ -323,7 +323,13 @@ class MoshiBackend(Backend):
             self._release_rows()  # sized again from the weights alone
             # The ring first: every state allocated from here on (and the arithmetic) follows it.
             self.ring = ring.choose(settings.context_seconds, settings.beyond_context,
-                                    self._model.model_positions, mimi.frame_rate)
+                                    self._model.model_positions, mimi.frame_rate,
+                                    max_session_seconds=self.info.max_session_seconds)
+            cap = self.info.max_session_seconds
+            if settings.context_seconds is not None and 0 < cap < self.ring.seconds:
+                log.info("moshi backend: runtime.max_session_seconds = %g ends every call before the %g s "
+                         "K/V ring is full: backend.options.context_seconds = %g would hold the same calls "
+                         "in less memory", cap, self.ring.seconds, cap)
             ring.apply(lm, self.ring)
             self.info = attrs.evolve(self.info, max_session_frames=self.ring.max_session_frames)
             # What one slot holds, from the model's own modules, before any of it is allocated

@@ -8,9 +8,9 @@ slot holds (``memory.slot_bytes`` reads the same ``context``) and most of the pe
 step.  A server whose calls are capped at T seconds needs only T x 12.5 positions: a shorter ring
 holds more slots, and each reads less per step.
 
-``backend.options.context_seconds`` chooses the ring (unset: the model's own context), applied to
-the temporal transformer with the package's ``set_attention_context`` before any state is
-allocated.  ``backend.options.beyond_context`` says what a call gets once it has filled it:
+``backend.options.context_seconds`` chooses the ring (unset: the model's own context, or
+``runtime.max_session_seconds`` where that is shorter), applied to the temporal transformer with
+the package's ``set_attention_context`` before any state is allocated.  ``backend.options.beyond_context`` says what a call gets once it has filled it:
 
 * ``"end"`` (the default): the call ends with finish reason ``length`` when it reaches the ring's
   end (``BackendInfo.max_session_frames``; with ``runtime.max_session_seconds`` the shorter of
@@ -47,6 +47,9 @@ class Ring:
     frame_rate: float
     #: ``"end"`` or ``"slide"``: what a call gets past ``positions`` frames.
     beyond_context: str
+    #: What set ``positions``: ``"model"`` (its own context), ``"context_seconds"`` or
+    #: ``"max_session_seconds"`` (no call lasts longer, so no row needs more).
+    source: str = "model"
 
     @property
     def seconds(self) -> float:
@@ -64,12 +67,14 @@ class Ring:
     def as_dict(self) -> dict[str, Any]:
         return {"positions": self.positions, "seconds": round(self.seconds, 3),
                 "model_positions": self.model_positions, "model_seconds": round(self.model_seconds, 3),
-                "beyond_context": self.beyond_context}
+                "beyond_context": self.beyond_context, "source": self.source}
 
     def describe(self) -> str:
         """One clause for the start line and the log."""
         own = "the model's own context" if self.positions == self.model_positions else \
             f"of the model's {self.model_positions} ({self.model_seconds:g} s)"
+        if self.source == "max_session_seconds":
+            own += ", as runtime.max_session_seconds caps calls"
         after = "a call ends with 'length' at its end" if self.beyond_context == "end" else \
             "a longer call forgets what is older"
         return f"a K/V ring of {self.positions} positions a row ({self.seconds:g} s, {own}): {after}"
@@ -97,16 +102,28 @@ def check_beyond_context(value: Any) -> str:
     return value
 
 
-def choose(context_seconds: float | None, beyond_context: str, model_positions: int, frame_rate: float) -> Ring:
-    """The ring for ``context_seconds`` (None: the model's own context), refused with a
-    ``ConfigError`` that names the range when it holds no frame or more than the model's context."""
+def _frames(seconds: float, frame_rate: float) -> int:
+    # Whole frames, as runtime.max_session_seconds counts them: a ring of T s holds a call of T s.
+    return math.floor(seconds * frame_rate + 1e-9)
+
+
+def choose(context_seconds: float | None, beyond_context: str, model_positions: int, frame_rate: float,
+           *, max_session_seconds: float = 0.0) -> Ring:
+    """The ring for ``context_seconds``, refused with a ``ConfigError`` that names the range when
+    it holds no frame or more than the model's context.  Unset, it is the model's own context, or
+    less where ``max_session_seconds`` (``runtime.max_session_seconds``) ends every call sooner:
+    positions no call reaches would be memory, and per-step reads, for nothing."""
     check_beyond_context(beyond_context)
     model_seconds = model_positions / frame_rate
     if context_seconds is None:
+        capped = _frames(max_session_seconds, frame_rate) if max_session_seconds > 0 else 0
+        if 1 <= capped < model_positions:
+            return Ring(capped, model_positions, frame_rate, beyond_context, "max_session_seconds")
         positions = model_positions
+        source = "model"
     else:
-        # Whole frames, as runtime.max_session_seconds counts them: a ring of T s holds a call of T s.
-        positions = math.floor(context_seconds * frame_rate + 1e-9)
+        source = "context_seconds"
+        positions = _frames(context_seconds, frame_rate)
         if positions < 1:
             raise ConfigError(f"backend.options.context_seconds = {context_seconds:g} holds no frame: the ring "
                               f"needs at least one ({1 / frame_rate:g} s), at most the model's context "
@@ -115,7 +132,7 @@ def choose(context_seconds: float | None, beyond_context: str, model_positions: 
             raise ConfigError(f"backend.options.context_seconds = {context_seconds:g} is beyond this model's "
                               f"context ({model_positions} positions, {model_seconds:g} s): the model never "
                               f"attends further; give at most {model_seconds:g}, or leave it unset")
-    return Ring(positions, model_positions, frame_rate, beyond_context)
+    return Ring(positions, model_positions, frame_rate, beyond_context, source)
 
 
 def apply(lm: Any, ring: Ring) -> None:
