@@ -8,7 +8,7 @@ installs it with ``pip install --no-index --no-deps --target`` and sets ``PYTHON
 docs/capacity.md, "Sizing a GPU").  Without CUDA it runs the same phases on the tiny model with
 small sizes, so that CI keeps it working (``tests/test_gpu_script.py``); those are no GPU figures.
 
-    python3 benchmarks/gpu.py --out DIR [--budget-s 330]
+    python3 benchmarks/gpu.py --out DIR [--budget-s 420]
 
 Phases, each under its own time limit, the JSON (``DIR/gpu.json``) rewritten after each:
 
@@ -21,8 +21,12 @@ Phases, each under its own time limit, the JSON (``DIR/gpu.json``) rewritten aft
    blocking one), and the GPU memory allocated.
 4. ``wait``: the CPU one thread spends waiting for 50 ms of GPU work, with a spinning event
    (CUDA's default) and with a blocking one (what the backend uses).
-5. ``masked``: the largest batch measured, with one and with an eighth of its rows active.
-6. ``serve``: ``duplexrt serve`` on that model at the largest batch whose step leaves the capacity
+5. ``ring``: each row's K/V ring (``backend.options.context_seconds``) at 750 positions (a call
+   cap of 60 s) against the model's own 3000 (240 s), at 32 and 64 rows, alternated: the step, its
+   stages, the state per slot and how many slots fit the memory at each ring, and the ratio of
+   the short ring's step to the full one's at the same rows.
+6. ``masked``: the largest batch measured, with one and with an eighth of its rows active.
+7. ``serve``: ``duplexrt serve`` on that model at the largest batch whose step leaves the capacity
    margin (5 % of the 80 ms frame), and paced callers over real WebSockets from another process
    (``benchmarks/bare_cli.py simulate --url``): frames late, lag p50/p99, host CPU per frame.
 """
@@ -57,8 +61,12 @@ REQUIRED = (
 )
 GPU_SIZES = (1, 8, 16, 32, 48, 64, 80)
 CPU_SIZES = (1, 2, 4)
+#: The ``ring`` phase's cells (rows, ring positions: the short ring first, then the model's own).
+GPU_RING = ((32, 64), (750, 3000))
+CPU_RING = ((2, 4), (16, 64))
 #: Seconds each phase may take (GPU, CPU); the whole run is also bounded by --budget-s.
-LIMITS = {"build": (120, 120), "steps": (150, 120), "wait": (20, 10), "masked": (40, 60), "serve": (90, 120)}
+LIMITS = {"build": (120, 120), "steps": (150, 120), "wait": (20, 10), "ring": (90, 60), "masked": (40, 60),
+          "serve": (90, 120)}
 FRAME = 1920
 FRAME_MS = 80.0
 
@@ -219,6 +227,50 @@ def wait_phase(cuda: bool) -> dict:
     return result
 
 
+def ring_phase(backend, rows: tuple[int, ...], rings: tuple[int, ...], steps: int, cuda: bool, deadline: float,
+               on_cell) -> dict:
+    """The step at each ring length and batch size, the rings alternated at each size (the model
+    is the same; only the rows' state is allocated again).  The backend's own ring is put back."""
+    import attrs
+    import torch
+
+    settings = backend.settings
+    frame_rate = 1000.0 / FRAME_MS
+    cells: list[dict] = []
+    try:
+        for size in rows:
+            for positions in rings:
+                cell: dict = {"rows": size, "ring_positions": positions, "ring_seconds": positions / frame_rate}
+                if time.monotonic() > deadline:
+                    cells.append({**cell, "skipped": "the phase's time ran out"})
+                    on_cell(cells)
+                    continue
+                backend.settings = attrs.evolve(settings, context_seconds=positions / frame_rate)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                started = time.perf_counter()
+                try:
+                    backend.resize(size)
+                except Exception as exc:  # noqa: BLE001 - a size that does not fit (ConfigError, OOM): said
+                    cells.append({**cell, "skipped": f"{type(exc).__name__}: {exc}"[:500]})
+                    on_cell(cells)
+                    continue
+                cell.update(resize_s=round(time.perf_counter() - started, 2),
+                            bytes_per_slot=backend.slot_bytes.total,
+                            fit_memory=backend.slot_choice.details.get("fit_memory"))
+                cell.update(_timed_steps(backend, size, steps, cuda))
+                cell.update(_memory_now(cuda))
+                cells.append(cell)
+                on_cell(cells)
+    finally:
+        backend.settings = settings
+    full = {c["rows"]: c for c in cells if c["ring_positions"] == max(rings) and "step_ms" in c}
+    for cell in cells:
+        if "step_ms" in cell and cell["rows"] in full:
+            cell["ratio_to_full_ring"] = round(cell["step_ms"]["p50"] / full[cell["rows"]]["step_ms"]["p50"], 4)
+    return {"cells": cells}
+
+
 def masked_phase(backend, slots: int, steps: int, cuda: bool) -> dict:
     backend.resize(slots)
     runs = []
@@ -304,7 +356,7 @@ def run_phase(results: Results, name: str, limit_s: float, work):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmark-gpu"))
-    parser.add_argument("--budget-s", type=float, default=330.0, help="the whole run's seconds")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="the whole run's seconds")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per size (0: 20 on a GPU, 3 on a CPU)")
     parser.add_argument("--serve-seconds", type=float, default=0.0, help="the paced round (0: 30 s GPU, 3 s CPU)")
     args = parser.parse_args()
@@ -352,6 +404,11 @@ def main() -> int:
         lambda rows: results.put("steps", {"budget_ms": budget_ms, "rows": rows})))
     measured = [r for r in table.get("rows", []) if "step_ms" in r]
     run_phase(results, "wait", LIMITS["wait"][which] + hard, lambda: wait_phase(cuda))
+    if measured and time.monotonic() < end:
+        ring_rows, rings = GPU_RING if cuda else CPU_RING
+        run_phase(results, "ring", LIMITS["ring"][which] + hard + 30, lambda: ring_phase(
+            backend, ring_rows, rings, steps, cuda, deadline("ring"),
+            lambda cells: results.put("ring", {"cells": cells})))
     if measured and time.monotonic() < end:
         run_phase(results, "masked", LIMITS["masked"][which] + hard,
                   lambda: masked_phase(backend, measured[-1]["rows"], steps, cuda))

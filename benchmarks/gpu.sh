@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU table in one call, on a bare device machine (its own python3 and torch, no network, no
 # venv): installs the carried wheel folder into OUT/site, then runs benchmarks/gpu.py with
-# PYTHONPATH pointing there.  ~6 minutes on an H200; the JSON (OUT/gpu.json) after every phase.
+# PYTHONPATH pointing there.  The phases' limits and a 9-minute timeout keep it within the device's
+# 10 minutes a command; the JSON (OUT/gpu.json) is written after every phase.
 #
 #   benchmarks/gpu_wheels.sh gpu-wheels     # first, on a machine with pip and PyPI (~19 MB)
 #   benchmarks/gpu.sh --wheels gpu-wheels [OUT]
@@ -27,4 +28,4 @@ if [ -n "$WHEELS" ]; then
 fi
 # CUDA graphs are on unless the environment turns them off: say so if it does.
 [ -n "${NO_CUDA_GRAPH:-}" ] && echo "warning: NO_CUDA_GRAPH is set: CUDA graphs are off" >&2
-exec timeout "${GPU_TIMEOUT_S:-420}" "${PY[@]}" benchmarks/gpu.py --out "$OUT"
+exec timeout "${GPU_TIMEOUT_S:-540}" "${PY[@]}" benchmarks/gpu.py --out "$OUT"

@@ -14,6 +14,11 @@ scatter + Mimi encoder; lm: LMGen step; decode: Mimi decoder + gather + text), f
 Usage: python benchmarks/moshi_tiny.py [--steps 20] [--sizes 1,2,4,8,16,32,64]
        [--fixed-slots 64] [--greedy] [--device cpu] [--threads N] [--json out.json]
        [--random moshi-7b --dtype bfloat16]   (the full-size architecture, random weights: a GPU)
+       [--rings model,1.28 --rounds 3]        (each row's K/V ring, backend.options.context_seconds)
+
+``--rings`` gives K/V ring lengths in seconds (``model``: the model's own context); with more than
+one, each cell is measured for every ring in turn, ``--rounds`` times (A B A B ...: a drift of the
+machine's speed hits both alike), and each ring's median is reported with its ratio to the first.
 
 A batch size that does not fit the device's memory (the 7B model's KV caches grow with the
 slots) is reported as such and the table goes on.
@@ -60,8 +65,9 @@ def measure(slots: int, active: int, steps: int, options: dict) -> dict:
         totals.append((time.perf_counter_ns() - began) / 1e6)
         for name, ns in backend.last_stages:
             per_stage[name].append(ns / 1e6)
+    positions = backend.ring.positions
     backend.close()
-    result = {"slots": slots, "active": active, "steps": steps, "load_s": round(load_s, 3)}
+    result = {"slots": slots, "active": active, "ring": positions, "steps": steps, "load_s": round(load_s, 3)}
     for name, values in per_stage.items():
         result[f"{name}_ms"] = round(statistics.fmean(values), 3)
     result["step_ms"] = round(statistics.fmean(totals), 3)
@@ -73,15 +79,38 @@ def measure(slots: int, active: int, steps: int, options: dict) -> dict:
 
 
 def table(title: str, results: list[dict]) -> str:
-    head = f"{'B':>4} {'slots':>5} " + " ".join(f"{name + ' ms':>10}" for name in STAGES)
-    head += f" {'step ms':>9} {'p50':>8} {'max':>8} {'ms/session':>10} {'<=80ms':>6}"
+    head = f"{'B':>4} {'slots':>5} {'ring':>5} " + " ".join(f"{name + ' ms':>10}" for name in STAGES)
+    head += f" {'step ms':>9} {'p50':>8} {'max':>8} {'ms/session':>10} {'<=80ms':>6} {'vs 1st ring':>11}"
     lines = [title, head, "-" * len(head)]
     for r in results:
-        line = f"{r['active']:>4} {r['slots']:>5} " + " ".join(f"{r[name + '_ms']:>10.2f}" for name in STAGES)
+        line = (f"{r['active']:>4} {r['slots']:>5} {r['ring']:>5} "
+                + " ".join(f"{r[name + '_ms']:>10.2f}" for name in STAGES))
+        ratio = f"{r['ratio_to_first_ring']:.3f}" if "ratio_to_first_ring" in r else ""
         line += (f" {r['step_ms']:>9.2f} {r['step_p50_ms']:>8.2f} {r['step_max_ms']:>8.2f}"
-                 f" {r['per_session_ms']:>10.2f} {'yes' if r['real_time'] else 'no':>6}")
+                 f" {r['per_session_ms']:>10.2f} {'yes' if r['real_time'] else 'no':>6} {ratio:>11}")
         lines.append(line)
     return "\n".join(lines)
+
+
+def alternated(rings: list[float | None], rounds: int, measure_one) -> list[dict]:
+    """Every ring measured in turn, ``rounds`` times; per ring the round with the median step, and
+    with more than one ring its ratio to the first ring's, round by round (the median of those)."""
+    runs: dict[float | None, list[dict]] = {ring: [] for ring in rings}
+    for _ in range(rounds):
+        for ring in rings:
+            result = measure_one(ring)
+            if result is None:
+                return []
+            runs[ring].append(result)
+    chosen = []
+    for ring in rings:
+        ordered = sorted(runs[ring], key=lambda r: r["step_ms"])
+        result = dict(ordered[len(ordered) // 2])
+        if len(rings) > 1:
+            ratios = sorted(a["step_ms"] / b["step_ms"] for a, b in zip(runs[ring], runs[rings[0]]))
+            result["ratio_to_first_ring"] = round(ratios[len(ratios) // 2], 4)
+        chosen.append(result)
+    return chosen
 
 
 def main() -> None:
@@ -96,8 +125,12 @@ def main() -> None:
     parser.add_argument("--random", default="", help="a full-size architecture with random weights "
                                                      "(moshi-7b) instead of the tiny model")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rings", default="model", help="K/V ring lengths in seconds, comma separated "
+                                                          "(model: the model's own context)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternated rounds per cell (with several rings)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    rings = [None if s == "model" else float(s) for s in args.rings.split(",") if s]
     # torch.compile as served: the backend turns it off on a CPU (NO_TORCH_COMPILE=1 before moshi is
     # imported), never on a GPU.  Four warm-up steps: on a GPU the second captures the CUDA graphs.
     options = {"device": args.device, "greedy": args.greedy, "warmup_steps": 4, "dtype": args.dtype}
@@ -112,13 +145,13 @@ def main() -> None:
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "python": platform.python_version(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "device": args.device,
-        "greedy": args.greedy, "steps": args.steps,
+        "greedy": args.greedy, "steps": args.steps, "rings_s": args.rings, "rounds": args.rounds,
     }
     print(f"{args.random or 'tiny'} random Moshi, {machine}", file=sys.stderr)
 
-    def fitting(slots: int, active: int) -> dict | None:
+    def fitting(slots: int, active: int, ring: float | None) -> dict | None:
         try:
-            result = measure(slots, active, args.steps, options)
+            result = measure(slots, active, args.steps, {**options, "context_seconds": ring})
         except torch.OutOfMemoryError:
             print(f"  slots={slots} active={active}: does not fit the device's memory", file=sys.stderr)
             return None
@@ -126,13 +159,17 @@ def main() -> None:
             if args.device.startswith("cuda"):
                 gc.collect()
                 torch.cuda.empty_cache()
-        print(f"  slots={slots} active={active}: {result['step_ms']:.1f} ms/step", file=sys.stderr)
+        print(f"  slots={slots} active={active} ring={result['ring']}: {result['step_ms']:.1f} ms/step",
+              file=sys.stderr)
         return result
 
-    scaled = [r for size in sizes if (r := fitting(size, size)) is not None]
+    def cell(slots: int, active: int) -> list[dict]:
+        return alternated(rings, max(1, args.rounds), lambda ring: fitting(slots, active, ring))
+
+    scaled = [r for size in sizes for r in cell(size, size)]
     fixed = []
     if args.fixed_slots:
-        fixed = [r for size in sizes if size <= args.fixed_slots and (r := fitting(args.fixed_slots, size)) is not None]
+        fixed = [r for size in sizes if size <= args.fixed_slots for r in cell(args.fixed_slots, size)]
     print(table("1. a batch of B sessions (slots = B, all active)", scaled))
     if fixed:
         print()

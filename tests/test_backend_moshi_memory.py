@@ -270,3 +270,5 @@ def test_the_start_line_of_a_real_server_says_what_auto_chose():
     slots = int(chosen.split(" slots: ")[0])
     assert slots >= 1 and " slots: auto: " in chosen
     assert "40.0 ms" in chosen  # the budget it kept to: half of the 80 ms frame
+    # and the ring each row holds (the preset's: the model's own, sliding)
+    assert "a K/V ring of 64 positions a row (5.12 s, the model's own context): a longer call forgets" in chosen

@@ -75,6 +75,9 @@ def test_the_script_runs_every_phase_in_the_bare_layout(bare):
         assert set(row["stage_ms"]) == {"encode", "lm", "decode"} and row["step_ms"]["p50"] > 0
         assert 0 < row["thread_cpu_ms_per_step"] and "within_budget" in row
     assert "skipped" in phases["wait"]  # no GPU to wait for
+    cells = phases["ring"]["cells"]
+    assert [(c["rows"], c["ring_positions"]) for c in cells] == [(2, 16), (2, 64), (4, 16), (4, 64)]
+    assert all(c["step_ms"]["p50"] > 0 and c["ratio_to_full_ring"] > 0 for c in cells)
     assert [run["active"] for run in phases["masked"]["runs"]] == [1, 4]
     serve = phases["serve"]
     assert serve["clients_exit_status"] == 0, serve.get("clients_output")

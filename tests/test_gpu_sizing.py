@@ -34,13 +34,29 @@ MOSHI_7B = re.compile(r"^kyutai/moshi(ko|ka)-")
 
 
 @pytest.fixture(scope="module")
-def moshi_7b():
-    """(weights, state per slot) of the Moshi 7B architecture in bf16, on the meta device."""
+def moshi_7b_at():
+    """``(backend options) -> (weights, state per slot)`` of the Moshi 7B architecture in bf16, on
+    the meta device, at the K/V ring the options give (``context_seconds``; unset: the model's)."""
     from moshi.models import loaders
+
+    from duplexrt.backends.moshi import ring
 
     mimi = loaders.get_mimi(None, device="meta")
     lm = loaders.get_moshi_lm(None, device="meta", dtype=torch.bfloat16)
-    return memory.weight_bytes(lm, mimi), memory.slot_bytes(mimi, lm, guided=False).total
+    weights, own = memory.weight_bytes(lm, mimi), ring.model_context(lm)
+
+    def at(options: dict) -> tuple[int, int]:
+        chosen = ring.choose(options.get("context_seconds"), options.get("beyond_context", "end"), own, 12.5)
+        ring.apply(lm, chosen)
+        return weights, memory.slot_bytes(mimi, lm, guided=False).total
+
+    return at
+
+
+@pytest.fixture(scope="module")
+def moshi_7b(moshi_7b_at):
+    """(weights, state per slot) of the Moshi 7B architecture in bf16 at the model's own ring."""
+    return moshi_7b_at({})
 
 
 def _architecture(options: dict) -> str | None:
@@ -64,7 +80,7 @@ def test_the_gpu_presets_are_the_ones_expected():
 
 
 @pytest.mark.parametrize("preset", _gpu_presets(), ids=lambda p: p.stem)
-def test_every_gpu_preset_names_its_gpu_and_fits_it(preset, moshi_7b):
+def test_every_gpu_preset_names_its_gpu_and_fits_it(preset, moshi_7b_at):
     text = preset.read_text()
     named = SIZED_FOR.findall(text)
     assert len(named) == 1, f"{preset.name} must name its GPU once: '# sized for: gpu=NAME memory_gb=N'"
@@ -77,7 +93,7 @@ def test_every_gpu_preset_names_its_gpu_and_fits_it(preset, moshi_7b):
         # it, so only "auto" (sized at load from that config) can be right on every GPU.
         assert slots == "auto", f"{preset.name}: no offline architecture to check {slots} slots against"
         return
-    weights, per_slot = moshi_7b
+    weights, per_slot = moshi_7b_at(config["backend"]["options"])  # at the preset's own ring
     fit = memory.fits(int(gigabytes) * 10**9, weights, per_slot)
     assert fit >= 1, f"{preset.name}: not one slot fits {gpu}"
     if slots != "auto":
@@ -90,7 +106,7 @@ def _containers(document: dict):
         yield spec.get("nodeSelector", {}), {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
-def test_the_kubernetes_manifest_fits_the_gpu_it_selects(moshi_7b):
+def test_the_kubernetes_manifest_fits_the_gpu_it_selects(moshi_7b_at):
     documents = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "duplexrt.yaml").read_text()))
     checked = 0
     for document in documents:
@@ -102,7 +118,7 @@ def test_the_kubernetes_manifest_fits_the_gpu_it_selects(moshi_7b):
             preset = tomllib.loads((ROOT / "configs" / f"{env['DUPLEXRT_CONFIG']}.toml").read_text())
             assert _architecture(preset["backend"]["options"]) == "moshi-7b"
             slots = env.get("DUPLEXRT_SLOTS") or preset["runtime"]["slots"]
-            weights, per_slot = moshi_7b
+            weights, per_slot = moshi_7b_at(preset["backend"]["options"])
             fit = memory.fits(gigabytes * 10**9, weights, per_slot)
             assert slots == "auto" or int(slots) <= fit, f"{product}: {slots} slots, at most {fit} fit"
             checked += 1

@@ -50,6 +50,7 @@ def create_backend(config: Config) -> Backend:
         frame_size=config.audio.frame_size,
         slots=CHOSEN_AT_LOAD if config.runtime.slots == AUTO_SLOTS else config.runtime.slots,
         capacity_margin=config.runtime.capacity_margin,
+        max_session_seconds=config.runtime.max_session_seconds,
     )
     return factory(info, config.backend.options)
 

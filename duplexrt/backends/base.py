@@ -68,6 +68,9 @@ class BackendInfo:
     #: ``runtime.capacity_margin``: the share of a frame period a step must leave free, for a
     #: backend that chooses its own slot count by timing its step.
     capacity_margin: float = 0.05
+    #: ``runtime.max_session_seconds`` (0: none): the longest call the server takes, for a
+    #: backend whose per-row state is sized by the longest call it must hold (moshi's K/V ring).
+    max_session_seconds: float = 0.0
 
     @property
     def frame_ms(self) -> float:

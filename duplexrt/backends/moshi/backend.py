@@ -29,6 +29,9 @@ load and streams for the life of the process; each slot is one row.
   then silence, and to finish the translation after it.  So the flush frame ``end_input`` marks
   is replaced by those codes (the row's encoder does not advance on it, as nothing was encoded),
   and the frames after it are plain silence through Mimi.
+* **The K/V ring** of each row (``ring``): ``context_seconds`` sizes the LM's rings before any
+  state is allocated, so a server that caps its calls holds more slots; a call reaching the
+  ring's end ends with ``length`` (``max_session_frames``) or slides on, forgetting.
 * **Stages** (encode, lm, decode) are timed every step: running totals in ``stage_seconds`` /
   ``stage_steps`` and this step's durations in ``last_stages`` (CUDA events on a GPU, so timing
   costs no extra synchronisation).
@@ -48,7 +51,7 @@ import numpy as np
 
 from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, SlotChoice, SlotSession,
                                     number_option, take_options)
-from duplexrt.backends.moshi import auto_slots, loading, memory, sampling
+from duplexrt.backends.moshi import auto_slots, loading, memory, ring, sampling
 from duplexrt.backends.moshi.cuda import StepClock, select_device
 from duplexrt.backends.moshi.env import import_moshi
 from duplexrt.backends.moshi.rows import RowWiper
@@ -80,6 +83,8 @@ DEFAULTS: dict[str, Any] = {
     "cfg_coef": None,
     "warmup_steps": 4,
     "flush_frames": None,
+    "context_seconds": None,
+    "beyond_context": "end",
 }
 
 #: Steps fed after a caller's input ends, by default, for a Hibiki model: the translation lags
@@ -129,6 +134,10 @@ class MoshiSettings:
     #: A full-size architecture with seeded random weights built on the device (``moshi-7b``):
     #: real step costs with nothing downloaded.  Empty: a checkpoint or the tiny model.
     random: str = ""
+    #: Seconds of a call each row's K/V ring holds (None: the model's own context; see ``ring``).
+    context_seconds: float | None = None
+    #: ``"end"``: a call ends with ``length`` at the ring's end; ``"slide"``: it forgets beyond it.
+    beyond_context: str = "end"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MoshiSettings:
@@ -178,6 +187,8 @@ class MoshiSettings:
             warmup_steps=int(number_option(NAME, opts, "warmup_steps", 0, 1000, integer=True)),
             flush_frames=_none_or_int(_optional_number(opts, "flush_frames", 0, 10000, integer=True)),
             random=random,
+            context_seconds=_optional_number(opts, "context_seconds", 0, 7 * 24 * 3600),
+            beyond_context=ring.check_beyond_context(opts["beyond_context"]),
         )
 
 
@@ -193,6 +204,8 @@ class _Model:
     model_type: str
     gen_config: dict[str, Any]
     cfg_coef: float
+    #: The temporal transformer's context as built, before any ring was applied to it.
+    model_positions: int
 
 
 def _none_or_int(value: float | None) -> int | None:
@@ -233,6 +246,8 @@ class MoshiBackend(Backend):
         self.description: dict[str, Any] = {}
         #: What one slot holds (set by ``load``, from the model's configuration).
         self.slot_bytes: memory.SlotBytes | None = None
+        #: Each row's K/V ring (set by ``load``: ``backend.options.context_seconds``).
+        self.ring: ring.Ring | None = None
         #: Free memory of the device, read after the weights (None: ``memory.device_memory``;
         #: tests give their own to exercise the arithmetic's refusals on a CPU).
         self._memory_source = memory_source
@@ -306,6 +321,17 @@ class MoshiBackend(Backend):
                 self._model = self._build(torch)
             mimi, lm, cfg_coef = self._model.mimi, self._model.lm, self._model.cfg_coef
             self._release_rows()  # sized again from the weights alone
+            # The ring first: every state allocated from here on (and the arithmetic) follows it.
+            self.ring = ring.choose(settings.context_seconds, settings.beyond_context,
+                                    self._model.model_positions, mimi.frame_rate,
+                                    max_session_seconds=self.info.max_session_seconds)
+            cap = self.info.max_session_seconds
+            if settings.context_seconds is not None and 0 < cap < self.ring.seconds:
+                log.info("moshi backend: runtime.max_session_seconds = %g ends every call before the %g s "
+                         "K/V ring is full: backend.options.context_seconds = %g would hold the same calls "
+                         "in less memory", cap, self.ring.seconds, cap)
+            ring.apply(lm, self.ring)
+            self.info = attrs.evolve(self.info, max_session_frames=self.ring.max_session_frames)
             # What one slot holds, from the model's own modules, before any of it is allocated
             # (the attentions' context is what the K/V rings will hold: see ``memory``).
             self.slot_bytes = memory.slot_bytes(mimi, lm, guided=cfg_coef != 1.0)
@@ -321,6 +347,10 @@ class MoshiBackend(Backend):
                 self._warm_up(settings.warmup_steps)
                 self.slot_choice = SlotChoice(slots, "configured", "runtime.slots",
                                               self._memory_details(fit, device_memory))
+            # The ring in the reason too: the start line shows the reason, and the ring is half of it.
+            self.slot_choice = attrs.evolve(self.slot_choice,
+                                            reason=f"{self.slot_choice.reason}; {self.ring.describe()}")
+            self.description["ring"] = self.ring.as_dict()
             flush = settings.flush_frames
             if flush is None:
                 flush = HIBIKI_FLUSH_FRAMES if self._model.model_type == "hibiki" else 0
@@ -361,12 +391,14 @@ class MoshiBackend(Backend):
         for key in [k for k in gen_config if k not in accepted or k in ("lm_model", "condition_tensors")]:
             log.warning("ignoring %r from the checkpoint's lm_gen_config: LMGen takes no such argument", key)
             del gen_config[key]
-        return _Model(models, torch, mimi, lm, tokenizer, model_type, gen_config, cfg_coef)
+        return _Model(models, torch, mimi, lm, tokenizer, model_type, gen_config, cfg_coef,
+                      ring.model_context(lm))
 
     # -- sizing ------------------------------------------------------------------------------------
 
     def _memory_details(self, fit: int | None, device_memory: memory.DeviceMemory | None) -> dict[str, Any]:
-        details: dict[str, Any] = {"bytes_per_slot": self.slot_bytes.as_dict(), "fit_memory": fit}
+        details: dict[str, Any] = {"bytes_per_slot": self.slot_bytes.as_dict(), "fit_memory": fit,
+                                   "ring": self.ring.as_dict()}
         if device_memory is not None:
             details.update(free_bytes=device_memory.free, total_bytes=device_memory.total,
                            reserve_bytes=device_memory.reserve, memory_source=device_memory.source)
@@ -379,6 +411,8 @@ class MoshiBackend(Backend):
                  f"Mimi convolutions {gb(per.mimi_conv)}, the rest {gb(per.bookkeeping)}")
         advice = f"set runtime.slots = {fit} (--slots {fit}) or \"auto\"" if fit else \
             "not even one slot fits: free memory on the device, or a device with more"
+        advice += (f", or cap calls with a shorter K/V ring (backend.options.context_seconds; now "
+                   f"{self.ring.seconds:g} s, {self.ring.positions} positions)")
         return (f"runtime.slots = {slots} does not fit: each slot holds {gb(per.total)} of state ({parts}), "
                 f"{gb(slots * per.total)} for {slots}, and {self.settings.device} has {gb(device_memory.free)} "
                 f"free after the weights ({device_memory.source}), less {gb(device_memory.reserve)} kept for "
