@@ -437,7 +437,7 @@ class _PcmEncoder(Encoder):
 
     def encode_rows(self, rows: Sequence[np.ndarray]) -> bytes:
         if self._as_is:
-            return b"".join(rows)  # one copy, where a join and then tobytes made two
+            return b"".join([row.data for row in rows])  # one copy, where a join and then tobytes made two
         return super().encode_rows(rows)
 
     def encode(self, samples: np.ndarray) -> bytes:

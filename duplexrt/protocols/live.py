@@ -111,7 +111,7 @@ _DEFAULT_REASON = "connection_lost"
 #: The session's finish reason -> the Live protocol's close reason, for every finish reason:
 #: the Live list has no name for the server's timeouts, a fatal client error or a client that
 #: went away, so those are ``connection_lost`` (as is any other string, in ``close_reason``).
-CLOSE_REASONS: dict[FinishReason, str] = {
+CLOSE_REASONS: dict[str, str] = {  # keyed by FinishReason, a StrEnum: its plain string finds it too
     FinishReason.STOP: "close_requested",
     FinishReason.LENGTH: "expired",
     FinishReason.SHUTDOWN: "remote_hangup",
