@@ -1,0 +1,34 @@
+"""A client transport's optional send that never yields, as a type a checker can follow.
+
+A load generator that sends hundreds of paced conversations from one process wants to write a
+message without a checkpoint when the connection can take it now (``NativeWebSocket`` and the
+in-memory transport can; trio-websocket's cannot).  Whether a transport can is found once, when a
+conversation (or a resuming wrapper) starts, and from then on called directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from duplexrt.transport import Message
+
+__all__ = ["DirectSend", "SendsNowait", "direct_send"]
+
+#: Send one message without yielding, or raise ``trio.WouldBlock`` having taken nothing (the
+#: caller then ``await``\\s ``send``).  What it returns is not read by the client.
+DirectSend = Callable[[Message], object]
+
+
+@runtime_checkable
+class SendsNowait(Protocol):
+    """A transport that offers ``send_nowait``."""
+
+    def send_nowait(self, message: Message) -> object:
+        """Send ``message`` now, or raise ``trio.WouldBlock`` having taken nothing."""
+        ...
+
+
+def direct_send(transport: object) -> DirectSend | None:
+    """``transport.send_nowait``, or None for a transport that only sends by ``await``."""
+    return transport.send_nowait if isinstance(transport, SendsNowait) else None
