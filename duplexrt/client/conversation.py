@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from duplexrt.client.direct import DirectSend, direct_send
+from duplexrt.client.abilities import DirectSend, direct_send
 from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
 from duplexrt.reasons import CloseCode, FinishReason

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from duplexrt.client.direct import direct_send
+from duplexrt.client.abilities import Abortable, direct_send
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, Transport, TransportClosed, poller
 
@@ -196,9 +196,9 @@ class ResumingTransport:
 
     def drop(self) -> None:
         """Cut the connection in use without a Close frame (``simulate --drop-rate``)."""
-        abort = getattr(self._current, "abort", None)
-        if abort is not None:
-            abort()
+        current = self._current
+        if isinstance(current, Abortable):
+            current.abort()
 
     # -- internals -------------------------------------------------------------------------------
 

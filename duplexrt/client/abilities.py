@@ -1,9 +1,10 @@
-"""A client transport's optional send that never yields, as a type a checker can follow.
+"""A client transport's optional abilities, as types a checker can follow (not ``getattr``).
 
 A load generator that sends hundreds of paced conversations from one process wants to write a
 message without a checkpoint when the connection can take it now (``NativeWebSocket`` and the
 in-memory transport can; trio-websocket's cannot).  Whether a transport can is found once, when a
-conversation (or a resuming wrapper) starts, and from then on called directly.
+conversation (or a resuming wrapper) starts, and from then on called directly.  ``simulate
+--drop-rate`` also cuts connections without a Close frame, where the transport can be aborted.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 from duplexrt.transport import Message
 
-__all__ = ["DirectSend", "SendsNowait", "direct_send"]
+__all__ = ["Abortable", "DirectSend", "SendsNowait", "direct_send"]
 
 #: Send one message without yielding, or raise ``trio.WouldBlock`` having taken nothing (the
 #: caller then ``await``\\s ``send``).  What it returns is not read by the client.
@@ -32,3 +33,13 @@ class SendsNowait(Protocol):
 def direct_send(transport: object) -> DirectSend | None:
     """``transport.send_nowait``, or None for a transport that only sends by ``await``."""
     return transport.send_nowait if isinstance(transport, SendsNowait) else None
+
+
+@runtime_checkable
+class Abortable(Protocol):
+    """A transport that can drop its connection at once, without a Close frame (``simulate
+    --drop-rate`` cuts connections so)."""
+
+    def abort(self) -> None:
+        """Drop the connection now."""
+        ...
