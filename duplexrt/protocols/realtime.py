@@ -87,7 +87,7 @@ from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
 from duplexrt.reasons import FinishReason
 from duplexrt.transport import Message
 
-__all__ = ["RealtimeProtocol"]
+__all__ = ["RealtimeTranslator"]
 
 _session_ids = itertools.count(1)
 
@@ -105,7 +105,7 @@ class _ZeroProgress:
     max_frames: int | None = None
 
 
-class RealtimeProtocol(Translator):
+class RealtimeTranslator(Translator):
     """One session of the OpenAI Realtime protocol (GA or beta naming, turn or duplex mode)."""
 
     def __init__(self, *, model_rate: int = 24000, beta: bool = False, duplex: bool = False,
