@@ -68,11 +68,3 @@ def test_the_protocols_package_names_each_route_s_translator():
     for name in translators:
         assert issubclass(getattr(protocols, name), Translator), name
 
-
-def test_importing_one_translator_loads_no_other():
-    """The package loads its names on first use: the raw route's translator does not pull in the
-    realtime one and its VAD."""
-    code = ("import sys; from duplexrt.protocols import RawTranslator; "
-            "print(sorted(m for m in sys.modules if m.startswith('duplexrt.protocols.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(["duplexrt.protocols.base", "duplexrt.protocols.events", "duplexrt.protocols.raw"])
