@@ -5,6 +5,8 @@ message without a checkpoint when the connection can take it now (``NativeWebSoc
 in-memory transport can; trio-websocket's cannot).  Whether a transport can is found once, when a
 conversation (or a resuming wrapper) starts, and from then on called directly.  ``simulate
 --drop-rate`` also cuts connections without a Close frame, where the transport can be aborted.
+A server's session asks more of a direct send (a flush, and whether the message went whole); a
+client needs only this.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from typing import Protocol, runtime_checkable
 
 from duplexrt.transport import Message
 
-__all__ = ["Abortable", "DirectSend", "SendsNowait", "direct_send"]
+__all__ = ["Abortable", "NowaitSender", "SendsNowait", "nowait_sender"]
 
 #: Send one message without yielding, or raise ``trio.WouldBlock`` having taken nothing (the
-#: caller then ``await``\\s ``send``).  What it returns is not read by the client.
-DirectSend = Callable[[Message], object]
+#: caller then sends it with ``await send``).  What it returns is not read by the client.
+NowaitSender = Callable[[Message], object]
 
 
 @runtime_checkable
@@ -30,7 +32,7 @@ class SendsNowait(Protocol):
         ...
 
 
-def direct_send(transport: object) -> DirectSend | None:
+def nowait_sender(transport: object) -> NowaitSender | None:
     """``transport.send_nowait``, or None for a transport that only sends by ``await``."""
     return transport.send_nowait if isinstance(transport, SendsNowait) else None
 

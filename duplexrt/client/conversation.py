@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from duplexrt.client.abilities import DirectSend, direct_send
+from duplexrt.client.abilities import NowaitSender, nowait_sender
 from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
 from duplexrt.reasons import CloseCode, FinishReason
@@ -82,7 +82,7 @@ class Conversation:
         transport = self.transport
         sleep_until = pacer.wait_until if pacer is not None else trio.sleep_until
         wrap = self.protocol.audio
-        send_nowait = direct_send(transport)
+        send_nowait = nowait_sender(transport)
         send_times = self.send_times
         start = trio.current_time() + offset
         period = 0.0 if interval is None else interval  # due() is only asked for when paced
@@ -127,7 +127,7 @@ class Conversation:
         if self._idle_scope is not None and self.idle_timeout is not None:
             self._idle_scope.deadline = trio.current_time() + self.idle_timeout
 
-    def _sender(self, send_nowait: DirectSend, wrap: Callable[[Buffer], Message],
+    def _sender(self, send_nowait: NowaitSender, wrap: Callable[[Buffer], Message],
                 message_at: Callable[[int], Buffer]) -> Callable[[int], bool]:
         """For the pacer's task: send message ``i`` if it goes without waiting (True), or leave
         it to this conversation's own task (False)."""

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from duplexrt.client.abilities import Abortable, direct_send
+from duplexrt.client.abilities import Abortable, nowait_sender
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, Transport, TransportClosed, poller
 
@@ -83,7 +83,7 @@ class ResumingTransport:
                  window: float = 10.0, keep_s: float = KEEP_S, max_kept_bytes: int = MAX_KEPT_BYTES) -> None:
         self._current: Transport | None = transport
         self._poll_current = poller(transport)  # every connection comes from the same connect
-        self._send_current = direct_send(transport)
+        self._send_current = nowait_sender(transport)
         self._url = url
         self._connect = connect
         self._notices = notices
@@ -283,7 +283,7 @@ class ResumingTransport:
                     number += 1
                 self._current = transport
                 self._poll_current = poller(transport)
-                self._send_current = direct_send(transport)
+                self._send_current = nowait_sender(transport)
             except TransportClosed as exc:
                 failed = exc
             nursery.cancel_scope.cancel()
