@@ -18,6 +18,11 @@ from duplexrt.core.scheduler import BackendLoadError
 from duplexrt.routes import client_paths, routes_help
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from duplexrt.config import Config
+    from duplexrt.simulate.find_capacity import CapacitySearch, Verdict
+    from duplexrt.simulate.options import SimulateOptions
     from duplexrt.simulate.report import SimulationReport
 
 app = typer.Typer(
@@ -341,7 +346,7 @@ def _real_time_verdicts(report: SimulationReport, frame_seconds: float) -> int:
     return missed
 
 
-def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: bool, adopt: bool,
+def _find_capacity(cfg: Config, options: SimulateOptions, url: str | None, api_key: str | None, show: bool, adopt: bool,
                    json_path: Path | None, plot: Path | None, probe_seconds: float = 30.0,
                    retries: int = 1) -> None:
     """``simulate --find-capacity``: the bisection, its probes as they finish, then the result."""
@@ -351,16 +356,16 @@ def _find_capacity(cfg, options, url: str | None, api_key: str | None, show: boo
     from duplexrt.simulate.find_capacity import format_search
     from duplexrt.simulate.runner import run_find_capacity, run_url_find_capacity
 
-    def told(verdict) -> None:
+    def told(verdict: Verdict) -> None:
         typer.echo(f"{verdict.sessions} sessions: {'holds' if verdict.holds else 'fails'}"
                    + (f" ({verdict.reason})" if verdict.reason else ""), err=True)
 
     if url is None:
-        def run():
+        def run() -> Awaitable[CapacitySearch]:
             return run_find_capacity(cfg, options, progress=show, on_probe=told, min_seconds=probe_seconds,
                                      retries=retries)
     else:
-        def run():
+        def run() -> Awaitable[CapacitySearch]:
             return run_url_find_capacity(cfg, options, url, api_key=api_key, progress=show,
                                          adopt_server_backend=adopt, on_probe=told, min_seconds=probe_seconds,
                                          retries=retries)

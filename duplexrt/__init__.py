@@ -6,6 +6,10 @@ first use (PEP 562), so ``import duplexrt`` stays cheap for ``duplexrt --version
 * run a model for many sessions: ``open_runtime(config)`` gives a ``Runtime``; ``runtime.serve``
   serves one session over a ``Transport`` with a protocol ``Translator`` and returns its
   ``SessionEnd``; ``runtime.statistics()`` reads every figure;
+* write a protocol: subclass ``Translator``, whose ``parse`` returns the events beside it
+  (``AudioIn``, ``InputEnd``, ``Reply``, ``EndTurn``, ``Reconfigure``, ``ClearInput``,
+  ``ClearOutput``, ``Ignored``, ``ProtocolError``) and which may read ``SessionProgress``; each
+  route's own translator is in ``duplexrt.protocols`` (``RawTranslator``, ...);
 * serve it over WebSocket: ``Server`` / ``serve``;
 * configure: ``load_config`` gives a ``Config``;
 * bring a model: subclass ``Backend``.
@@ -39,6 +43,16 @@ _EXPORTS = {
     "MemoryTransport": "duplexrt.transport",
     "memory_transport_pair": "duplexrt.transport",
     "Translator": "duplexrt.protocols.base",
+    "SessionProgress": "duplexrt.protocols.base",
+    "AudioIn": "duplexrt.protocols.events",
+    "InputEnd": "duplexrt.protocols.events",
+    "ProtocolError": "duplexrt.protocols.events",
+    "Ignored": "duplexrt.protocols.events",
+    "Reply": "duplexrt.protocols.events",
+    "EndTurn": "duplexrt.protocols.events",
+    "Reconfigure": "duplexrt.protocols.events",
+    "ClearInput": "duplexrt.protocols.events",
+    "ClearOutput": "duplexrt.protocols.events",
     "SessionEnd": "duplexrt.protocols.events",
     "FinishReason": "duplexrt.reasons",
     "CloseCode": "duplexrt.reasons",
@@ -55,8 +69,19 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getat
     from duplexrt.config import Config, ConfigError, load_config
     from duplexrt.core.runtime import Runtime, RuntimeStatistics, open_runtime
     from duplexrt.core.scheduler import BackendLoadError, NoFreeSlotError
-    from duplexrt.protocols.base import Translator
-    from duplexrt.protocols.events import SessionEnd
+    from duplexrt.protocols.base import SessionProgress, Translator
+    from duplexrt.protocols.events import (
+        AudioIn,
+        ClearInput,
+        ClearOutput,
+        EndTurn,
+        Ignored,
+        InputEnd,
+        ProtocolError,
+        Reconfigure,
+        Reply,
+        SessionEnd,
+    )
     from duplexrt.reasons import CloseCode, FinishReason
     from duplexrt.server.app import Server, serve
     from duplexrt.server.statistics import ServerStatistics

@@ -66,9 +66,9 @@ def _checked(method):
 
 @pytest.fixture(autouse=True)
 def every_server_event_is_checked(monkeypatch):
-    """Autouse in the realtime test modules: whatever a RealtimeProtocol says in them, through
+    """Autouse in the realtime test modules: whatever a RealtimeTranslator says in them, through
     any path (unit calls, or a whole server on loopback), is checked against the SDK's models."""
-    from duplexrt.protocols.realtime import RealtimeProtocol
+    from duplexrt.protocols.realtime import RealtimeTranslator
 
     for name in ("start", "audio_out", "text_out", "error", "end", "parse"):
-        monkeypatch.setattr(RealtimeProtocol, name, _checked(getattr(RealtimeProtocol, name)))
+        monkeypatch.setattr(RealtimeTranslator, name, _checked(getattr(RealtimeTranslator, name)))

@@ -33,8 +33,8 @@ from duplexrt.core.handoffs import HandoffKind
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn
-from duplexrt.protocols.moshi import MoshiProtocol
-from duplexrt.protocols.realtime import RealtimeProtocol
+from duplexrt.protocols.moshi import MoshiTranslator
+from duplexrt.protocols.realtime import RealtimeTranslator
 from duplexrt.reasons import CloseCode
 from duplexrt.transport import TransportClosed, memory_transport_pair
 
@@ -150,7 +150,7 @@ async def test_a_raw_message_over_the_bound_is_refused_and_the_session_goes_on(f
 
 
 def test_realtime_refuses_an_append_over_the_bound_before_decoding_its_base64(monkeypatch) -> None:
-    protocol = RealtimeProtocol(max_message_seconds=1.0)
+    protocol = RealtimeTranslator(max_message_seconds=1.0)
     one_second = bytes(2 * 24000)
     accepted = protocol.parse(json.dumps({"type": "input_audio_buffer.append",
                                           "audio": base64.b64encode(one_second).decode()}))
@@ -181,7 +181,7 @@ async def test_a_realtime_append_over_the_bound_gets_an_error_and_the_session_go
     ends = []
 
     async def serve() -> None:
-        ends.append(await runtime.serve(server, RealtimeProtocol(duplex=True, max_message_seconds=1.0)))
+        ends.append(await runtime.serve(server, RealtimeTranslator(duplex=True, max_message_seconds=1.0)))
 
     async def append(audio: bytes, event_id: str) -> None:
         await client.send(json.dumps({"type": "input_audio_buffer.append", "event_id": event_id,
@@ -222,7 +222,7 @@ async def test_a_moshi_opus_message_over_the_bound_ends_that_session_with_1009_a
 
     async def moshi_session() -> None:
         async def serve() -> None:
-            ends.append(await runtime.serve(server, MoshiProtocol()))
+            ends.append(await runtime.serve(server, MoshiTranslator()))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(serve)

@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 from conftest import ServeProcess
 from duplexrt.audio import AudioSpec, StreamResampler, make_decoder, make_encoder
 from duplexrt.client.protocols import (
+    DuplexClient,
     Ended,
     LiveClient,
     MoshiClient,
@@ -395,6 +396,24 @@ def test_realtime_client_appends_base64_and_maps_response_done():
     shutdown = {"type": "response.done", "response": {"status": "incomplete",
                                                       "status_details": {"reason": "server_shutdown"}}}
     assert duplex.parse(json.dumps(shutdown)).reason == "shutdown"
+
+
+def test_client_protocols_read_a_misshapen_end_event_without_failing():
+    """A server's end event whose status, reason or details are not what the protocol says (a
+    list, an object, a string where an object goes) is still an end: its reason is the value as
+    text, never a crash of the client."""
+    realtime = RealtimeClient()
+    for response in ({"status": ["completed"]}, {"status": "incomplete", "status_details": {"reason": {}}},
+                     {"status": "incomplete", "status_details": "server_shutdown", "usage": []}):
+        done = {"type": "response.done", "response": response}
+        end = realtime.parse(json.dumps(done))
+        assert end == Ended(str(response["status"]), None, None, None, done)
+    live = LiveClient()
+    closed = {"type": "session.closed", "reason": ["expired"], "usage": "none"}
+    assert live.parse(json.dumps(closed)) == Ended("['expired']", None, None, None, closed)
+    assert live.parse(json.dumps({"type": "error", "error": ["no"]})) == ServerError(None, "None")
+    raw = DuplexClient(AudioSpec.create("pcm_s16le", 24000, model_rate=24000))
+    assert raw.parse('{"type": "session.end", "reason": "stop", "usage": [1, 2]}').frames_in is None
 
 
 def test_moshi_client_kinds():

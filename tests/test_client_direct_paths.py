@@ -124,6 +124,30 @@ async def test_send_nowait_on_a_dropped_connection_leaves_the_message_to_send_wh
     assert resuming.resumes == 1 and resuming.sent == 2
 
 
+async def test_send_nowait_over_a_resumed_connection_without_one_leaves_each_message_to_send():
+    """A resume onto a connection that sends only by ``await`` (not one this ``connect`` would
+    make, but possible): ``send_nowait`` refuses, keeping nothing, and ``send`` sends it."""
+    first_client, first_server = memory_transport_pair(capacity=4)
+    second_client, second_server = memory_transport_pair(capacity=4)
+
+    async def connect(url: str):
+        return _Polling(second_client)
+
+    resuming = ResumingTransport(first_client, URL, connect)
+    resuming.token = "replica.first"
+    resuming.send_nowait("m0")
+    await first_server.close(CloseCode.ABNORMAL_CLOSURE)
+    await second_server.send(json.dumps({"type": "session.resumed", "resume_token": "replica.next", "received": 0}))
+    with trio.fail_after(5):
+        await resuming.send("m1")  # resumes: m0 again, then m1
+    with pytest.raises(trio.WouldBlock):
+        resuming.send_nowait("m2")
+    assert resuming.sent == 2
+    await resuming.send("m2")
+    assert [second_server.receive_nowait() for _ in range(3)] == ["m0", "m1", "m2"]
+    assert resuming.sent == 3
+
+
 async def test_poll_counts_what_it_takes_and_finds_the_token_in_it():
     client_end, server_end = memory_transport_pair(capacity=4)
     polling = _Polling(client_end)

@@ -16,7 +16,7 @@ import trio
 
 from conftest import FRAME, INPUT_END, PATIENCE, make_config
 from duplexrt.core.runtime import open_runtime
-from duplexrt.protocols.raw import RawProtocol
+from duplexrt.protocols.raw import RawTranslator
 from duplexrt.transport import TransportClosed
 from test_session_direct import _socket_pair
 
@@ -41,7 +41,7 @@ async def _exchange(coalesce: bool, frames_per_message: int, messages: int,
     async with open_runtime(config) as runtime:
         server, client = _socket_pair()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(runtime.serve, server, RawProtocol(runtime.audio_spec(), announce=True))
+            nursery.start_soon(runtime.serve, server, RawTranslator(runtime.audio_spec(), announce=True))
             with trio.fail_after(PATIENCE):
                 assert json.loads(await client.receive())["type"] == "session.created"
                 for i in range(messages):

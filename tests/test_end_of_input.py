@@ -23,8 +23,8 @@ from duplexrt.backends.base import BackendInfo, SlotSession
 from duplexrt.config import ConfigError, load_config
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.events import SessionEnd
-from duplexrt.protocols.moshi import MoshiProtocol
-from duplexrt.protocols.realtime import RealtimeProtocol
+from duplexrt.protocols.moshi import MoshiTranslator
+from duplexrt.protocols.realtime import RealtimeTranslator
 from duplexrt.transport import TransportClosed, memory_transport_pair
 
 pytest.importorskip("moshi")
@@ -176,7 +176,7 @@ async def test_a_commit_in_turn_mode_feeds_the_flush_and_the_response_carries_it
         client, server = memory_transport_pair()
 
         async def serve() -> None:
-            ended.append(await runtime.serve(server, RealtimeProtocol()))
+            ended.append(await runtime.serve(server, RealtimeTranslator()))
 
         audio = bytearray()
         done: dict | None = None
@@ -216,7 +216,7 @@ async def test_end_turn_on_api_chat_feeds_the_flush_and_the_session_goes_on():
         client, server = memory_transport_pair()
 
         async def serve() -> None:
-            ended.append(await runtime.serve(server, MoshiProtocol()))
+            ended.append(await runtime.serve(server, MoshiTranslator()))
 
         async def drain() -> None:
             try:

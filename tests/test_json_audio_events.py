@@ -19,8 +19,8 @@ import pytest
 from duplexrt.protocols import b64audio, events
 from duplexrt.protocols.b64audio import Base64Audio
 from duplexrt.protocols.events import AudioIn
-from duplexrt.protocols.live import LiveProtocol
-from duplexrt.protocols.realtime import RealtimeProtocol
+from duplexrt.protocols.live import LiveTranslator
+from duplexrt.protocols.realtime import RealtimeTranslator
 
 PCM = np.arange(-1920, 1920, 2, dtype="<i2").tobytes()  # 80 ms at 24 kHz
 AUDIO = base64.b64encode(PCM).decode("ascii")
@@ -70,14 +70,14 @@ def outcome(event) -> tuple:
     return (type(event).__name__, event)
 
 
-def realtime() -> RealtimeProtocol:
-    protocol = RealtimeProtocol(max_message_seconds=1.0, server_vad=True)
+def realtime() -> RealtimeTranslator:
+    protocol = RealtimeTranslator(max_message_seconds=1.0, server_vad=True)
     protocol.start()
     return protocol
 
 
-def live() -> LiveProtocol:
-    protocol = LiveProtocol(max_message_seconds=1.0)
+def live() -> LiveTranslator:
+    protocol = LiveTranslator(max_message_seconds=1.0)
     protocol.parse(json.dumps({"type": "session.start", "session": {"model": "m"}}))
     return protocol
 
@@ -116,6 +116,6 @@ def test_the_usual_appends_are_not_scanned_as_json(make, kind, monkeypatch):
 
 
 def test_live_appends_before_session_start_are_refused_either_way():
-    protocol = LiveProtocol()
+    protocol = LiveTranslator()
     event = protocol.parse(json.dumps({"type": "session.input_audio.append", "audio": AUDIO}))
     assert event.code == "session_not_started"

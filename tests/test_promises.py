@@ -19,7 +19,7 @@ import trio.testing
 from conftest import FRAME, PATIENCE, backend_info, make_config
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.core.runtime import open_runtime
-from duplexrt.protocols.realtime import RealtimeProtocol
+from duplexrt.protocols.realtime import RealtimeTranslator
 from duplexrt.transport import TransportClosed, memory_transport_pair
 
 
@@ -113,7 +113,7 @@ async def test_realtime_turn_carries_every_text_piece_including_the_last():
         async with open_runtime(config, backend) as runtime:
             with trio.fail_after(PATIENCE):
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(runtime.serve, server_end, RealtimeProtocol())
+                    nursery.start_soon(runtime.serve, server_end, RealtimeTranslator())
                     nursery.start_soon(client.receive_all)
                     await client.send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
                     await client.send("input_audio_buffer.commit")
@@ -152,7 +152,7 @@ async def test_realtime_turn_reply_said_before_response_create_is_not_lost():
     async with open_runtime(config) as runtime:
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(runtime.serve, server_end, RealtimeProtocol())
+                nursery.start_soon(runtime.serve, server_end, RealtimeTranslator())
                 nursery.start_soon(client.receive_all)
                 await client.send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
                 await client.send("input_audio_buffer.commit")
@@ -220,7 +220,7 @@ async def test_realtime_input_clear_drops_the_partial_frame_and_the_session_goes
     async with open_runtime(config) as runtime:
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(runtime.serve, server_end, RealtimeProtocol(duplex=True))
+                nursery.start_soon(runtime.serve, server_end, RealtimeTranslator(duplex=True))
                 nursery.start_soon(client.receive_all)
                 await client.wait_for("response.created")
                 await client.send("input_audio_buffer.append", audio=base64.b64encode(half).decode())
@@ -252,7 +252,7 @@ async def test_realtime_output_clear_drops_what_is_waiting_and_keeps_the_account
     async with open_runtime(config) as runtime:
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(runtime.serve, server_end, RealtimeProtocol(duplex=True))
+                nursery.start_soon(runtime.serve, server_end, RealtimeTranslator(duplex=True))
                 nursery.start_soon(client.receive_all)
                 first = 2 * FRAME  # one frame of pcm16: the writer takes it and blocks sending it
                 await client.send("input_audio_buffer.append", audio=base64.b64encode(pcm[:first]).decode())
@@ -289,9 +289,9 @@ async def test_a_session_whose_own_code_fails_ends_with_1011_and_harms_no_other(
     slot or harm to other sessions.  FAKE: a translator that raises on one message, as a bug
     would; the session ends with reason ``error`` ("internal error", close 1011), its slot is
     freed, and a concurrent session is served to the end."""
-    from duplexrt.protocols.raw import RawProtocol
+    from duplexrt.protocols.raw import RawTranslator
 
-    class Exploding(RawProtocol):
+    class Exploding(RawTranslator):
         def parse(self, message):
             if message == "boom":
                 raise ValueError("a bug in the translator")
@@ -324,7 +324,7 @@ async def test_a_session_whose_own_code_fails_ends_with_1011_and_harms_no_other(
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(serve, "bad", bad_server, Exploding(wire))
-                nursery.start_soon(serve, "good", good_server, RawProtocol(wire))
+                nursery.start_soon(serve, "good", good_server, RawTranslator(wire))
                 nursery.start_soon(client, "bad", bad_client, [frame, "boom", frame])
                 nursery.start_soon(client, "good", good_client, [frame, frame, json.dumps({"type": "input.end"})])
         assert runtime.scheduler.free_slots == 2 and runtime.sessions == set()

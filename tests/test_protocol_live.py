@@ -23,7 +23,7 @@ from duplexrt.config import load_config
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn, InputEnd, ProtocolError, Reconfigure, Reply, SessionEnd
-from duplexrt.protocols.live import CLOSE_REASONS, LiveProtocol, close_reason
+from duplexrt.protocols.live import CLOSE_REASONS, LiveTranslator, close_reason
 from duplexrt.reasons import FinishReason
 from duplexrt.server import Server
 from duplexrt.transport import TransportClosed, memory_transport_pair
@@ -42,18 +42,18 @@ class FakeProgress:
     max_frames: int | None = None
 
 
-def make(**kwargs) -> tuple[LiveProtocol, FakeProgress]:
-    protocol = LiveProtocol(**kwargs)
+def make(**kwargs) -> tuple[LiveTranslator, FakeProgress]:
+    protocol = LiveTranslator(**kwargs)
     progress = FakeProgress()
     protocol.attach(progress)
     return protocol, progress
 
 
-def send(protocol: LiveProtocol, kind: str, **fields):
+def send(protocol: LiveTranslator, kind: str, **fields):
     return protocol.parse(json.dumps({"type": kind, **fields}))
 
 
-def started(**kwargs) -> tuple[LiveProtocol, FakeProgress]:
+def started(**kwargs) -> tuple[LiveTranslator, FakeProgress]:
     protocol, progress = make(**kwargs)
     assert isinstance(send(protocol, "session.start", session={"model": "m"}), Reconfigure)
     return protocol, progress
@@ -496,7 +496,7 @@ async def serve_one(config, script) -> tuple[Client, object]:
     result = {}
     async with open_runtime(config) as runtime:
         async def serve() -> None:
-            protocol = LiveProtocol(frame_seconds=config.audio.frame_seconds)
+            protocol = LiveTranslator(frame_seconds=config.audio.frame_seconds)
             result["end"] = await runtime.serve(server_end, protocol)
 
         with trio.fail_after(PATIENCE):
@@ -623,7 +623,7 @@ async def test_the_drain_on_sigterm_closes_as_remote_hangup_with_exact_usage():
         holder["runtime"] = runtime
 
         async def serve() -> None:
-            result["end"] = await runtime.serve(server_end, LiveProtocol())
+            result["end"] = await runtime.serve(server_end, LiveTranslator())
 
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:

@@ -17,7 +17,7 @@ from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.config import load_config
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.events import AudioIn, EndTurn, Ignored, ProtocolError, SessionEnd
-from duplexrt.protocols.moshi import CONTROL_CODES, HANDSHAKE_MESSAGE, MoshiProtocol
+from duplexrt.protocols.moshi import CONTROL_CODES, HANDSHAKE_MESSAGE, MoshiTranslator
 from duplexrt.reasons import CloseCode
 from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
 
@@ -49,15 +49,15 @@ def metadata_of(message: bytes) -> dict:
 
 def test_audio_is_ogg_opus_at_24_khz_both_ways_whatever_the_model_rate():
     for model_rate in (24000, 16000, 44100):
-        protocol = MoshiProtocol(model_rate=model_rate)
+        protocol = MoshiTranslator(model_rate=model_rate)
         assert protocol.input_spec == protocol.output_spec == AudioSpec(AudioFormat.OPUS, 24000)
     with pytest.raises(ValueError):
-        MoshiProtocol(model_rate=0)
+        MoshiTranslator(model_rate=0)
 
 
 def test_start_is_the_nine_byte_handshake_kyutai_rust_servers_send():
     assert HANDSHAKE_MESSAGE == b"\x00" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00"
-    protocol = MoshiProtocol()
+    protocol = MoshiTranslator()
     assert protocol.start() == [HANDSHAKE_MESSAGE]
     assert protocol.start() == [HANDSHAKE_MESSAGE]  # a fresh list each time
     protocol.start().append(b"junk")
@@ -66,23 +66,23 @@ def test_start_is_the_nine_byte_handshake_kyutai_rust_servers_send():
 
 def test_metadata_follows_the_handshake_as_strict_json():
     info = {"model": "kyutai/moshiko", "slots": 64, "name": "Ünïcode ✓"}
-    handshake, metadata = MoshiProtocol(metadata=info).start()
+    handshake, metadata = MoshiTranslator(metadata=info).start()
     assert handshake == HANDSHAKE_MESSAGE
     assert metadata_of(metadata) == info
-    assert MoshiProtocol(metadata={}).start()[1] == b"\x04{}"
+    assert MoshiTranslator(metadata={}).start()[1] == b"\x04{}"
 
 
 def test_metadata_that_is_not_strict_json_fails_at_construction():
     with pytest.raises(TypeError):
-        MoshiProtocol(metadata={"bad": object()})
+        MoshiTranslator(metadata={"bad": object()})
     with pytest.raises(ValueError):  # JSON.parse in the web client rejects NaN
-        MoshiProtocol(metadata={"bad": math.nan})
+        MoshiTranslator(metadata={"bad": math.nan})
     with pytest.raises(TypeError):
-        MoshiProtocol(metadata=["not", "an", "object"])
+        MoshiTranslator(metadata=["not", "an", "object"])
 
 
 def test_audio_messages_carry_their_payload_without_the_kind_byte():
-    protocol = MoshiProtocol()
+    protocol = MoshiTranslator()
     payload = b"OggS" + bytes(range(256)) * 3
     event = protocol.parse(b"\x01" + payload)
     assert isinstance(event, AudioIn)
@@ -93,13 +93,13 @@ def test_audio_messages_carry_their_payload_without_the_kind_byte():
 
 def test_an_audio_message_with_no_audio_is_ignored():
     # Kyutai's gradio client sends b"\x01" whenever its Opus writer returned nothing.
-    assert MoshiProtocol().parse(b"\x01") == Ignored()
+    assert MoshiTranslator().parse(b"\x01") == Ignored()
 
 
 def test_end_turn_ends_the_turn_for_a_translation_models_flush():
     # A reply with nothing to send: for a model with no flush it changes nothing (test_end_of_input).
-    assert MoshiProtocol().parse(bytes([3, CONTROL_CODES["end_turn"]])) == EndTurn(())
-    assert MoshiProtocol().parse(b"\x03\x01\x00") == Ignored(), "a control message is one code"
+    assert MoshiTranslator().parse(bytes([3, CONTROL_CODES["end_turn"]])) == EndTurn(())
+    assert MoshiTranslator().parse(b"\x03\x01\x00") == Ignored(), "a control message is one code"
 
 
 @pytest.mark.parametrize("message", [
@@ -122,7 +122,7 @@ def test_end_turn_ends_the_turn_for_a_translation_models_flush():
     pytest.param(b"\xff" + bytes(100), id="unknown-255"),
 ])
 def test_every_other_kind_from_a_client_is_ignored(message):
-    assert MoshiProtocol().parse(message) == Ignored()
+    assert MoshiTranslator().parse(message) == Ignored()
 
 
 def test_control_codes_are_kyutais():
@@ -131,7 +131,7 @@ def test_control_codes_are_kyutais():
 
 @pytest.mark.parametrize("text", ["", "hello", '{"type": "input.end"}'])
 def test_a_text_websocket_message_is_fatal_unsupported_data(text):
-    event = MoshiProtocol().parse(text)
+    event = MoshiTranslator().parse(text)
     assert isinstance(event, ProtocolError)
     assert event.code == "text_not_supported"
     assert event.fatal and event.close_code == CloseCode.UNSUPPORTED_DATA == 1003
@@ -139,32 +139,32 @@ def test_a_text_websocket_message_is_fatal_unsupported_data(text):
 
 
 def test_an_empty_binary_message_is_an_error_but_not_fatal():
-    event = MoshiProtocol().parse(b"")
+    event = MoshiTranslator().parse(b"")
     assert isinstance(event, ProtocolError)
     assert event.code == "empty_message" and not event.fatal and event.message
 
 
 def test_audio_out_prefixes_kind_1():
-    protocol = MoshiProtocol()
+    protocol = MoshiTranslator()
     assert protocol.audio_out(b"OggS-page", 3) == [b"\x01OggS-page"]
     assert protocol.audio_out(b"", 2) == []  # an encoder still filling a page: nothing to send
 
 
 def test_text_out_is_kind_2_utf8():
-    protocol = MoshiProtocol()
+    protocol = MoshiTranslator()
     assert protocol.text_out(" bonjour") == [b"\x02 bonjour"]
     assert protocol.text_out("日本語 ✓") == [b"\x02" + "日本語 ✓".encode()]
     assert protocol.text_out("\ud800") == [b"\x02?"]  # a lone surrogate cannot kill the writer
 
 
 def test_error_is_kind_5_with_the_message():
-    protocol = MoshiProtocol()
+    protocol = MoshiTranslator()
     error = ProtocolError("invalid_audio", "corrupt Ogg Opus stream: é")
     assert protocol.error(error) == [b"\x05" + "corrupt Ogg Opus stream: é".encode()]
 
 
 def test_end_is_a_session_end_metadata_message():
-    protocol = MoshiProtocol(metadata={"model": "m"})
+    protocol = MoshiTranslator(metadata={"model": "m"})
     end = SessionEnd(reason="stop", frames_in=10, frames_out=9, seconds_in=0.8, seconds_out=0.72)
     (message,) = protocol.end(end)
     assert metadata_of(message) == {
@@ -178,7 +178,7 @@ def test_end_is_a_session_end_metadata_message():
 
 
 def test_every_server_message_is_a_kind_kyutais_web_client_decodes():
-    protocol = MoshiProtocol(metadata={"a": 1})
+    protocol = MoshiTranslator(metadata={"a": 1})
     messages = [
         *protocol.start(),
         *protocol.audio_out(b"x", 1),
@@ -306,7 +306,7 @@ async def test_opus_round_trip_through_a_session_with_pings_and_unknown_kinds_mi
         moshi = MoshiClient(client, want_samples=length + MAX_LAG)
 
         async def serve() -> None:
-            result["end"] = await runtime.serve(server, MoshiProtocol(metadata=info))
+            result["end"] = await runtime.serve(server, MoshiTranslator(metadata=info))
 
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
@@ -342,7 +342,7 @@ async def test_a_text_message_closes_its_session_with_1003_and_leaves_a_concurre
         bad = MoshiClient(bad_client)
 
         async def serve(name: str, transport: MemoryTransport) -> None:
-            results[name] = await runtime.serve(transport, MoshiProtocol())
+            results[name] = await runtime.serve(transport, MoshiTranslator())
 
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
@@ -395,7 +395,7 @@ async def test_an_empty_message_gets_an_error_and_the_session_goes_on_until_shut
         async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
             with trio.CancelScope() as scope:
                 task_status.started(scope)
-                result["end"] = await runtime.serve(server, MoshiProtocol())
+                result["end"] = await runtime.serve(server, MoshiTranslator())
 
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:

@@ -6,7 +6,7 @@ import json
 
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.protocols.events import AudioIn, InputEnd, ProtocolError, Reply, SessionEnd
-from duplexrt.protocols.raw import RawProtocol
+from duplexrt.protocols.raw import RawTranslator
 from duplexrt.reasons import FinishReason
 
 F32 = AudioSpec.create(AudioFormat.PCM_F32LE, None, model_rate=24000)
@@ -15,19 +15,19 @@ S16 = AudioSpec.create(AudioFormat.PCM_S16LE, 16000, model_rate=24000)
 
 def test_binary_is_audio_as_is():
     payload = b"\x01\x02\x03\x04"
-    event = RawProtocol(F32).parse(payload)
+    event = RawTranslator(F32).parse(payload)
     assert isinstance(event, AudioIn) and event.payload == payload
 
 
 def test_control_messages():
-    protocol = RawProtocol(F32)
+    protocol = RawTranslator(F32)
     assert isinstance(protocol.parse('{"type": "input.end"}'), InputEnd)
     reply = protocol.parse('{"type": "ping"}')
     assert isinstance(reply, Reply) and [json.loads(m) for m in reply.messages] == [{"type": "pong"}]
 
 
 def test_bad_control_messages_are_protocol_errors_that_say_what_is_wrong():
-    protocol = RawProtocol(F32)
+    protocol = RawTranslator(F32)
     cases = {"not json": "invalid_json", "[1, 2]": "invalid_event", '{"type": 3}': "invalid_event",
              '{"type": "dance"}': "unknown_event"}
     for message, code in cases.items():
@@ -37,16 +37,16 @@ def test_bad_control_messages_are_protocol_errors_that_say_what_is_wrong():
 
 
 def test_announce_says_both_formats_and_is_off_by_default():
-    assert RawProtocol(F32).start() == []
-    [created] = RawProtocol(S16, F32, announce=True).start()
+    assert RawTranslator(F32).start() == []
+    [created] = RawTranslator(S16, F32, announce=True).start()
     assert json.loads(created) == {"type": "session.created",
                                    "input": {"format": "pcm_s16le", "sample_rate": 16000},
                                    "output": {"format": "pcm_f32le", "sample_rate": 24000}}
-    assert RawProtocol(S16).output_spec is S16  # the output defaults to the input
+    assert RawTranslator(S16).output_spec is S16  # the output defaults to the input
 
 
 def test_outputs():
-    protocol = RawProtocol(F32)
+    protocol = RawTranslator(F32)
     assert protocol.audio_out(b"abc", 1) == [b"abc"]
     assert protocol.audio_out(b"", 0) == []  # nothing to send is no message
     assert [json.loads(m) for m in protocol.text_out("hi")] == [{"type": "text", "text": "hi"}]
@@ -55,7 +55,7 @@ def test_outputs():
 
 
 def test_end_carries_the_reason_and_usage_and_the_error_only_when_there_is_one():
-    protocol = RawProtocol(F32)
+    protocol = RawTranslator(F32)
     [plain] = protocol.end(SessionEnd(FinishReason.STOP, 3, 3, 0.24, 0.24))
     body = json.loads(plain)
     assert body["type"] == "session.end" and body["reason"] == "stop" and "error" not in body

@@ -24,7 +24,7 @@ from duplexrt.protocols.events import (
     Reply,
     SessionEnd,
 )
-from duplexrt.protocols.realtime import RealtimeProtocol
+from duplexrt.protocols.realtime import RealtimeTranslator
 from realtime_helpers import (
     MODEL_RATE,
     SCAFFOLD,
@@ -49,14 +49,14 @@ class FakeProgress:
         return self.frames_out + self.frames_dropped
 
 
-def make(*, beta: bool = False, duplex: bool = False, **kwargs) -> tuple[RealtimeProtocol, FakeProgress]:
-    protocol = RealtimeProtocol(beta=beta, duplex=duplex, **kwargs)
+def make(*, beta: bool = False, duplex: bool = False, **kwargs) -> tuple[RealtimeTranslator, FakeProgress]:
+    protocol = RealtimeTranslator(beta=beta, duplex=duplex, **kwargs)
     progress = FakeProgress()
     protocol.attach(progress)
     return protocol, progress
 
 
-def send(protocol: RealtimeProtocol, kind: str, **fields):
+def send(protocol: RealtimeTranslator, kind: str, **fields):
     return protocol.parse(json.dumps({"type": kind, **fields}))
 
 
@@ -509,7 +509,7 @@ def test_a_response_with_nothing_left_to_say_is_done_at_once(beta):
 
 
 def test_a_response_with_no_progress_attached_is_done_at_once():
-    protocol = RealtimeProtocol()  # no session attached: counters read as zero
+    protocol = RealtimeTranslator()  # no session attached: counters read as zero
     created, done = decoded(send(protocol, "response.create").messages)
     assert done["response"]["status"] == "completed"
 

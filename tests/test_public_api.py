@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import typing
 import sys
 from types import ModuleType
 
@@ -42,3 +43,28 @@ def test_importing_the_package_loads_no_runtime():
     code = "import sys, duplexrt; print(sorted(m for m in sys.modules if m.startswith(('duplexrt.', 'trio'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_translator_s_events_are_public_beside_it():
+    """Writing a protocol needs ``Translator`` and what its ``parse`` returns, from one place."""
+    from duplexrt.protocols import base, events
+
+    for name in ("AudioIn", "InputEnd", "ProtocolError", "Ignored", "Reply", "EndTurn", "Reconfigure",
+                 "ClearInput", "ClearOutput", "SessionEnd"):
+        assert name in duplexrt.__all__ and getattr(duplexrt, name) is getattr(events, name), name
+    assert duplexrt.Translator is base.Translator and duplexrt.SessionProgress is base.SessionProgress
+    # Every member of the Event union a parse may return is among them.
+    assert {kind.__name__ for kind in typing.get_args(events.Event)} <= set(duplexrt.__all__)
+
+
+def test_the_protocols_package_names_each_route_s_translator():
+    import duplexrt.protocols as protocols
+    from duplexrt.protocols.base import Translator
+
+    for name in protocols.__all__:
+        assert getattr(protocols, name) is not None, name
+    translators = {name for name in protocols.__all__ if name.endswith("Translator") and name != "Translator"}
+    assert translators == {"RawTranslator", "RealtimeTranslator", "LiveTranslator", "MoshiTranslator"}
+    for name in translators:
+        assert issubclass(getattr(protocols, name), Translator), name
+

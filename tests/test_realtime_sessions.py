@@ -22,7 +22,7 @@ from duplexrt.audio import AudioSpec, make_decoder, make_encoder
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.core.runtime import open_runtime
-from duplexrt.protocols.realtime import RealtimeProtocol
+from duplexrt.protocols.realtime import RealtimeTranslator
 from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
 from realtime_helpers import (
     FRAME,
@@ -148,7 +148,7 @@ async def test_turn_session_in_pcmu_echoes_the_committed_audio(beta):
     try:
         async with open_runtime(config, backend) as runtime:
             async def serve() -> None:
-                result["end"] = await runtime.serve(server_end, RealtimeProtocol(beta=beta))
+                result["end"] = await runtime.serve(server_end, RealtimeTranslator(beta=beta))
 
             with trio.fail_after(PATIENCE):
                 async with trio.open_nursery() as nursery:
@@ -218,7 +218,7 @@ async def test_duplex_session_in_pcm16_echoes_every_byte():
     result = {}
     async with open_runtime(config) as runtime:
         async def serve() -> None:
-            result["end"] = await runtime.serve(server_end, RealtimeProtocol(duplex=True))
+            result["end"] = await runtime.serve(server_end, RealtimeTranslator(duplex=True))
 
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
@@ -249,7 +249,7 @@ async def test_a_binary_message_ends_the_session_with_1003():
     result = {}
     async with open_runtime(config) as runtime:
         async def serve() -> None:
-            result["end"] = await runtime.serve(server_end, RealtimeProtocol(duplex=True))
+            result["end"] = await runtime.serve(server_end, RealtimeTranslator(duplex=True))
 
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
@@ -280,7 +280,7 @@ async def realtime_session(config, backend=None, *, read: bool = True, **options
         async with open_runtime(config, backend) as runtime:
             with trio.fail_after(PATIENCE):
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(runtime.serve, server_end, RealtimeProtocol(**options))
+                    nursery.start_soon(runtime.serve, server_end, RealtimeTranslator(**options))
                     if read:
                         nursery.start_soon(client.receive_all)
                     await wait_until(lambda: len(runtime.sessions) == 1, "the session started")
@@ -452,8 +452,8 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_una
     async with open_runtime(config) as runtime:
         with trio.fail_after(PATIENCE):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(runtime.serve, flood_server, RealtimeProtocol(), session_id=1))
-                nursery.start_soon(partial(runtime.serve, other_server, RealtimeProtocol(duplex=True), session_id=2))
+                nursery.start_soon(partial(runtime.serve, flood_server, RealtimeTranslator(), session_id=1))
+                nursery.start_soon(partial(runtime.serve, other_server, RealtimeTranslator(duplex=True), session_id=2))
                 nursery.start_soon(other.receive_all)
                 await wait_until(lambda: len(runtime.sessions) == 2, "both sessions started")
                 flooded = next(s for s in runtime.sessions if s.lease.session_id == 1)

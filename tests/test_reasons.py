@@ -11,8 +11,8 @@ import pytest
 
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.protocols.events import SessionEnd
-from duplexrt.protocols.moshi import MoshiProtocol
-from duplexrt.protocols.raw import RawProtocol
+from duplexrt.protocols.moshi import MoshiTranslator
+from duplexrt.protocols.raw import RawTranslator
 from duplexrt.reasons import CloseCode, FinishReason
 
 F32 = AudioSpec.create(AudioFormat.PCM_F32LE, None, model_rate=24000)
@@ -24,8 +24,8 @@ def ended(reason: FinishReason) -> SessionEnd:
 
 @pytest.mark.parametrize("reason", list(FinishReason))
 def test_a_session_end_on_the_wire_carries_the_reason_as_a_plain_string(reason: FinishReason) -> None:
-    [raw] = RawProtocol(F32).end(ended(reason))
-    [moshi] = MoshiProtocol().end(ended(reason))
+    [raw] = RawTranslator(F32).end(ended(reason))
+    [moshi] = MoshiTranslator().end(ended(reason))
     assert isinstance(raw, str) and f'"reason": "{reason.value}"' in raw
     assert isinstance(moshi, bytes) and f'"reason":"{reason.value}"'.encode() in moshi
     assert json.loads(raw)["reason"] == reason.value

@@ -42,7 +42,7 @@ from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.core.handoffs import OFFLOAD_KINDS, HandoffKind
 from duplexrt.core.runtime import Runtime, open_runtime
 from duplexrt.protocols.events import AudioIn
-from duplexrt.protocols.raw import RawProtocol
+from duplexrt.protocols.raw import RawTranslator
 from duplexrt.reasons import CloseCode
 from duplexrt.transport import TransportClosed, memory_transport_pair
 
@@ -489,11 +489,11 @@ async def test_a_reconfigure_event_carries_the_new_formats_to_the_session():
     back: a translator that announces PCM s16 output while its own fields still say f32 gets
     s16 audio from then on."""
     from duplexrt.protocols.events import Reconfigure
-    from duplexrt.protocols.raw import RawProtocol
+    from duplexrt.protocols.raw import RawTranslator
 
     f32, s16 = spec("pcm_f32le"), spec("pcm_s16le")
 
-    class Switching(RawProtocol):
+    class Switching(RawTranslator):
         def parse(self, message):
             if message == "switch":
                 return Reconfigure(input_spec=f32, output_spec=s16, messages=("switched",))
@@ -517,7 +517,7 @@ async def test_a_reconfigure_event_carries_the_new_formats_to_the_session():
 # -- what the translator says, in the order it says it ----------------------------------------------
 
 
-class FlipOnSecondAudio(RawProtocol):
+class FlipOnSecondAudio(RawTranslator):
     """A translator whose reading of an audio message changes what ``audio_out`` says, as the
     Realtime server VAD does when a pause ends a turn and opens a response: the second audio
     message comes with "flipped", and every batch of output after it is announced by "after"."""

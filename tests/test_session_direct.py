@@ -20,7 +20,7 @@ import trio_websocket
 from conftest import FRAME, INPUT_END, PATIENCE, make_config
 from duplexrt.core.resume import ResumableTransport
 from duplexrt.core.runtime import open_runtime
-from duplexrt.protocols.raw import RawProtocol
+from duplexrt.protocols.raw import RawTranslator
 from duplexrt.server import Server
 from duplexrt.transport import TransportClosed, memory_transport_pair
 from duplexrt.wsnative import NativeWebSocket
@@ -39,7 +39,7 @@ def _socket_pair() -> tuple[NativeWebSocket, NativeWebSocket]:
 
 
 async def _one_session(runtime, nursery: trio.Nursery, transport):
-    nursery.start_soon(runtime.serve, transport, RawProtocol(runtime.audio_spec(), announce=True))
+    nursery.start_soon(runtime.serve, transport, RawTranslator(runtime.audio_spec(), announce=True))
     with trio.fail_after(PATIENCE):
         while not runtime.sessions:
             await trio.sleep(0.001)

@@ -36,7 +36,7 @@ from conftest import (
 from test_session import SYNTHETIC, pcm_workload
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.events import Reply
-from duplexrt.protocols.raw import RawProtocol
+from duplexrt.protocols.raw import RawTranslator
 from duplexrt.readhub import ReadHub
 from duplexrt.transport import Taken
 from duplexrt.wsnative import NativeWebSocket
@@ -205,7 +205,7 @@ async def test_a_shutdown_answers_every_frame_the_hub_took_and_nothing_after():
         np.testing.assert_array_equal(got[k], synthetic_out(frames[k], 5, k))
 
 
-class FlippingProtocol(RawProtocol):
+class FlippingProtocol(RawTranslator):
     """A translator whose ``parse`` changes what ``audio_out`` says, as Realtime's
     ``response.create`` does (it opens the response the next deltas belong to): after the text
     message "flip" it answers "flipped", and every later batch of audio is announced by "after"."""

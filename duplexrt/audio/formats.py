@@ -255,7 +255,10 @@ class _PcmDecoder(Decoder):
 
     def __init__(self, spec: AudioSpec, model_rate: int, max_seconds: float | None = None) -> None:
         super().__init__(spec, model_rate, max_seconds)
-        self._sample_bytes: int = spec.format.bytes_per_sample  # type: ignore[assignment]
+        sample_bytes = spec.format.bytes_per_sample
+        if sample_bytes is None:  # Opus: its decoder is _OpusDecoder
+            raise ValueError(f"{spec.format.value} has no fixed sample size to decode by")
+        self._sample_bytes = sample_bytes
         self._from_wire = _FROM_WIRE[spec.format]
         if max_seconds is not None:
             self.max_bytes = self.max_samples * self._sample_bytes
@@ -437,7 +440,7 @@ class _PcmEncoder(Encoder):
 
     def encode_rows(self, rows: Sequence[np.ndarray]) -> bytes:
         if self._as_is:
-            return b"".join(rows)  # one copy, where a join and then tobytes made two
+            return b"".join([row.data for row in rows])  # one copy, where a join and then tobytes made two
         return super().encode_rows(rows)
 
     def encode(self, samples: np.ndarray) -> bytes:

@@ -19,6 +19,8 @@ implementations do; the tests check that our codes match CPython's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ._pcm import INT16_SCALE, float_to_int16
@@ -91,13 +93,13 @@ def _int16_to_alaw_code(linear: np.ndarray) -> np.ndarray:
     return (((segment << 4) | mantissa) ^ mask).astype(np.uint8)
 
 
-def _decode_table(code_to_int16) -> np.ndarray:
+def _decode_table(code_to_int16: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     table = (code_to_int16(_CODES) / INT16_SCALE).astype(np.float32)
     table.flags.writeable = False
     return table
 
 
-def _encode_table(int16_to_code) -> np.ndarray:
+def _encode_table(int16_to_code: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     table = int16_to_code(_ALL_INT16)
     table.flags.writeable = False
     return table

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import operator
+from typing import SupportsIndex
 
 import attrs
 
@@ -79,7 +80,7 @@ class AudioFormat(str, enum.Enum):
         return tuple(sorted((*SUPPORTED_INPUT_RATES, model_rate)))
 
     @classmethod
-    def parse(cls, name: str) -> AudioFormat:
+    def parse(cls, name: AudioFormat | str) -> AudioFormat:
         """Look up a format by its wire name, ignoring case and surrounding space."""
         if isinstance(name, cls):
             return name
@@ -101,10 +102,15 @@ _BYTES_PER_SAMPLE: dict[AudioFormat, int | None] = {
 }
 
 
+def _as_format(value: AudioFormat | str) -> AudioFormat:
+    # A named function: attrs' converters (and mypy's attrs plugin) take no bound classmethod.
+    return AudioFormat.parse(value)
+
+
 def _as_rate(value: object, what: str = "sample rate") -> int:
     # operator.index accepts int and numpy integers but not floats or bools
     # masquerading as rates ("16000.5", True).
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and isinstance(value, SupportsIndex):
         try:
             rate = operator.index(value)
         except TypeError:
@@ -149,7 +155,7 @@ class AudioSpec:
     format name and checks what can be checked without the model rate.
     """
 
-    format: AudioFormat = attrs.field(converter=AudioFormat.parse)
+    format: AudioFormat = attrs.field(converter=_as_format)
     sample_rate: int = attrs.field(converter=_as_rate, validator=_validate_opus_rate)
 
     @classmethod

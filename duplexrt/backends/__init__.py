@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from duplexrt.backends.base import CHOSEN_AT_LOAD, Backend, BackendInfo, SlotChoice, SlotSession
-from duplexrt.config import AUTO_SLOTS, Config, ConfigError
+from duplexrt.config import Config, ConfigError
 
 
 def _echo(info: BackendInfo, options: Mapping[str, Any]) -> Backend:
@@ -44,11 +44,12 @@ def create_backend(config: Config) -> Backend:
         raise ConfigError(
             f"backend.name must be one of {', '.join(sorted(BACKENDS))}; got {config.backend.name!r}"
         )
+    slots = config.runtime.slots  # an int, or "auto" (AUTO_SLOTS): the only string the config takes
     info = BackendInfo(
         name=config.backend.name,
         sample_rate=config.audio.sample_rate,
         frame_size=config.audio.frame_size,
-        slots=CHOSEN_AT_LOAD if config.runtime.slots == AUTO_SLOTS else config.runtime.slots,
+        slots=slots if isinstance(slots, int) else CHOSEN_AT_LOAD,
         capacity_margin=config.runtime.capacity_margin,
         max_session_seconds=config.runtime.max_session_seconds,
     )

@@ -23,7 +23,7 @@ class EchoBackend(Backend):
         depth = max(self.delay_frames, 1)
         # One delay line per slot, allocated once: stepping allocates nothing.
         self._lines = np.zeros((info.slots, depth, info.frame_size), dtype=np.float32)
-        self._line_bytes = memoryview(self._lines).cast("B")
+        self._line_bytes = self._lines.data.cast("B")
         self._frame_bytes = info.frame_size * self._lines.itemsize
         self._position = [0] * info.slots
 
@@ -43,8 +43,8 @@ class EchoBackend(Backend):
         size = self._frame_bytes
         stride = self.delay_frames * size
         lines = self._line_bytes
-        out = memoryview(outputs).cast("B")
-        given = memoryview(inputs).cast("B")
+        out = outputs.data.cast("B")
+        given = inputs.data.cast("B")
         position = self._position
         last = self.delay_frames - 1
         at = 0

@@ -164,7 +164,7 @@ async def _run_connection(url: str, *, headers: list[tuple[bytes, bytes]] | None
         async with trio.open_nursery() as connection:
             with trio.fail_after(timeout):
                 socket_stream = await trio.open_tcp_stream(host, port)
-                stream: trio.abc.Stream = socket_stream
+                stream: trio.SocketStream | trio.SSLStream[trio.SocketStream] = socket_stream
                 if parts.scheme == "wss":
                     stream = trio.SSLStream(socket_stream, ssl.create_default_context(), server_hostname=host,
                                             https_compatible=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from duplexrt.client.abilities import NowaitSender, nowait_sender
 from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
 from duplexrt.reasons import CloseCode, FinishReason
@@ -81,35 +82,25 @@ class Conversation:
         transport = self.transport
         sleep_until = pacer.wait_until if pacer is not None else trio.sleep_until
         wrap = self.protocol.audio
-        send_nowait = getattr(transport, "send_nowait", None)
+        send_nowait = nowait_sender(transport)
         send_times = self.send_times
         start = trio.current_time() + offset
+        period = 0.0 if interval is None else interval  # due() is only asked for when paced
 
         def due(i: int) -> float:
-            return start + (i + 1) * interval
-
-        def send_now(i: int) -> bool:
-            """In the pacer's task: message ``i`` if it goes without waiting."""
-            message = wrap(message_at(i))
-            now = time.perf_counter()
-            try:
-                send_nowait(message)
-            except trio.WouldBlock:
-                return False
-            if self.first_send is None:
-                self.first_send = now
-            send_times.append(now)
-            self.messages_sent = i + 1
-            return True
+            return start + (i + 1) * period
 
         # Paced on a pacer over a transport that can send without yielding: the pacer's task
         # sends, and this one wakes only for a message that must wait (or at the end).
-        direct = interval is not None and pacer is not None and send_nowait is not None
+        direct = None
+        if interval is not None and pacer is not None and send_nowait is not None:
+            direct = pacer, self._sender(send_nowait, wrap, message_at)
         try:
             i = 0
             while i < count:
-                if direct:
-                    i = await pacer.send_due(i, count, due, send_now)
+                if direct is not None:
+                    direct_pacer, send_now = direct
+                    i = await direct_pacer.send_due(i, count, due, send_now)
                     if i >= count:
                         break
                 elif interval is not None:
@@ -135,6 +126,27 @@ class Conversation:
         self.input_done = True
         if self._idle_scope is not None and self.idle_timeout is not None:
             self._idle_scope.deadline = trio.current_time() + self.idle_timeout
+
+    def _sender(self, send_nowait: NowaitSender, wrap: Callable[[Buffer], Message],
+                message_at: Callable[[int], Buffer]) -> Callable[[int], bool]:
+        """For the pacer's task: send message ``i`` if it goes without waiting (True), or leave
+        it to this conversation's own task (False)."""
+        send_times = self.send_times
+
+        def send_now(i: int) -> bool:
+            message = wrap(message_at(i))
+            now = time.perf_counter()
+            try:
+                send_nowait(message)
+            except trio.WouldBlock:
+                return False
+            if self.first_send is None:
+                self.first_send = now
+            send_times.append(now)
+            self.messages_sent = i + 1
+            return True
+
+        return send_now
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -200,18 +212,17 @@ class Conversation:
                         return True
                     await self._send_quietly(messages)  # then read on, up to the end event
                 continue
-            kind = type(item)
-            if kind is Ended:
+            if type(item) is Ended:
                 self.end = item
                 self.outcome = ENDED
                 if not protocol.server_closes:
                     return True
-            elif kind is ServerError:
+            elif type(item) is ServerError:
                 self.errors.append(item)
-            elif kind is Text:
+            elif type(item) is Text:
                 if self.on_text is not None:
                     self.on_text(item.text)
-            elif kind is Opened:
+            elif type(item) is Opened:
                 protocol.opened(item)
 
     async def _send_quietly(self, messages: list[Message]) -> None:

@@ -57,7 +57,7 @@ async def http_get(url: str, path: str, *, timeout: float = 10.0) -> tuple[int, 
                     raise ConnectError("http", f"GET {path} on {host}:{port}: malformed response: {exc}") from None
                 if event is h11.NEED_DATA:
                     data = await stream.receive_some(65536)
-                    client.receive_data(data)
+                    client.receive_data(bytes(data))  # trio may give a bytearray; h11 is typed for bytes
                     continue
                 if isinstance(event, h11.Response):
                     status = event.status_code

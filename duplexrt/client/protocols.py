@@ -156,7 +156,7 @@ class ClientProtocol(abc.ABC):
 
     def audio(self, payload: Buffer) -> Message:
         """The message carrying ``payload``, audio already in ``input_spec``."""
-        return payload  # type: ignore[return-value]
+        return payload  # type: ignore[return-value]  # sent as is: every transport sends a bytes-like as binary
 
     def end_input(self) -> list[Message]:
         """Messages that say there is no more audio."""
@@ -200,6 +200,19 @@ def _json_event(message: Message) -> dict[str, Any] | Other:
         return Other("binary", message)
     data = _json_object(message)
     return Other("invalid", message) if data is None else data
+
+
+def _object_field(data: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``data[key]`` where it is a JSON object, else an empty one: a server's event read as far
+    as it goes, never a crash on a field of the wrong shape."""
+    value = data.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _name_lookup(table: Mapping[str, str], key: object) -> str | None:
+    """``table.get(key)`` for a string key, None for any other value (a list is not even
+    hashable)."""
+    return table.get(key) if isinstance(key, str) else None
 
 
 def _int_or_none(value: object) -> int | None:
@@ -257,7 +270,7 @@ class DuplexClient(ClientProtocol):
             return Other("invalid", message)
         kind = data.get("type")
         if kind == "session.end":
-            usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+            usage = _object_field(data, "usage")
             return Ended(str(data.get("reason")), _int_or_none(usage.get("frames_in")),
                          _int_or_none(usage.get("frames_out")), data.get("error"), data)
         if kind == "error":
@@ -326,7 +339,7 @@ class RealtimeClient(ClientProtocol):
         if kind == "response.done":
             return self._ended(data)
         if kind == "error":
-            error = data.get("error") if isinstance(data.get("error"), dict) else {}
+            error = _object_field(data, "error")
             return ServerError(error.get("code"), str(error.get("message")))
         if kind in _TEXT_DELTAS:
             return Text(str(data.get("delta", "")))
@@ -335,16 +348,18 @@ class RealtimeClient(ClientProtocol):
         return Other(str(kind), data)
 
     def _ended(self, data: dict[str, Any]) -> Ended:
-        response = data.get("response") if isinstance(data.get("response"), dict) else {}
+        response = _object_field(data, "response")
         status = response.get("status")
-        details = response.get("status_details") if isinstance(response.get("status_details"), dict) else {}
+        details = _object_field(response, "status_details")
+        reason: str
         if status == "cancelled" and self._cancelled:
             reason = FinishReason.STOP  # the client asked for it: it had heard everything
         else:
-            reason = _STATUS_REASONS.get(status) or _DETAIL_REASONS.get(details.get("reason")) or str(status)
+            reason = (_name_lookup(_STATUS_REASONS, status) or _name_lookup(_DETAIL_REASONS, details.get("reason"))
+                      or str(status))
         error = details.get("error") if isinstance(details.get("error"), dict) else None
-        usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
-        out_details = usage.get("output_token_details") if isinstance(usage.get("output_token_details"), dict) else {}
+        usage = _object_field(response, "usage")
+        out_details = _object_field(usage, "output_token_details")
         frames_out = _int_or_none(out_details.get("audio_tokens"))
         if frames_out is None:
             frames_out = _int_or_none(usage.get("output_tokens"))
@@ -387,7 +402,7 @@ class MoshiClient(ClientProtocol):
         if kind == 4:
             data = _json_object(bytes(message[1:]).decode("utf-8", "replace"))
             if data is not None and data.get("type") == "session.end":
-                usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+                usage = _object_field(data, "usage")
                 return Ended(str(data.get("reason")), _int_or_none(usage.get("frames_in")),
                              _int_or_none(usage.get("frames_out")), data.get("error"), data)
             return Other("metadata", data)
@@ -441,14 +456,14 @@ class LiveClient(ClientProtocol):
         if kind == "session.output_transcript.delta":
             return Text(str(data.get("delta", "")))
         if kind == "session.closed":
-            usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+            usage = _object_field(data, "usage")
             reason = data.get("finish_reason")
             if not isinstance(reason, str):
-                reason = _LIVE_REASONS.get(data.get("reason"), str(data.get("reason")))
+                reason = _name_lookup(_LIVE_REASONS, data.get("reason")) or str(data.get("reason"))
             return Ended(reason, _int_or_none(usage.get("frames_in")), _int_or_none(usage.get("frames_out")),
                          None, data)
         if kind == "error":
-            error = data.get("error") if isinstance(data.get("error"), dict) else {}
+            error = _object_field(data, "error")
             return ServerError(error.get("code"), str(error.get("message")))
         if kind == "session.started":
             return Opened(data)

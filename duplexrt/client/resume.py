@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from duplexrt.client.abilities import Abortable, nowait_sender
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message, Transport, TransportClosed, poller
 
@@ -82,6 +83,7 @@ class ResumingTransport:
                  window: float = 10.0, keep_s: float = KEEP_S, max_kept_bytes: int = MAX_KEPT_BYTES) -> None:
         self._current: Transport | None = transport
         self._poll_current = poller(transport)  # every connection comes from the same connect
+        self._send_current = nowait_sender(transport)
         self._url = url
         self._connect = connect
         self._notices = notices
@@ -105,7 +107,7 @@ class ResumingTransport:
         # The paths that do not yield, offered only where the connection offers them (every
         # connection comes from the same ``connect``), so that a caller who finds none does not
         # pay for a refusal on every message.
-        if hasattr(transport, "send_nowait"):
+        if self._send_current is not None:
             self.send_nowait = self._send_nowait
         if hasattr(transport, "poll"):
             self.poll = self._poll
@@ -148,9 +150,9 @@ class ResumingTransport:
     def _poll(self) -> Message | None:
         """A message already in, or None (``Transport.poll``; ``receive_nowait`` without the raise)."""
         if self._early:
-            message = self._early.popleft()
-            self._count(message)
-            return message
+            early = self._early.popleft()
+            self._count(early)
+            return early
         transport = self._current
         if transport is None:
             return None
@@ -165,10 +167,12 @@ class ResumingTransport:
     def _send_nowait(self, message: Message) -> None:
         """Send without yielding, or raise ``trio.WouldBlock`` having taken nothing: then the
         caller ``send``s it, which also resumes a connection that dropped."""
-        transport = self._current
-        if transport is not None:
+        if self._current is not None:
+            send = self._send_current
+            if send is None:  # this connection sends only by await: send() takes the message
+                raise trio.WouldBlock
             try:
-                transport.send_nowait(message)
+                send(message)
             except TransportClosed:
                 raise trio.WouldBlock from None
         self._keep(message)  # reconnecting: the resume sends it, in order, as send() does
@@ -192,9 +196,9 @@ class ResumingTransport:
 
     def drop(self) -> None:
         """Cut the connection in use without a Close frame (``simulate --drop-rate``)."""
-        abort = getattr(self._current, "abort", None)
-        if abort is not None:
-            abort()
+        current = self._current
+        if isinstance(current, Abortable):
+            current.abort()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -279,6 +283,7 @@ class ResumingTransport:
                     number += 1
                 self._current = transport
                 self._poll_current = poller(transport)
+                self._send_current = nowait_sender(transport)
             except TransportClosed as exc:
                 failed = exc
             nursery.cancel_scope.cancel()

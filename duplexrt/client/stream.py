@@ -43,6 +43,7 @@ from duplexrt.client.protocols import (
     client_for_url,
     route_of,
 )
+from duplexrt.client.resume import ResumingTransport
 from duplexrt.progress import show_progress
 
 __all__ = ["ClientRequest", "ClientResult", "UsageError", "prepare", "run_client", "stream_file"]
@@ -222,7 +223,7 @@ async def stream_file(request: ClientRequest, prepared: Prepared, *, progress: b
                 await conversation.run(len(messages), messages.__getitem__,
                                        interval=prepared.interval if request.realtime else None)
                 nursery.cancel_scope.cancel()
-            resumes = getattr(transport, "resumes", 0)
+            resumes = transport.resumes if isinstance(transport, ResumingTransport) else 0
     except ConnectError as exc:
         return ClientResult(EXIT_FAILED, 0.0, end=exc.message), np.zeros(0, np.float32)
     audio = output.audio()

@@ -3,7 +3,9 @@
 The runtime's promise is that only two things ever move work off the trio thread: decoding an
 encoded format and submitting into a full inbox.  That promise is only worth something if it can be
 checked, so nothing in duplexrt calls ``trio.to_thread`` or ``TrioToken.run_sync_soon`` or signals
-the scheduler thread except through this module, which counts each crossing by kind.
+the scheduler thread except through this module, which counts each crossing by kind
+(tests/test_thread_crossings.py reads the source for any other crossing: only the scheduler's
+own module starts its thread, and interrupts its load).
 
 Offloads and deliveries are counted on the trio thread (a delivery when it *arrives* in trio), so
 those counters have a single writer and need no lock.  A scheduler wake can also come from a worker

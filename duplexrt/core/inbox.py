@@ -20,6 +20,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import cast
+
 import attrs
 import numpy as np
 
@@ -295,7 +297,9 @@ class Inbox:
         self._state = _State.BUSY
         controls, self._controls = self._controls, []
         rows = sorted(self._ready)
-        owners = [self._owners[slot] for slot in rows]
+        # A ready slot always has its owner (set when it opens, cleared with its queue when it
+        # closes): the cast drops the None that only a free slot holds.
+        owners = cast("list[SlotOwner]", [self._owners[slot] for slot in rows])
         frames: list[np.ndarray] = []
         stamps: list[int] = []
         queues = self._queues

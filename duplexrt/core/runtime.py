@@ -25,7 +25,7 @@ from duplexrt.core.scheduler import BackendLoadError, Scheduler, SchedulerStatis
 from duplexrt.core.session import Session, SessionServices
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
-from duplexrt.protocols.raw import RawProtocol
+from duplexrt.protocols.raw import RawTranslator
 from duplexrt.transport import Transport
 
 log = logging.getLogger("duplexrt.runtime")
@@ -139,7 +139,7 @@ class Runtime:
         """
         if protocol is None:
             input_spec = input_spec or self.audio_spec()
-            protocol = RawProtocol(input_spec, output_spec or input_spec)
+            protocol = RawTranslator(input_spec, output_spec or input_spec)
         services = SessionServices(config=self.config, scheduler=self.scheduler, handoffs=self.handoffs,
                                    metrics=self.metrics, registry=self.sessions,
                                    max_session_frames=self.backend.info.max_session_frames,

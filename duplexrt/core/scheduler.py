@@ -405,6 +405,7 @@ class Scheduler:
                     log.exception("a session failed to take a step error")
             return
         outputs = outcome.outputs
+        assert outputs is not None  # an outcome carries its outputs unless it carries an error
         texts = outcome.texts
         stamps = outcome.stamps
         stepped = outcome.stepped_ns
@@ -444,7 +445,7 @@ class Scheduler:
             shape = (self.slots, self.frame_size)
             self._inputs = _host_buffer(shape, self.backend.info.device)
             self._outputs = _host_buffer(shape, self.backend.info.device)
-            self._input_bytes = memoryview(self._inputs).cast("B")
+            self._input_bytes = self._inputs.data.cast("B")
             self._frame_bytes = self.frame_size * self._inputs.itemsize
             self.capacity.seed(self.backend.warmup_costs)
             # After load: whatever threads the model started keep every core.
@@ -539,6 +540,7 @@ class Scheduler:
         """Open or close a slot; an outcome for trio only when an open failed."""
         try:
             if control.op is ControlOp.OPEN:
+                assert control.payload is not None  # the session's description travels with its OPEN
                 self.backend.open_slot(control.slot, control.payload)
             else:
                 self.backend.close_slot(control.slot)
@@ -566,7 +568,7 @@ class Scheduler:
         offset = 0
         mark = self.end_of_input
         for frame in batch.frames:
-            flat[offset:offset + size] = memoryview(frame).cast("B")
+            flat[offset:offset + size] = frame.data.cast("B")
             offset += size
             if frame is mark:
                 self.backend.end_input(batch.rows[offset // size - 1])

@@ -12,9 +12,12 @@ never a text that ``binascii`` would refuse or read differently, as tests/test_b
 from __future__ import annotations
 
 from binascii import a2b_base64, b2a_base64
+from collections.abc import Callable
 
 __all__ = ["decode", "decode_strict", "encode"]
 
+_fast_decode: Callable[..., bytes] | None
+_fast_encode: Callable[..., str] | None
 try:
     from pybase64 import b64decode as _fast_decode
     from pybase64 import b64encode_as_string as _fast_encode

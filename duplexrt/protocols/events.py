@@ -143,7 +143,7 @@ def clip(text: str, limit: int = QUOTE_LIMIT) -> str:
 
 
 __all__ = [
-    "AudioIn", "AudioSpec", "ClearInput", "ClearOutput", "Event", "Ignored", "InputEnd",
+    "AudioIn", "AudioSpec", "ClearInput", "ClearOutput", "EndTurn", "Event", "Ignored", "InputEnd",
     "ProtocolError", "QUOTE_LIMIT", "Reconfigure", "Reply", "SessionEnd", "clip", "quote",
 ]
 

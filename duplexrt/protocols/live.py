@@ -89,7 +89,7 @@ from duplexrt.protocols.events import (
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.transport import Message
 
-__all__ = ["CLOSE_REASONS", "LiveProtocol", "close_reason"]
+__all__ = ["CLOSE_REASONS", "LiveTranslator", "close_reason"]
 
 _PCM_RATE = 24000
 _G711_RATE = 8000
@@ -111,7 +111,7 @@ _DEFAULT_REASON = "connection_lost"
 #: The session's finish reason -> the Live protocol's close reason, for every finish reason:
 #: the Live list has no name for the server's timeouts, a fatal client error or a client that
 #: went away, so those are ``connection_lost`` (as is any other string, in ``close_reason``).
-CLOSE_REASONS: dict[FinishReason, str] = {
+CLOSE_REASONS: dict[str, str] = {  # keyed by FinishReason, a StrEnum: its plain string finds it too
     FinishReason.STOP: "close_requested",
     FinishReason.LENGTH: "expired",
     FinishReason.SHUTDOWN: "remote_hangup",
@@ -162,7 +162,7 @@ def _client_event_id(data: dict[str, Any]) -> str | None:
     return clip(event_id) if isinstance(event_id, str) else None
 
 
-class LiveProtocol(Translator):
+class LiveTranslator(Translator):
     """One session of the Live protocol."""
 
     def __init__(self, *, model_rate: int = 24000, frame_seconds: float = 0.08,

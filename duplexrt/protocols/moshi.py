@@ -62,7 +62,7 @@ from duplexrt.transport import Message
 
 __all__ = [
     "AUDIO", "CONTROL", "CONTROL_CODES", "ERROR", "HANDSHAKE", "HANDSHAKE_MESSAGE", "METADATA",
-    "MoshiProtocol", "PING", "SAMPLE_RATE", "TEXT",
+    "MoshiTranslator", "PING", "SAMPLE_RATE", "TEXT",
 ]
 
 #: Message kinds (the first byte of every message).
@@ -105,7 +105,7 @@ def _metadata(data: Mapping[str, Any]) -> bytes:
     return _METADATA_PREFIX + json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
 
 
-class MoshiProtocol(Translator):
+class MoshiTranslator(Translator):
     """Kyutai's binary Moshi protocol: Ogg Opus at 24 kHz both ways, model text as kind 2.
 
     ``metadata`` (a JSON object: model name, slots, ...) is sent as a kind-4 message right after the

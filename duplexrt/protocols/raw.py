@@ -22,7 +22,7 @@ from duplexrt.transport import Message
 _PONG = json.dumps({"type": "pong"})
 
 
-class RawProtocol(Translator):
+class RawTranslator(Translator):
     """Binary audio in a fixed format, JSON control."""
 
     def __init__(self, input_spec: AudioSpec, output_spec: AudioSpec | None = None,

@@ -87,7 +87,7 @@ from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
 from duplexrt.reasons import FinishReason
 from duplexrt.transport import Message
 
-__all__ = ["RealtimeProtocol"]
+__all__ = ["RealtimeTranslator"]
 
 _session_ids = itertools.count(1)
 
@@ -102,9 +102,10 @@ class _ZeroProgress:
     frames_in = 0
     frames_out = 0
     frames_answered = 0
+    max_frames: int | None = None
 
 
-class RealtimeProtocol(Translator):
+class RealtimeTranslator(Translator):
     """One session of the OpenAI Realtime protocol (GA or beta naming, turn or duplex mode)."""
 
     def __init__(self, *, model_rate: int = 24000, beta: bool = False, duplex: bool = False,
@@ -171,7 +172,7 @@ class RealtimeProtocol(Translator):
 
     def start(self) -> list[Message]:
         extra = {} if self.resume_token is None else {"resume_token": self.resume_token}
-        messages = [self._out.event("session.created", session=self._session_object(), **extra)]
+        messages: list[Message] = [self._out.event("session.created", session=self._session_object(), **extra)]
         if self.duplex and self._gate is None:
             messages += self._open_response(None)
         return messages
@@ -298,7 +299,7 @@ class RealtimeProtocol(Translator):
             return []
         status, reason = END_STATUS.get(end.reason, ("incomplete", None))
         messages: list[Message] = []
-        error = None
+        error: dict[str, str | None] | None = None
         if end.reason not in END_STATUS:
             code = END_CODES.get(end.reason, end.reason)
             error = {"type": "server_error", "code": code, "message": f"the session ended: {code}"}
@@ -372,7 +373,7 @@ class RealtimeProtocol(Translator):
             messages += self._commit_item(item_id)
             if vad.settings.create_response and not self.duplex and self._response is None:
                 messages += self._turn_response(None)
-        return messages
+        return tuple(messages)
 
     def _commit_item(self, item_id: str) -> list[Message]:
         """The input so far becomes a user item: committed, then added to the conversation."""
@@ -543,7 +544,7 @@ class RealtimeProtocol(Translator):
         # Everything checked: apply.  Other fields (instructions, voice, ...) change nothing here,
         # so they are neither kept nor echoed: session.updated shows what is in effect.
         if detection is not UNSET:
-            self._set_turn_detection(detection)  # type: ignore[arg-type]
+            self._set_turn_detection(detection)
         new_input = specs.get("input", self.input_spec)
         new_output = specs.get("output", self.output_spec)
         changed = new_input != self.input_spec or new_output != self.output_spec

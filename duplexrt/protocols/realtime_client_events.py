@@ -70,6 +70,8 @@ def bad_type(data: dict[str, Any], kind: object) -> ProtocolError:
 
 def parse_format(value: object, field: str, event_id: str | None, model_rate: int) -> AudioSpec | ProtocolError:
     """A GA format object ({"type": "audio/pcm", "rate": 24000}) or a format name (GA or beta)."""
+    name: object
+    rate: object
     if isinstance(value, str):
         name, rate = value, None
     elif type(value) is dict:

@@ -70,7 +70,9 @@ def client_item(item_id: str, item: dict[str, Any], *, beta: bool) -> dict[str, 
         else:
             body.setdefault("output", "")
         return body
-    role = item.get("role") if item.get("role") in ("user", "assistant", "system") else "user"
+    role = item.get("role")
+    if role not in ("user", "assistant", "system"):
+        role = "user"
     parts = []
     for part in item.get("content") or ():
         if type(part) is not dict:

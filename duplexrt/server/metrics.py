@@ -6,7 +6,7 @@ fixed-size histograms, and this collector turns them into Prometheus families wh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -18,7 +18,7 @@ _SECONDS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.6
 _BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 
-def _histogram(name: str, doc: str, histogram: Histogram, bounds: list[float], scale: float) -> HistogramMetricFamily:
+def _histogram(name: str, doc: str, histogram: Histogram, bounds: Sequence[float], scale: float) -> HistogramMetricFamily:
     edges = [int(b * scale) for b in bounds]
     cumulative = histogram.cumulative(edges)
     buckets = [(repr(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", histogram.count)]

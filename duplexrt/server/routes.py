@@ -11,7 +11,7 @@ from duplexrt.audio import AudioFormatError
 from duplexrt.config import Config
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.options import duplex_specs, wants_continuous, wants_duplex
-from duplexrt.protocols.raw import RawProtocol
+from duplexrt.protocols.raw import RawTranslator
 from duplexrt.routes import ROUTE_TABLE, RouteInfo
 from duplexrt.server.http import BadRequest, RequestHead
 
@@ -31,16 +31,16 @@ def _duplex(head: RequestHead, config: Config) -> Translator:
         input_spec, output_spec = duplex_specs(head.query, config.audio.sample_rate)
     except AudioFormatError as exc:
         raise BadRequest(400, str(exc)) from None
-    return RawProtocol(input_spec, output_spec, announce=True)
+    return RawTranslator(input_spec, output_spec, announce=True)
 
 
 def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Translator:
-    from duplexrt.protocols.realtime import RealtimeProtocol
+    from duplexrt.protocols.realtime import RealtimeTranslator
 
     beta = "realtime=v1" in head.header("openai-beta").replace(" ", "").lower()
     duplex = duplex or wants_duplex(head.query)
     realtime = config.realtime
-    return RealtimeProtocol(model_rate=config.audio.sample_rate, beta=beta, duplex=duplex,
+    return RealtimeTranslator(model_rate=config.audio.sample_rate, beta=beta, duplex=duplex,
                             model=head.query.get("model") or config.backend.name,
                             max_message_seconds=config.audio.max_message_seconds,
                             duplex_gate_dbfs=realtime.duplex_gate_dbfs
@@ -51,15 +51,15 @@ def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Tra
 
 
 def _moshi(head: RequestHead, config: Config) -> Translator:
-    from duplexrt.protocols.moshi import MoshiProtocol
+    from duplexrt.protocols.moshi import MoshiTranslator
 
-    return MoshiProtocol(model_rate=config.audio.sample_rate)
+    return MoshiTranslator(model_rate=config.audio.sample_rate)
 
 
 def _live(head: RequestHead, config: Config) -> Translator:
-    from duplexrt.protocols.live import LiveProtocol
+    from duplexrt.protocols.live import LiveTranslator
 
-    return LiveProtocol(model_rate=config.audio.sample_rate, frame_seconds=config.audio.frame_seconds,
+    return LiveTranslator(model_rate=config.audio.sample_rate, frame_seconds=config.audio.frame_seconds,
                         model=config.backend.name, max_message_seconds=config.audio.max_message_seconds)
 
 

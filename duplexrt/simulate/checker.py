@@ -17,6 +17,7 @@ import numpy as np
 
 from duplexrt.audio import AudioFormat, AudioSpec, Framer, make_decoder, make_encoder
 from duplexrt.backends.synthetic import expected_output, marker_tones
+from duplexrt.client.protocols import Buffer
 from duplexrt.config import Config
 from duplexrt.simulate.workload import Workload
 
@@ -40,13 +41,14 @@ class OutputRecord:
 
     def __init__(self, frame_bytes: int | None, frames: int) -> None:
         self.frame_bytes = frame_bytes
-        self.crcs = np.zeros(frames + 8, dtype=np.uint32) if frame_bytes else None
+        #: One CRC per whole wire frame (none kept for Opus, which is kept whole in ``chunks``).
+        self.crcs = np.zeros(frames + 8 if frame_bytes else 0, dtype=np.uint32)
         self.count = 0
         self._carry = b""
-        self.chunks: list[bytes] = []
+        self.chunks: list[Buffer] = []
         self.received_bytes = 0
 
-    def add(self, data: bytes) -> int:
+    def add(self, data: Buffer) -> int:
         """Take one audio message; returns how many whole wire frames it completed."""
         self.received_bytes += len(data)
         size = self.frame_bytes

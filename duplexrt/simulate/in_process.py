@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -111,9 +112,10 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
 
     for index, state in enumerate(clients):
         conversation = state.conversation
+        assert conversation is not None  # every client conversed, in the nursery above
         failures.extend(end_failures(index, conversation))
-        frames_out = conversation.end.frames_out if conversation.end else None
-        failures.extend(checker.check_session(index, index + 1, state.record, frames_out))
+        reported_out = conversation.end.frames_out if conversation.end else None
+        failures.extend(checker.check_session(index, index + 1, state.record, reported_out))
 
     frames_in = after.frames.frames_in - before.frames.frames_in
     per_frame = max(frames_in, 1)
@@ -160,7 +162,7 @@ async def _run_round(runtime: Runtime, options: SimulateOptions, spec: AudioSpec
 
 async def run_find_capacity(config: Config, options: SimulateOptions, *, backend: Backend | None = None,
                             progress: bool = False, min_seconds: float = MIN_SECONDS,
-                            on_probe=None, retries: int = 0) -> CapacitySearch:
+                            on_probe: Callable[[Verdict], None] | None = None, retries: int = 0) -> CapacitySearch:
     """``--find-capacity`` in process: bisect paced concurrency on one runtime, up to its slots."""
     frame_seconds = config.audio.frame_seconds
     options = search_options(options, frame_seconds, min_seconds)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -33,6 +34,7 @@ from duplexrt.client.protocols import (
 )
 from duplexrt.config import Config, ConfigError
 from duplexrt.progress import show_progress
+from duplexrt.reasons import CloseCode
 from duplexrt.simulate.checker import Checker, OutputRecord
 from duplexrt.simulate.find_capacity import MIN_SECONDS, CapacitySearch, Verdict, find_capacity, judge
 from duplexrt.simulate.options import ROUTE_FORMATS, SimulateOptions, Usage, search_options
@@ -47,6 +49,7 @@ from duplexrt.simulate.virtual_client import (
     stream_real_time_factor,
 )
 from duplexrt.simulate.workload import Workload
+from duplexrt.transport import Message, Transport, poller
 
 
 def default_format(url: str) -> str:
@@ -210,12 +213,12 @@ async def _run_url_round(config: Config, options: SimulateOptions, target: UrlTa
             async with open_connection(target.url, protocol, api_key=api_key, timeout=connect_timeout,
                                        resume=True) as (transport, _greeting):
                 connected.add(index)
+                assert isinstance(transport, ResumingTransport)  # what resume=True connects with
                 resuming.append(transport)
                 settle()
                 await go.wait()
-                if index in drop_at:
-                    transport = _CutOnce(transport, drop_at[index])
-                await state.converse(transport, protocol, workload, paced=paced,
+                talk: Transport = _CutOnce(transport, drop_at[index]) if index in drop_at else transport
+                await state.converse(talk, protocol, workload, paced=paced,
                                      offset=workload.phase(index, concurrency),
                                      caught_up_at=options.frames if protocol.needs_catch_up else None,
                                      idle_timeout=idle_timeout, pacer=pacer)
@@ -331,23 +334,27 @@ class _CutOnce:
 
     def __init__(self, transport: ResumingTransport, at: int) -> None:
         self._transport = transport
+        self._poll = poller(transport)
         self._at = at
         self._sent = 0
 
-    async def send(self, message) -> None:
+    async def send(self, message: Message) -> None:
         if self._sent == self._at:
             self._transport.drop()
         self._sent += 1
         await self._transport.send(message)
 
-    async def receive(self):
+    async def receive(self) -> Message:
         return await self._transport.receive()
 
-    def receive_nowait(self):
+    def receive_nowait(self) -> Message:
         return self._transport.receive_nowait()
 
-    async def close(self, *args) -> None:
-        await self._transport.close(*args)
+    def poll(self) -> Message | None:
+        return self._poll()
+
+    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
+        await self._transport.close(code, reason)
 
 
 async def _server_capacity(url: str) -> dict | None:
@@ -461,7 +468,7 @@ def _server_figures(before: MetricsSnapshot | None, after: MetricsSnapshot | Non
 async def run_url_find_capacity(config: Config, options: SimulateOptions, url: str, *,
                                 api_key: str | None = None, progress: bool = False,
                                 adopt_server_backend: bool = False, min_seconds: float = MIN_SECONDS,
-                                on_probe=None, retries: int = 0) -> CapacitySearch:
+                                on_probe: Callable[[Verdict], None] | None = None, retries: int = 0) -> CapacitySearch:
     """``--find-capacity --url``: the same bisection over real WebSockets, up to the server's slots.
     Sessions the server refuses (``at_capacity``) fail a probe like late frames do."""
     frame_seconds = config.audio.frame_seconds
@@ -475,7 +482,9 @@ async def run_url_find_capacity(config: Config, options: SimulateOptions, url: s
         config = attrs.evolve(config, backend=attrs.evolve(config.backend, name=server_backend))
     slots = ready.get("slots")
     ceiling = slots if isinstance(slots, int) and slots > 0 else options.concurrency
-    capacity = ready.get("capacity") if isinstance(ready.get("capacity"), dict) else {}
+    capacity = ready.get("capacity")
+    if not isinstance(capacity, dict):
+        capacity = {}
     start = capacity.get("limit") if capacity.get("source") not in (None, "none") else None
 
     async def probe(sessions: int) -> Verdict:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from duplexrt.simulate.find_capacity import CapacitySearch
 from duplexrt.simulate.report import SimulationReport
 
 
@@ -36,13 +37,13 @@ def _pyplot():
 def plot_report(report: SimulationReport, path: str | Path, *, late_ms: float) -> Path:
     """Write the plot; one row per measured round (left: lag over time, right: histogram)."""
     plt = _pyplot()
-    rounds = [r for r in report.rounds if r.lag_samples is not None]
+    rounds = [(r, r.lag_samples) for r in report.rounds if r.lag_samples is not None]
     if not rounds:
         raise PlotUnavailable("no per-frame samples were kept for this run")
     figure, axes = plt.subplots(len(rounds), 2, figsize=(12, 3.6 * len(rounds)), squeeze=False,
                                 gridspec_kw={"width_ratios": [3, 1]})
-    for row, round_ in zip(axes, rounds):
-        times, lags = round_.lag_samples
+    for row, (round_, samples) in zip(axes, rounds):
+        times, lags = samples
         over_time, distribution = row
         over_time.scatter(times, lags, s=5, alpha=0.6, linewidths=0)
         over_time.axhline(late_ms, color="tab:red", linewidth=1, linestyle="--", label=f"late ({late_ms:g} ms)")
@@ -65,7 +66,7 @@ def plot_report(report: SimulationReport, path: str | Path, *, late_ms: float) -
     return path
 
 
-def plot_search(search, path: str | Path) -> Path:
+def plot_search(search: CapacitySearch, path: str | Path) -> Path:
     """``--find-capacity --plot``: frame lag percentiles by session count, each probe's deadline,
     and which held."""
     plt = _pyplot()

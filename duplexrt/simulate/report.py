@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -154,6 +155,30 @@ class SimulationReport:
         return json.dumps({"settings": self.settings, "ok": self.ok, "rounds": rounds}, indent=2)
 
 
+#: One row of a table: a round's figure as text.
+Column = Callable[[RoundReport], str]
+
+
+def _in_process(r: RoundReport) -> InProcessFigures:
+    """The in-process figures of a round the in-process table shows (it shows no other)."""
+    assert isinstance(r.measured, InProcessFigures), "format_table sends --url rounds to their own table"
+    return r.measured
+
+
+def _server(r: RoundReport) -> ServerFigures:
+    """The server figures of a round the ``--url`` table shows (it shows no other)."""
+    assert isinstance(r.measured, ServerFigures), "format_table sends in-process rounds to their own table"
+    return r.measured
+
+
+def _handoffs_of(kind: str) -> Column:
+    return lambda r: str(r.handoffs.get(kind, 0))
+
+
+def _percent(share: float | None) -> float | None:
+    return None if share is None else 100 * share
+
+
 def _summary(s: Summary, digits: int = 2) -> str:
     return f"{s.p50:.{digits}f} / {s.p99:.{digits}f} / {s.max:.{digits}f}"
 
@@ -164,31 +189,31 @@ def format_table(report: SimulationReport) -> str:
         return _format_url_table(report)
     rows: list[tuple[str, list[str]]] = []
 
-    def add(name: str, fn) -> None:
+    def add(name: str, fn: Column) -> None:
         rows.append((name, [fn(r) for r in report.rounds]))
 
     add("elapsed (s)", lambda r: f"{r.elapsed_s:.3f}")
     add("frames in / out", lambda r: f"{r.frames_in} / {r.frames_out}")
-    add("host CPU per frame (µs)", lambda r: f"{r.measured.cpu_us_per_frame:.2f}")
-    add("voluntary ctx switches / frame", lambda r: f"{r.measured.voluntary_switches_per_frame:.3f}")
-    add("involuntary ctx switches / frame", lambda r: f"{r.measured.involuntary_switches_per_frame:.3f}")
+    add("host CPU per frame (µs)", lambda r: f"{_in_process(r).cpu_us_per_frame:.2f}")
+    add("voluntary ctx switches / frame", lambda r: f"{_in_process(r).voluntary_switches_per_frame:.3f}")
+    add("involuntary ctx switches / frame", lambda r: f"{_in_process(r).involuntary_switches_per_frame:.3f}")
     kinds = sorted({k for r in report.rounds for k in r.handoffs})
     for kind in kinds:
-        add(f"handoffs: {kind}", lambda r, k=kind: str(r.handoffs.get(k, 0)))
-    add("executor submissions", lambda r: str(r.measured.executor_submissions))
-    add("preprocess per message p50 (µs)", lambda r: f"{r.measured.preprocess_us.p50:.1f}")
-    add("enqueue per frame p50 (µs)", lambda r: f"{r.measured.enqueue_us.p50:.1f}")
-    add("latency p50/p99/max (ms)", lambda r: _summary(r.measured.latency_ms))
-    add("step→delivered p50/p99/max (ms)", lambda r: _summary(r.measured.delivery_ms, 3))
-    add("step→sent p50/p99/max (ms)", lambda r: _summary(r.measured.step_to_sent_ms, 3))
+        add(f"handoffs: {kind}", _handoffs_of(kind))
+    add("executor submissions", lambda r: str(_in_process(r).executor_submissions))
+    add("preprocess per message p50 (µs)", lambda r: f"{_in_process(r).preprocess_us.p50:.1f}")
+    add("enqueue per frame p50 (µs)", lambda r: f"{_in_process(r).enqueue_us.p50:.1f}")
+    add("latency p50/p99/max (ms)", lambda r: _summary(_in_process(r).latency_ms))
+    add("step→delivered p50/p99/max (ms)", lambda r: _summary(_in_process(r).delivery_ms, 3))
+    add("step→sent p50/p99/max (ms)", lambda r: _summary(_in_process(r).step_to_sent_ms, 3))
     add("scheduler steps", lambda r: str(r.steps))
     add("mean batch", lambda r: f"{r.mean_batch:.1f}")
-    add("step time p50/p99 (ms)", lambda r: f"{r.measured.step_ms.p50:.3f} / {r.measured.step_ms.p99:.3f}")
+    add("step time p50/p99 (ms)", lambda r: f"{_in_process(r).step_ms.p50:.3f} / {_in_process(r).step_ms.p99:.3f}")
     _add_pacing_and_guards(report, add)
     return _render(report, rows)
 
 
-def _add_pacing_and_guards(report: SimulationReport, add) -> None:
+def _add_pacing_and_guards(report: SimulationReport, add: Callable[[str, Column], None]) -> None:
     if any(r.frame_lag_ms is not None for r in report.rounds):
         add("frame lag p50/p99/max (ms)", lambda r: _summary(r.frame_lag_ms) if r.frame_lag_ms else "-")
         add("late frames", lambda r: str(r.late_frames))
@@ -224,33 +249,32 @@ def _format_url_table(report: SimulationReport) -> str:
     (from its /metrics), then what generating the load cost this process."""
     rows: list[tuple[str, list[str]]] = []
 
-    def add(name: str, fn) -> None:
+    def add(name: str, fn: Column) -> None:
         rows.append((name, [fn(r) for r in report.rounds]))
 
     add("elapsed (s)", lambda r: f"{r.elapsed_s:.3f}")
-    add("sessions connected / attempted", lambda r: f"{r.measured.sessions_connected} / {r.sessions}")
-    add("connection errors", lambda r: ", ".join(f"{k}: {v}" for k, v in sorted(r.measured.connection_errors.items()))
+    add("sessions connected / attempted", lambda r: f"{_server(r).sessions_connected} / {r.sessions}")
+    add("connection errors", lambda r: ", ".join(f"{k}: {v}" for k, v in sorted(_server(r).connection_errors.items()))
         or "none")
-    if any(r.measured.drops or r.measured.resumes for r in report.rounds):
+    if any(_server(r).drops or _server(r).resumes for r in report.rounds):
         add("connections cut / sessions resumed",
-            lambda r: f"{_optional(r.measured.drops, 'd')} / {r.measured.resumes}")
+            lambda r: f"{_optional(_server(r).drops, 'd')} / {_server(r).resumes}")
     add("frames in / out (clients)", lambda r: f"{r.frames_in} / {r.frames_out}")
-    add("server figures from replica", lambda r: r.measured.server_replica or "-")
-    add("frames in / out (server)", lambda r: f"{_optional(r.measured.server_frames_in, 'd')} / "
-                                              f"{_optional(r.measured.server_frames_out, 'd')}")
-    add("server CPU per frame (µs)", lambda r: _optional(r.measured.server_cpu_us_per_frame, ".2f"))
+    add("server figures from replica", lambda r: _server(r).server_replica or "-")
+    add("frames in / out (server)", lambda r: f"{_optional(_server(r).server_frames_in, 'd')} / "
+                                              f"{_optional(_server(r).server_frames_out, 'd')}")
+    add("server CPU per frame (µs)", lambda r: _optional(_server(r).server_cpu_us_per_frame, ".2f"))
     add("server CPU on the scheduler thread (%)",
-        lambda r: _optional(None if r.measured.server_scheduler_cpu_share is None
-                            else 100 * r.measured.server_scheduler_cpu_share, ".1f"))
-    add("load-generator CPU per frame (µs)", lambda r: _optional(r.measured.load_generator_cpu_us_per_frame, ".2f"))
+        lambda r: _optional(_percent(_server(r).server_scheduler_cpu_share), ".1f"))
+    add("load-generator CPU per frame (µs)", lambda r: _optional(_server(r).load_generator_cpu_us_per_frame, ".2f"))
     kinds = sorted({k for r in report.rounds for k in r.handoffs})
     for kind in kinds:
-        add(f"server handoffs: {kind}", lambda r, k=kind: str(r.handoffs.get(k, 0)))
+        add(f"server handoffs: {kind}", _handoffs_of(kind))
     add("server scheduler steps", lambda r: _optional(r.steps, "d"))
     add("server mean batch", lambda r: _optional(r.mean_batch, ".1f"))
-    add("server step time mean (ms)", lambda r: _optional(r.measured.server_step_ms_mean, ".3f"))
-    add("server frame latency mean (ms)", lambda r: _optional(r.measured.server_latency_ms_mean, ".2f"))
+    add("server step time mean (ms)", lambda r: _optional(_server(r).server_step_ms_mean, ".3f"))
+    add("server frame latency mean (ms)", lambda r: _optional(_server(r).server_latency_ms_mean, ".2f"))
     _add_pacing_and_guards(report, add)
     targets = sorted({r.target for r in report.rounds})
-    notes = [*report.settings.get("notes", []), *(n for r in report.rounds for n in r.measured.notes)]
+    notes = [*report.settings.get("notes", []), *(n for r in report.rounds for n in _server(r).notes)]
     return "\n".join([f"server: {', '.join(targets)}", _render(report, rows), *(f"note: {n}" for n in notes)])

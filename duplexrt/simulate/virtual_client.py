@@ -15,10 +15,11 @@ from duplexrt.client.connection import ConnectError
 from duplexrt.client.conversation import Conversation
 from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import Buffer, ClientProtocol
-from duplexrt.core.histogram import Histogram
+from duplexrt.core.histogram import Histogram, Summary
 from duplexrt.reasons import FinishReason
 from duplexrt.simulate.checker import OutputRecord
 from duplexrt.simulate.workload import Workload
+from duplexrt.transport import Transport
 
 #: Paced virtual clients share one ``Pacer`` that wakes at most once per this many seconds: a
 #: message goes out at most this much after its time (its lag is counted from when it went, so
@@ -119,10 +120,11 @@ class VirtualClient:
             before = counter.frames
             completed = counter.add(data)
         meter = self.meter
-        if meter is not None and completed:
-            meter.record(self.conversation.send_times, before, completed, now)
+        conversation = self.conversation  # set before its first message can arrive
+        if meter is not None and completed and conversation is not None:
+            meter.record(conversation.send_times, before, completed, now)
 
-    async def converse(self, transport, protocol: ClientProtocol, workload: Workload, *, paced: bool,
+    async def converse(self, transport: Transport, protocol: ClientProtocol, workload: Workload, *, paced: bool,
                        offset: float, caught_up_at: int | None = None,
                        idle_timeout: float | None = None, pacer: Pacer | None = None) -> Conversation:
         caught_up = None
@@ -161,7 +163,7 @@ def stream_real_time_factor(clients: list[VirtualClient], workload: Workload) ->
 
 
 def pacing(clients: list[VirtualClient], meter: LagMeter | None, frames: int,
-            frame_seconds: float):
+           frame_seconds: float) -> tuple[Summary | None, int | None, float | None]:
     """Frame lag, late frames and real-time factor (paced mode; None for a burst)."""
     if meter is None:
         return None, None, None

@@ -41,10 +41,11 @@ class Workload:
         # A model-rate sample count per message, to find which message completes a frame.
         self.model_samples_per_message = self.message_samples * model_rate / wire_rate
         self.frame_size = frame_size
+        self._shared: list[bytes] | None
         if spec.format is AudioFormat.OPUS:
             self._shared = self._encode_opus(seed)
             self.message_count = len(self._shared)
-            self._pool = None
+            self._pool = memoryview(b"")  # Opus messages are the shared ones, not pool slices
         else:
             self._shared = None
             # A pool that is not a whole number of frames long, so offsets fall mid-frame.
@@ -54,7 +55,9 @@ class Workload:
             # Encoded at its own rate: no resampling, just the wire representation.
             encoded = make_encoder(AudioSpec.create(spec.format, wire_rate, model_rate=wire_rate), wire_rate)
             self._pool = memoryview(encoded.encode(extended) + encoded.flush())
-            self._bytes_per_sample = spec.format.bytes_per_sample
+            width = spec.format.bytes_per_sample
+            assert width is not None  # every format but Opus has fixed-size samples
+            self._bytes_per_sample = width
 
     def _encode_opus(self, seed: int) -> list[bytes]:
         wire_rate = self.spec.sample_rate

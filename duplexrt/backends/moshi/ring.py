@@ -91,6 +91,7 @@ def model_context(lm: Any) -> int:
         raise ConfigError(f"this model's temporal transformer has attention contexts {sorted(map(str, contexts))}: "
                           "the moshi backend needs one finite context to size each row's K/V ring")
     (context,) = contexts
+    assert context is not None  # refused just above; the set test does not narrow for mypy
     return int(context)
 
 

@@ -1,0 +1,93 @@
+"""mypy checks ``duplexrt/`` and ``cli/`` with the configuration in pyproject.toml (``[tool.mypy]``).
+
+The goal is no error anywhere.  Until the session and wire modules are rebuilt (they are being
+replaced, not patched), the files that still have errors are listed in ``EXPECTED_UNFIXED``: an
+error anywhere else fails, and so does a listed file that has become clean, so the list can only
+shrink, and it goes away once it is empty.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Files with errors today, each to leave this list when it is clean.  The session and wire
+#: wing (rebuilt in duplexrt/session/ and duplexrt/wire/) and the moshi backend.
+EXPECTED_UNFIXED = frozenset({
+    "duplexrt/config.py",
+    "duplexrt/core/resume.py",
+    "duplexrt/core/session.py",
+    "duplexrt/core/session_input.py",
+    "duplexrt/core/session_output.py",
+    "duplexrt/core/session_sink.py",
+    "duplexrt/server/app.py",
+    "duplexrt/server/http.py",
+    "duplexrt/server/streams.py",
+    "duplexrt/wsframes.py",
+    "duplexrt/wsnative.py",
+    "duplexrt/backends/moshi/backend.py",
+    "duplexrt/backends/moshi/memory.py",
+    "duplexrt/backends/moshi/rows.py",
+})
+
+
+def _mypy(*arguments: str, cwd: Path = ROOT) -> list[dict[str, object]]:
+    """Run mypy (the configuration it finds in ``cwd``) and return its messages, one dict each."""
+    if not (ROOT / "pyproject.toml").is_file():
+        pytest.fail("tests/test_types.py runs from a checkout: pyproject.toml holds the mypy configuration")
+    done = subprocess.run([sys.executable, "-m", "mypy", "--output", "json", *arguments],
+                          cwd=cwd, capture_output=True, text=True, check=False)
+    messages = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    # 0: clean; 1: errors found, each a line of JSON.  Anything else (2, or 1 with no error: mypy
+    # missing, a bad configuration, a crash) is mypy failing to run, not a verdict.
+    if done.returncode not in (0, 1) or (done.returncode == 1 and not messages):
+        pytest.fail(f"mypy could not run ({done.returncode}; it is in the test extra):\n{done.stdout}{done.stderr}")
+    return messages
+
+
+def _errors_by_file(messages: list[dict[str, object]]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = defaultdict(list)
+    for message in messages:
+        if message["severity"] == "error":
+            found[str(message["file"])].append(f"{message['file']}:{message['line']}: "
+                                               f"{message['message']}  [{message['code']}]")
+    return dict(found)
+
+
+def test_mypy_finds_errors_only_in_the_files_still_listed():
+    found = _errors_by_file(_mypy("duplexrt", "cli"))
+    unexpected = [line for path, lines in sorted(found.items()) if path not in EXPECTED_UNFIXED
+                  for line in lines]
+    assert unexpected == [], "mypy errors outside EXPECTED_UNFIXED:\n" + "\n".join(unexpected)
+    clean = sorted(EXPECTED_UNFIXED - set(found))
+    assert clean == [], f"clean now: take these out of EXPECTED_UNFIXED: {clean}"
+
+
+def test_the_configuration_catches_what_it_promises(tmp_path):
+    """The settings in pyproject.toml are the ones in force: a module breaking each of them is
+    reported once per rule, under the rule's own code."""
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (tmp_path / "sample.py").write_text(
+        "from typing import cast\n"
+        "def half(x: int, y) -> int:\n"               # a def annotated in part
+        "    return x\n"
+        "def implied(x: int = None) -> int:\n"          # an Optional left implicit
+        "    return 0\n"
+        "def untyped():\n"                             # an unannotated body is still checked
+        "    return 1 + ''\n"
+        "def never(x: int) -> bool:\n"
+        "    return x == 'a'\n"                        # a comparison that cannot be true
+        "y = cast(int, 1)\n"                           # a cast that does nothing
+        "z = 1  # type: ignore[assignment]\n"          # an ignore that hides nothing
+    )
+    codes = sorted((int(str(m["line"])), str(m["code"])) for m in _mypy("sample.py", cwd=tmp_path)
+                   if m["severity"] == "error")
+    assert codes == [(2, "no-untyped-def"), (4, "assignment"), (7, "operator"), (9, "comparison-overlap"),
+                     (10, "redundant-cast"), (11, "unused-ignore")]
