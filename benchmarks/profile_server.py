@@ -10,13 +10,13 @@ the process for each sample and so inflates the CPU figure a little.
 Layers, matched on the file path py-spy prints for a Python frame (first rule that matches wins):
 
     socket I/O          trio/_socket.py, trio/_highlevel_socket.py, trio/_core/_io_epoll.py,
-                        selectors.py, socket.py, duplexrt/readhub.py
+                        selectors.py, socket.py
     WebSocket framing   wsproto/*
     trio-websocket      trio_websocket/*
     trio scheduling     trio/* (the rest: the run loop, checkpoints, memory channels, locks)
     translator          duplexrt/protocols/*
-    session             duplexrt/core/session.py and its session_input.py, session_output.py,
-                        session_sink.py; duplexrt/core/slot_owner.py, duplexrt/core/state.py,
+    session             duplexrt/core/session.py and its session_input.py, session_output.py;
+                        duplexrt/core/slot_owner.py, duplexrt/core/state.py,
                         duplexrt/audio/*
     scheduler/inbox     duplexrt/core/scheduler.py, duplexrt/core/inbox.py, duplexrt/core/handoffs.py,
                         duplexrt/core/capacity.py, duplexrt/core/affinity.py
@@ -81,12 +81,12 @@ PY_SPY = BIN / "py-spy"
 #: (layer, path test) in order: the first match wins, so the socket files of trio come before trio.
 RULES: list[tuple[str, re.Pattern[str]]] = [
     ("socket I/O", re.compile(r"^(trio/_socket\.py|trio/_highlevel_socket\.py|trio/_core/_io_epoll\.py"
-                              r"|selectors\.py|socket\.py|duplexrt/readhub\.py)$")),
+                              r"|selectors\.py|socket\.py)$")),
     ("WebSocket framing", re.compile(r"^wsproto/|^duplexrt/ws(frames|native|handshake)\.py$")),
     ("trio-websocket", re.compile(r"^trio_websocket/")),
     ("trio scheduling", re.compile(r"^trio/")),
     ("translator", re.compile(r"^duplexrt/protocols/")),
-    ("session", re.compile(r"^duplexrt/(core/(session(_input|_output|_sink)?|slot_owner|state)\.py|audio/)")),
+    ("session", re.compile(r"^duplexrt/(core/(session(_input|_output)?|slot_owner|state)\.py|audio/)")),
     ("scheduler/inbox", re.compile(r"^duplexrt/core/(scheduler|inbox|handoffs|capacity|affinity)\.py$")),
     ("metrics", re.compile(r"^duplexrt/(core/(metrics|histogram|stage_meter)|server/(metrics|stats_log))\.py$")),
     ("backend", re.compile(r"^duplexrt/(backends/|core/runtime\.py)")),
@@ -207,11 +207,9 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("  wsproto send: Connection.send", ("Connection.send",)),
     ("  trio-websocket send lock: _LockImpl.acquire/release", ("_LockImpl.acquire", "_LockImpl.release")),
     ("session read loop: SessionInput._read_loop", ("SessionInput._read_loop",)),
-    ("a message handled where the read hub read it: SessionSink._take_nowait", ("SessionSink._take_nowait",)),
     ("  PCM decode: _PcmDecoder.decode", ("_PcmDecoder.decode",)),
     ("    of which the range check: _in_range", ("_in_range",)),
-    ("  submit to the scheduler: SessionInput._submit, SessionSink._submit_nowait",
-     ("SessionInput._submit", "SessionSink._submit_nowait")),
+    ("  submit to the scheduler: SessionInput._submit", ("SessionInput._submit",)),
     ("session write loop: SessionOutput._write_loop", ("SessionOutput._write_loop",)),
     ("output sent from a step's delivery: SessionOutput._send_directly", ("SessionOutput._send_directly",)),
     ("  PCM encode: _PcmEncoder.encode(_rows)", ("_PcmEncoder.encode", "_PcmEncoder.encode_rows")),

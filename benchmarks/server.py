@@ -5,14 +5,13 @@
    ``duplexrt simulate --url`` in another; the server's CPU comes from its own /metrics
    (process_cpu_seconds_total).  Each (route, sessions) is run once per variant, the variants
    alternated so that they share the machine's load: ``native`` and ``trio-websocket`` (this
-   checkout's server with ``server.websocket_impl`` set to each; this checkout's load generator),
-   ``native-no-hub`` (native with ``server.read_hub = false``: each session reads its own socket)
+   checkout's server with ``server.websocket_impl`` set to each; this checkout's load generator)
    and, with ``--before-bin``, ``before`` (another checkout's ``duplexrt``, server and load).
    ``bare`` (benchmarks/bare_echo.py, /v1/duplex only) is the floor: trio and the WebSocket layer
-   echoing with no runtime behind them (``bare-hub``: answered where the read hub reads each message), measured by the same load generator and the same /metrics
+   echoing with no runtime behind them, measured by the same load generator and the same /metrics
    series, so that the difference to ``native`` is what the runtime adds.  A row run after a floor
    of the same route and sessions also gives its CPU as a multiple of that floor (``floor_ratio``):
-   run the floor first (``--variants bare-hub,native``).
+   run the floor first (``--variants bare,native``).
 2. Capacity: the largest number of paced sessions one server process keeps real-time (p99 frame
    lag under 80 ms, no late frames beyond 1 %, no connection errors) on ``/v1/duplex``, trying
    each of ``--capacity`` in turn (this checkout, native), ``--capacity-frames`` frames a session
@@ -99,10 +98,6 @@ def _variant(name: str) -> tuple[str, Path, list[str]]:
     """A variant's server: this checkout's with one setting, or the floor."""
     if name == "bare":
         return name, BARE_ECHO, []
-    if name == "bare-hub":  # the floor answered where the read hub reads each message
-        return name, BARE_ECHO, ["--read-hub"]
-    if name == "native-no-hub":  # each session reads its own socket (server.read_hub = false)
-        return name, BIN, ["--set", "server.websocket_impl=native", "--set", "server.read_hub=false"]
     return name, BIN, ["--set", f"server.websocket_impl={name}"]
 
 
@@ -116,7 +111,7 @@ def _floor_ratio(row: dict, floor: float | None) -> float | None:
     to a floor measured minutes apart holds still.  None for the floor itself, without a floor
     run before it, or where a short run counted no CPU (the kernel counts in 10 ms ticks)."""
     server = row["server_cpu_us_per_frame"]
-    if row["variant"] in ("bare", "bare-hub") or not floor or server is None:
+    if row["variant"] == "bare" or not floor or server is None:
         return None
     return server / floor
 
@@ -130,9 +125,8 @@ def main() -> None:
     parser.add_argument("--routes", default="/v1/duplex,/v1/realtime?duplex=1&continuous=1,/v1/live/sessions")
     parser.add_argument("--sessions", default="96,256")
     parser.add_argument("--variants", default="native,trio-websocket",
-                        help="which of native, native-no-hub (server.read_hub=false), trio-websocket, bare and "
-                             "bare-hub to run (before is added by --before-bin); bare is benchmarks/bare_echo.py, "
-                             "the floor with no runtime, on /v1/duplex only, bare-hub the same through the read hub")
+                        help="which of native, trio-websocket and bare to run (before is added by --before-bin); "
+                             "bare is benchmarks/bare_echo.py, the floor with no runtime, on /v1/duplex only")
     parser.add_argument("--before-bin", type=Path, default=None,
                         help="another checkout's duplexrt (e.g. main's .venv/bin/duplexrt): server and load generator")
     parser.add_argument("--capacity", default="256,512,768,1024", help="'' to skip")

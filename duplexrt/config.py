@@ -300,11 +300,6 @@ class ServerConfig:
     #: path; "trio-websocket": the library's connection with its reader task (the fallback).
     websocket_impl: str = attrs.field(
         default="native", validator=_one_of("server.websocket_impl", ("native", "trio-websocket")))
-    #: With "native": one task reads every session's socket as data comes, and takes each message
-    #: there when nothing in it has to wait, instead of a wake-up of the session's reader per
-    #: message (Linux; elsewhere each session reads its own).  false: each session reads its own.
-    read_hub: bool = attrs.field(default=True, validator=_is_bool("server.read_hub"))
-
 
 @attrs.frozen(kw_only=True)
 class RealtimeConfig:

@@ -13,13 +13,6 @@ to read): the keepalive reads by itself while it waits for a pong, and a close r
 peer's Close; both stop reading ahead once ``queue_limit`` messages wait unread, as trio-websocket
 does.  The limits (first message, pings, idle, close handshake) and their finish reasons are the
 same as ``WebSocketTransport``'s.
-
-With a server's ``ReadHub``, ``serve_messages`` goes further: the socket is watched by the hub,
-which reads it and hands each message to the session's sink where it was read, so a paced
-session's reader task sleeps through the whole conversation.  Whatever the sink cannot finish
-(a control frame to answer, a message that must wait) wakes the reader, which goes on exactly as
-``receive`` would, and the hub reads nothing for it until it serves again: a session that stops
-taking input stops its socket being read, as before.
 """
 
 from __future__ import annotations
@@ -32,9 +25,8 @@ from collections import deque
 
 import trio
 
-from duplexrt.readhub import ReadHub
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Sink, Taken, TransportClosed, wait_for_silence
+from duplexrt.transport import Message, TransportClosed, wait_for_silence
 from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
                                frame, frame_header, masked_frame_parts)
 
@@ -54,8 +46,7 @@ class NativeWebSocket:
 
     def __init__(self, stream: trio.SocketStream, *, client: bool = False, max_message: int = 1 << 20,
                  first_message_timeout: float = math.inf, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-                 received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None,
-                 hub: ReadHub | None = None) -> None:
+                 received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None) -> None:
         self._stream = stream
         self._client = client
         self._mask_keys = MaskKeys() if client else None
@@ -70,7 +61,6 @@ class NativeWebSocket:
         self._reading = False
         self._read_lot = trio.lowlevel.ParkingLot()
         self._sock = stream.socket
-        self._fd = self._sock.fileno()  # what the hub knows it by, even once the socket is closed
         self._reads_without_wait = 0
         #: The last read took less than it asked for: the socket was empty after it.
         self._drained = False
@@ -94,14 +84,6 @@ class NativeWebSocket:
         self._closing: trio.Event | None = None
         self._close_deadline = math.inf
         self._close_scope: trio.CancelScope | None = None
-        #: The server's read hub, if it has one (``serve_messages``).
-        self._hub = hub
-        #: Who takes messages as the hub reads them: set only while ``serve_messages`` waits.
-        self._sink: Sink | None = None
-        #: A frame the hub read that the serving task must answer (a ping, a close, a broken frame).
-        self._for_server: Ping | Close | FrameError | None = None
-        #: The sink held a message for the serving task: ``serve_messages`` returns None.
-        self._held = False
 
     # -- Transport -------------------------------------------------------------------------------
 
@@ -143,100 +125,6 @@ class NativeWebSocket:
             return None
         self.received += 1
         return messages.popleft()
-
-    async def serve_messages(self, sink: Sink) -> Message | None:
-        """Hand each message to ``sink`` where the read hub reads it (see ``Transport``); without
-        a hub, before the first message (its deadline is ``receive``'s), or with anything already
-        waiting, this is ``receive``."""
-        hub = self._hub
-        self._held = False
-        while True:
-            if self._for_server is not None:
-                await self._answer_for_server()
-                continue
-            fd = self._sock.fileno()
-            if (hub is None or fd < 0 or not self.received or self._messages or self._unparsed or self._reading
-                    or self._ended is not None or self._gone is not None or self._eof):
-                return await self.receive()
-            self._sink = sink
-            hub.watch(fd, self._on_readable)
-            try:
-                await self._read_lot.park()  # the hub wakes this for what the sink did not finish
-            finally:
-                self._sink = None
-            if self._held:
-                self._held = False
-                return None
-
-    def _on_readable(self) -> None:
-        """The hub's callback (never raises, never yields): read once, and hand every whole
-        message to the sink until it leaves or holds one; anything else wakes the serving task."""
-        sink = self._sink
-        fd = self._sock.fileno()
-        if sink is None or fd < 0:  # nobody serves now: the socket waits for whoever reads next
-            self._hub.forget(self._fd, self._on_readable)
-            return
-        parser = self._parser
-        try:
-            count = os.readv(fd, (parser.room(MIN_ROOM),))
-        except BlockingIOError:
-            return
-        except OSError:  # reset by the peer
-            count = 0
-        if not count:
-            self._stream_ended()
-            self._stop_serving()
-            return
-        parser.received(count)
-        messages = self._messages
-        while True:
-            try:
-                event = parser.next()
-            except FrameError as error:
-                self._for_server = error
-                self._stop_serving()
-                return
-            if event is None:
-                return
-            kind = type(event)
-            if kind is bytes or kind is str:
-                try:
-                    taken = sink(event)
-                except Exception:  # noqa: BLE001 - the sink's own guard failed: end this connection only
-                    log.exception("a message sink failed")
-                    self._end(FinishReason.ERROR, CloseCode.INTERNAL_ERROR, "internal error")
-                    self._stop_serving()
-                    return
-                if taken is Taken.DONE:
-                    self.received += 1
-                    continue
-                if taken is Taken.HELD:
-                    self.received += 1
-                    self._held = True
-                else:
-                    messages.append(event)
-            elif kind is Pong:
-                self._pongs += 1
-                self._read_lot.unpark_all()  # for the keepalive (the serving task parks again)
-                continue
-            else:
-                self._for_server = event
-            self._unparsed = bool(parser.buffered)  # what follows waits for the serving task
-            self._stop_serving()
-            return
-
-    def _stop_serving(self) -> None:
-        # The socket stays in the hub's set: a task that serves again soon (after a held message)
-        # costs no registration, and a callback that finds no sink takes it out.
-        self._sink = None
-        self._read_lot.unpark_all()
-
-    async def _answer_for_server(self) -> None:
-        """Answer the frame the hub read for this end (before anything parsed after it)."""
-        event = self._for_server
-        self._for_server = None
-        if event is not None:
-            await self._handle(event)
 
     async def send(self, message: Message) -> None:
         self._check_open()
@@ -378,16 +266,13 @@ class NativeWebSocket:
     async def _fill(self) -> None:
         messages = self._messages
         while not messages:
-            if self._for_server is not None:  # a frame the hub read, before what follows it
-                await self._answer_for_server()
-                continue
             if self._ended is not None:
                 raise self._ended
             if self._gone is not None:
                 raise self._gone
             if self._eof:
                 raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
-            if self._unparsed:  # frames that came with the handshake, or that the hub left
+            if self._unparsed:  # frames that came with the handshake
                 self._unparsed = False
                 await self._parse()
                 continue
@@ -396,11 +281,8 @@ class NativeWebSocket:
     async def _read_more(self, *, limit: bool) -> None:
         """Read once and parse what came, or, while another task reads (or, with ``limit``, while
         ``queue_limit`` messages wait unread), wait until that changes."""
-        if self._for_server is not None:
-            await self._answer_for_server()
-            return
-        if self._reading or self._sink is not None or (limit and len(self._messages) >= self._queue_limit):
-            await self._read_lot.park()  # the other reader (the hub, for a served session) wakes this
+        if self._reading or (limit and len(self._messages) >= self._queue_limit):
+            await self._read_lot.park()  # the other reader wakes this
             return
         self._reading = True
         try:
@@ -430,7 +312,7 @@ class NativeWebSocket:
             # The last read emptied the socket: at a paced 12.5 messages a second the next one
             # is not there yet, and trying first would only cost a failed syscall.
             if sock.fileno() < 0:
-                return 0  # closed while the hub served this connection: no wait to wake it
+                return 0  # closed already: no wait to wake it
             try:
                 await trio.lowlevel.wait_readable(sock)
             except (trio.ClosedResourceError, trio.BusyResourceError):
@@ -522,7 +404,7 @@ class NativeWebSocket:
             await self._send_close(error.code, error.reason)
 
     def _stream_ended(self) -> None:
-        """A read found the end of the stream (whoever read: the hub or a task)."""
+        """A read found the end of the stream."""
         if self._read_shut:
             self._eof = True  # this end stopped reading (idle): sending still works
         else:
@@ -624,10 +506,5 @@ class NativeWebSocket:
         return self._ended
 
     def _drop_stream(self) -> None:
-        # A synchronous close: whatever waits on the socket wakes with ClosedResourceError, and
-        # a task the hub serves is woken here (the hub forgets the socket before it closes).
-        if self._hub is not None:
-            self._hub.forget(self._fd, self._on_readable)
-            self._sink = None
-            self._read_lot.unpark_all()
+        # A synchronous close: whatever waits on the socket wakes with ClosedResourceError.
         self._stream.socket.close()

@@ -20,8 +20,7 @@ burst.)
 This module holds what the whole session shares: its state (all of it set up in
 ``Session.__init__``), its lifecycle and end, and what the scheduler calls.  The halves that
 move a frame are mixins in modules of their own: ``session_input`` (the reader: a message to
-frames in the slot), ``session_sink`` (the same for a message the server's read hub read) and
-``session_output`` (the writer and the direct path: output and replies to the client, in order).
+frames in the slot) and ``session_output`` (the writer and the direct path: output and replies to the client, in order).
 They are one object because they share one set of counters, the credits that tie the two
 directions together; the split is by what each piece of code does, and every piece reads the
 state where it is described."""
@@ -43,13 +42,12 @@ from duplexrt.core.resume import ResumableTransport
 from duplexrt.core.scheduler import BackendStepError, Scheduler, new_error_id
 from duplexrt.core.session_input import SessionInput
 from duplexrt.core.session_output import Output, SessionOutput
-from duplexrt.core.session_sink import SessionSink
 from duplexrt.core.stage_meter import StageMeter
 from duplexrt.core.state import SessionState, rank
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.events import Event, SessionEnd
+from duplexrt.protocols.events import SessionEnd
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed
+from duplexrt.transport import Message, Transport, TransportClosed, direct_send
 
 
 log = logging.getLogger("duplexrt.session")
@@ -75,7 +73,7 @@ class SessionServices:
     flush_frames: int = 0
 
 
-class Session(SessionInput, SessionSink, SessionOutput):
+class Session(SessionInput, SessionOutput):
     """Serves one client over ``transport``.  ``run`` returns how the session ended."""
 
     def __init__(self, services: SessionServices, transport: Transport, protocol: Translator,
@@ -114,19 +112,10 @@ class Session(SessionInput, SessionSink, SessionOutput):
         self._encoding = False
         self._encoded = trio.lowlevel.ParkingLot()
         # The direct path: a step's output sent from its delivery, with no writer wake-up, when
-        # the transport can send without yielding (``offers_send_nowait``).  Not with offload =
-        # "always", whose encoding goes through a worker thread and so through the writer.
-        self._send_nowait = (transport.send_nowait  # type: ignore[attr-defined]
-                             if getattr(transport, "offers_send_nowait", False) and not self._always_offload
-                             else None)
-        # The read side's twin: where the transport serves messages (``serve_messages``: a server's
-        # read hub), ``_take_nowait`` takes each one as it is read, and the reader task is woken
-        # only for what has to wait (held here for it, parsed).
-        self._serve_messages = getattr(transport, "serve_messages", None)
-        self._held: Event | None = None
-        #: Frames of a message taken where it was read that had no credit yet, and how many
-        #: frames the message made: the reader submits them (``_submit_rest``).
-        self._unsubmitted: tuple[list[np.ndarray], int] | None = None
+        # the transport can send without yielding (``DirectSend``, checked here once).  Not with
+        # offload = "always", whose encoding goes through a worker thread and so through the writer.
+        self._direct = direct_send(transport) if not self._always_offload else None
+        self._send_nowait = self._direct.send_nowait if self._direct is not None else None
         # A batch sent from a delivery whose end the transport still holds: the writer counts it
         # as sent once it is out (``flush``).
         self._unflushed: list[Output] | None = None
@@ -386,11 +375,6 @@ class Session(SessionInput, SessionSink, SessionOutput):
         transport sends without yielding; otherwise the writer is woken to send them."""
         if not self._outbox or not self._writer_lot:
             return  # nothing new, or the writer is awake (or ending) and takes the outbox itself
-        if self._held is not None:
-            # An event read and parsed ahead of this output waits for the reader (the translator
-            # may have opened a response for it whose creation is not queued yet): the output
-            # goes once the reader has taken it, in the order the translator made things.
-            return
         if self._delivered < self._hold_until:
             return  # the rest of the client message's frames are a step or two behind: one answer
         if (self._send_nowait is not None and not self._pending and self._unflushed is None

@@ -1,5 +1,5 @@
 """A session's input half: the reader task, and the steps from a client message to frames in the
-slot that it shares with the read hub's sink (``session_sink.py``).
+slot.
 
 The reader receives a message, has the translator parse it, decodes the audio (inline for PCM
 and G.711, on a worker thread for encoded formats and for messages of more than a second), cuts
@@ -65,15 +65,7 @@ class SessionInput:
         try:
             message = await self._receive()
             while True:
-                if message is not None:
-                    event = protocol.parse(message)
-                else:  # taken where it was read (``_take_nowait``): what it needs is done here
-                    event, self._held = self._held, None
-                    if self._outbox and self._writer_lot:
-                        # Output held back while the event waited for this task (delivery_done):
-                        # the writer takes it once this task next waits, after what the event
-                        # queues (everything below queues before its first wait).
-                        self._writer_lot.unpark_all()
+                event = protocol.parse(message)
                 kind = type(event)
                 if kind is AudioIn:
                     # What the translator said while reading it (the server VAD's events, a turn
@@ -86,10 +78,6 @@ class SessionInput:
                         await self._wait_for_room()
                 elif kind is InputEnd:
                     break
-                elif event is None:  # taken where it was read: what had to wait is done here
-                    await self._submit_rest()
-                    if self._pending_bytes > MAX_PENDING_BYTES:
-                        await self._wait_for_room()
                 elif kind is not Ignored:
                     await self._handle(event)
                     if self._queue_full():
@@ -104,20 +92,12 @@ class SessionInput:
             return
         await self._end_input()
 
-    async def _receive(self) -> Message | None:
-        """Wait for the next message: the one place where a stop may cancel the reader.  Where
-        the transport serves messages (a server's read hub), this waits while ``_take_nowait``
-        takes them as they are read, and returns None for one it held (``self._held``)."""
+    async def _receive(self) -> Message:
+        """Wait for the next message: the one place where a stop may cancel the reader."""
         if self._taking_no_more and self._reader_scope is not None:
             self._reader_scope.cancel()  # asked before the reader got here: a stop cancels only a waiter
         self._between_messages = True
-        serve = self._serve_messages
-        if serve is None or self._decoder.is_encoded or self._always_offload:
-            # Nothing it reads could be taken where it was read (an Opus message decodes on a
-            # worker thread): the hub would only wake this task for each one, a step later.
-            message = await self._transport.receive()
-        else:
-            message = await serve(self._take_nowait)
+        message = await self._transport.receive()
         self._between_messages = False
         return message
 

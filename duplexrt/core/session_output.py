@@ -93,10 +93,11 @@ class SessionOutput:
                 if self._pending:
                     await self._send_pending()
                 if self._unflushed is not None:  # sent from a delivery: wait until all of it is out
-                    await self._transport.flush()  # type: ignore[attr-defined]
+                    assert self._direct is not None  # only a direct send leaves a batch unflushed
+                    await self._direct.flush()
                     items, self._unflushed = self._unflushed, None
                     self._batch_sent(items)
-                if not outbox or self._held is not None:  # (held: see delivery_done)
+                if not outbox:
                     if not outbox and self._outbox_done:
                         break
                     await self._writer_lot.park()

@@ -27,7 +27,6 @@ from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, spl
 from duplexrt.core.runtime import Runtime, open_runtime
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import ProtocolError
-from duplexrt.readhub import ReadHub
 from duplexrt.reasons import CloseCode
 from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
@@ -85,9 +84,6 @@ class Server:
         self.replica_id = config.server.replica_id
         #: Sessions a client may resume, by their token's secret: (transport, translator, path).
         self._resumable: dict[str, tuple[ResumableTransport, Translator, str]] = {}
-        #: Reads every native session's socket (``server.read_hub``; Linux), for the life of ``run``.
-        self._hub = (ReadHub() if config.server.websocket_impl == "native" and config.server.read_hub
-                     and ReadHub.available() else None)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(lambda: self.statistics() if self.runtime is not None else None))
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
@@ -109,9 +105,7 @@ class Server:
         return ServerStatistics(replica_id=self.replica_id or "", draining=self._draining,
                                 admitted=self._admitted, pending_handshakes=self.pending_handshakes,
                                 refused=dict(sorted(self.refused.items())), runtime=self.runtime.statistics(),
-                                detached=sum(entry[0].detached for entry in self._resumable.values()),
-                                read_hub_wakeups=self._hub.wakeups if self._hub is not None else 0,
-                                read_hub_callbacks=self._hub.callbacks if self._hub is not None else 0)
+                                detached=sum(entry[0].detached for entry in self._resumable.values()))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -123,11 +117,7 @@ class Server:
             listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
             self.ports = sorted({listener.socket.getsockname()[1] for listener in listeners})
             self.replica_id = self.replica_id or f"{socket.gethostname()}:{self.ports[0]}"
-            async with trio.open_nursery() as hubs:
-                if self._hub is not None:
-                    hubs.start_soon(self._hub.run)
-                await self._serve(runtime, listeners, task_status)
-                hubs.cancel_scope.cancel()  # every connection it read is closed by now
+            await self._serve(runtime, listeners, task_status)
 
     async def _serve(self, runtime: Runtime, listeners: list[trio.SocketListener],
                      task_status: trio.TaskStatus[Server]) -> None:
@@ -365,7 +355,7 @@ class Server:
         first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
         transport = NativeWebSocket(stream, max_message=max_message, first_message_timeout=first_message_timeout,
                                     close_timeout=settings.close_timeout_s, received=after_head(received),
-                                    subprotocol=subprotocol, hub=self._hub)
+                                    subprotocol=subprotocol)
         self._transports.add(transport)
         try:
             if self._draining:  # shutdown began while this client's handshake was under way
