@@ -123,11 +123,6 @@ class RuntimeConfig:
     gather_window_ms: float = attrs.field(
         default=2.0, validator=_float_range("runtime.gather_window_ms", 0.0, 1000.0)
     )
-    #: A model whose steps cost under 0.1 ms (echo, a model at zero cost) is stepped in cycles at
-    #: most this far apart while input keeps coming: each cycle's wake-up and delivery cost the
-    #: host more than such a step, and a frame waits at most this long (0: the gather window).
-    cheap_step_cycle_ms: float = attrs.field(
-        default=5.0, validator=_float_range("runtime.cheap_step_cycle_ms", 0.0, 1000.0))
     #: ``counted``: only encoded formats and full inboxes use worker threads.  ``always``: every
     #: conversion and submit hops through a worker thread (the reference behaviour, for comparison).
     offload: str = attrs.field(default="counted", validator=_one_of("runtime.offload", OFFLOAD_POLICIES))
@@ -296,10 +291,6 @@ class ServerConfig:
     #: This replica's name behind a load balancer, shown in /readyz, /metrics and the log.
     #: Empty: the host name and the bound port (``gpu-node-3:8000``).
     replica_id: str = attrs.field(default="", converter=_stripped, validator=_is_replica_id("server.replica_id"))
-    #: "native": sessions read and write their own WebSocket frames (duplexrt.wsnative), the fast
-    #: path; "trio-websocket": the library's connection with its reader task (the fallback).
-    websocket_impl: str = attrs.field(
-        default="native", validator=_one_of("server.websocket_impl", ("native", "trio-websocket")))
 
 @attrs.frozen(kw_only=True)
 class RealtimeConfig:

@@ -18,6 +18,9 @@ from duplexrt.reasons import CloseCode, FinishReason
 
 Message = bytes | str
 
+#: How long a WebSocket close may wait for the peer's Close frame unless told otherwise.
+DEFAULT_CLOSE_TIMEOUT = 3.0
+
 
 class TransportClosed(Exception):
     """The connection is closed: nothing more can be received (or sent).
@@ -211,8 +214,8 @@ IDLE_CHECKS = 8
 async def wait_for_silence(limit: float, heard: Callable[[], bool]) -> None:
     """Return once ``heard()`` has answered False at every look for ``limit`` seconds.
 
-    The one idle clock of both WebSocket transports; each says what counts as hearing from its
-    peer (a message taken since the last look, or one read and not yet taken)."""
+    The server's idle clock (``NativeWebSocket.watch``); the caller says what counts as hearing
+    from its peer (a message taken since the last look, or one read and not yet taken)."""
     last_heard = trio.current_time()
     while True:
         await trio.sleep(limit / IDLE_CHECKS)

@@ -11,8 +11,10 @@ already parsed are taken with ``poll`` (or ``receive_nowait``) in the same wake-
 What keeps working when the session is not reading (its input ended, or it waits for the client
 to read): the keepalive reads by itself while it waits for a pong, and a close reads until the
 peer's Close; both stop reading ahead once ``queue_limit`` messages wait unread, as trio-websocket
-does.  The limits (first message, pings, idle, close handshake) and their finish reasons are the
-same as ``WebSocketTransport``'s.
+does.  On a server it also bounds how long a connection may hold its slot without doing its part:
+a first message that never comes, a peer that stops answering pings or sends nothing for too long,
+and a closing handshake the peer never finishes all end the connection, each with a finish reason
+of its own (``TransportClosed.finish_reason``) so that the log tells a limit from a hang-up.
 """
 
 from __future__ import annotations
@@ -26,13 +28,12 @@ from collections import deque
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, TransportClosed, wait_for_silence
+from duplexrt.transport import DEFAULT_CLOSE_TIMEOUT, Message, TransportClosed, wait_for_silence
 from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
                                frame, frame_header, masked_frame_parts)
 
 log = logging.getLogger("duplexrt.wsnative")
 
-DEFAULT_CLOSE_TIMEOUT = 3.0
 #: A read that filled all the room it had asks for this much next: a backlog (a session that fell
 #: behind, a burst) is taken several messages a read, not one.
 _BACKLOG_READ = 1 << 16
@@ -215,7 +216,10 @@ class NativeWebSocket:
     # -- keeping the peer honest -------------------------------------------------------------------
 
     async def watch(self, ping_interval: float, ping_timeout: float, idle_timeout: float) -> None:
-        """As ``WebSocketTransport.watch``: pings with a pong deadline, and an idle limit."""
+        """Run beside the session until cancelled: a WebSocket ping every ``ping_interval``
+        seconds, and the connection dropped when no pong comes within ``ping_timeout``; and the
+        session's input ended when no message comes for ``idle_timeout``.  A 0 turns that part
+        off (``ping_timeout`` 0: pings keep middleboxes awake but a missing pong ends nothing)."""
         async with trio.open_nursery() as nursery:
             if ping_interval > 0:
                 nursery.start_soon(self._keep_alive, ping_interval, ping_timeout)

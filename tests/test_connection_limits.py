@@ -35,20 +35,9 @@ PATIENCE = 10.0
 INPUT_END = json.dumps({"type": "input.end"})
 
 
-#: Every limit here holds on both WebSocket paths (``server.websocket_impl``); set per test below.
-_IMPL = ["native"]
-
-
-@pytest.fixture(autouse=True, params=["native", "trio-websocket"])
-def websocket_impl(request):
-    _IMPL[0] = request.param
-    yield request.param
-    _IMPL[0] = "native"
-
-
 def _config(*overrides: str):
     return load_config(None, ["server.port=0", "runtime.slots=2", "backend.options.delay_frames=0",
-                              "metrics.log_stats=false", f"server.websocket_impl={_IMPL[0]}", *overrides])
+                              "metrics.log_stats=false", *overrides])
 
 
 async def _start(nursery: trio.Nursery, *overrides: str) -> Server:
@@ -326,8 +315,7 @@ async def test_websocket_request_wsproto_refuses_does_not_hold_a_slot(nursery):
     await _new_session_is_admitted(server)
 
 
-async def test_an_upgrade_in_a_version_the_server_does_not_speak_is_refused_and_holds_no_slot(nursery, websocket_impl):
-    # (trio-websocket holds a refused handshake's slot until the handshake deadline.)
+async def test_an_upgrade_in_a_version_the_server_does_not_speak_is_refused_and_holds_no_slot(nursery):
     server = await _start(nursery, "runtime.slots=1", "server.handshake_timeout_s=0.3")
     stream = await trio.open_tcp_stream("127.0.0.1", server.ports[0])
     async with stream:
@@ -338,10 +326,8 @@ async def test_an_upgrade_in_a_version_the_server_does_not_speak_is_refused_and_
             while chunk := await stream.receive_some(65536):
                 data += chunk
     head = data.partition(b"\r\n\r\n")[0].lower()
-    if websocket_impl == "native":  # RFC 6455 4.4: 426, naming the version it speaks
-        assert head.startswith(b"http/1.1 426") and b"sec-websocket-version: 13" in head
-    else:  # wsproto refuses the request its own way
-        assert head.startswith(b"http/1.1 4")
+    # RFC 6455 4.4: 426, naming the version it speaks
+    assert head.startswith(b"http/1.1 426") and b"sec-websocket-version: 13" in head
     with trio.fail_after(PATIENCE):
         while server.admitted:  # the refused request's handler is finishing
             await trio.sleep(0.01)

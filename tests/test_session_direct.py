@@ -188,11 +188,6 @@ async def _lockstep_over_a_server(nursery: trio.Nursery, *overrides: str, frames
     return stats
 
 
-async def test_trio_websocket_sessions_keep_the_writer(nursery):
-    stats = await _lockstep_over_a_server(nursery, "server.websocket_impl=trio-websocket")
-    assert stats.direct_batches == 0 and stats.writer_wakeups == 5
-
-
 async def test_a_native_server_session_sends_from_the_delivery(nursery):
     # The same through `duplexrt serve` with its defaults (native, resumable).
     stats = await _lockstep_over_a_server(nursery)

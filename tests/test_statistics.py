@@ -113,27 +113,24 @@ async def _get(port: int, path: str) -> bytes:
     return data.partition(b"\r\n\r\n")[2]
 
 
-async def test_free_slots_agree_while_a_connection_is_in_its_handshake(nursery):
-    config = load_config(None, ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
-                                "server.handshake_timeout_s=30", "server.websocket_impl=trio-websocket"])
+async def test_free_slots_agree_while_a_session_waits_for_its_first_message(nursery):
+    config = load_config(None, ["server.port=0", "runtime.slots=2", "metrics.log_stats=false"])
     server = Server(config)
     await nursery.start(server.run)
     port = server.ports[0]
-    # An upgrade to a known route without Sec-WebSocket-Key: admitted, then held in the
-    # handshake (wsproto never accepts it) until the handshake deadline; no row is taken.
-    # (Only the trio-websocket path has that state: the native one refuses such a head at once.)
-    stuck = await trio.open_tcp_stream("127.0.0.1", port)
-    await stuck.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n")
+    # An upgrade answered, and then nothing sent: admitted, its session open, its row taken.
+    quiet = await trio.open_tcp_stream("127.0.0.1", port)
+    await quiet.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+                         b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
     with trio.fail_after(PATIENCE):
-        while server.admitted != 1:
+        while server.admitted != 1 or server.statistics().runtime.free_rows != 1:
             await trio.sleep(0.01)
     ready = json.loads(await _get(port, "/readyz"))
     stats = json.loads(await _get(port, "/stats"))
     metrics = (await _get(port, "/metrics")).decode()
     exported = _exported(metrics, "duplexrt_slots_free")
     assert ready["free_slots"] == stats["free_slots"] == exported == 1
-    assert server.statistics().runtime.free_rows == 2  # the handshake holds no row yet
-    await stuck.aclose()
+    await quiet.aclose()
 
 
 async def test_stats_and_metrics_say_where_the_hot_path_ran(nursery):

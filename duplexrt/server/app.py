@@ -2,7 +2,8 @@
 
 Each connection is read up to the end of its request head first (at most
 ``server.max_pending_handshakes`` at once: see ``_serve_connection``).  A WebSocket upgrade to a known
-route is checked (API key, free slot, route options) and handed, bytes and all, to trio-websocket;
+route is checked (API key, free slot, route options) and answered here, the session then reading
+and writing its frames on the socket (``wsnative``);
 anything else is answered as plain HTTP (health, readiness, metrics).  Whatever one connection
 does, the handler catches it: a misbehaving client never takes the server down.
 """
@@ -18,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 
 import trio
-import trio_websocket
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
 
 from duplexrt.backends import Backend, SlotChoice
@@ -34,10 +34,8 @@ from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
-from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.web import readyz_answer, static_answer, stats_json
 from duplexrt.transport import Transport, TransportClosed
-from duplexrt.websocket import WebSocketTransport
 from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
 from duplexrt.wsnative import NativeWebSocket
 
@@ -75,7 +73,7 @@ class Server:
         self._overflow = 0
         #: Every open socket and WebSocket, so a second signal can drop them all at once.
         self._streams: set[trio.SocketStream] = set()
-        self._transports: set[WebSocketTransport | NativeWebSocket] = set()
+        self._transports: set[NativeWebSocket] = set()
         self._all_closed = trio.lowlevel.ParkingLot()
         self._draining = False
         self._drain_requested = trio.Event()
@@ -248,7 +246,7 @@ class Server:
                                 [("www-authenticate", "Bearer")])
             return
         if "resume" in head.query:  # a session that lives here already: no admission
-            await self._serve_resume(stream, received, head, deadline)
+            await self._serve_resume(stream, received, head)
             return
         if self._draining:
             self.refused["shutting_down"] += 1
@@ -281,8 +279,7 @@ class Server:
         self._admitted += 1  # no await since the check above: admission cannot be raced
         try:
             await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config),
-                                        partial(self._run_session, translator=translator, path=head.path),
-                                        deadline)
+                                        partial(self._run_session, translator=translator, path=head.path))
         finally:
             self._admitted -= 1
             if not self._admitted:
@@ -294,51 +291,8 @@ class Server:
                                          "are waiting to be served; try again later", [("retry-after", "1")])
 
     async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
-                               serve: Callable[[Transport], Awaitable[None]], deadline: float,
-                               *, resuming: bool = False) -> None:
-        assert self.runtime is not None
-        settings = self.config.server
-        if settings.websocket_impl == "native":
-            await self._serve_native(stream, head, received, max_message, serve, resuming=resuming)
-            return
-        async with trio.open_nursery() as nursery:
-            transport: WebSocketTransport | None = None
-            try:
-                # A request wsproto refuses (no Sec-WebSocket-Key...) would otherwise wait forever.
-                with trio.move_on_at(deadline):
-                    request = await trio_websocket.wrap_server_stream(
-                        nursery, PrefixedStream(stream, received), message_queue_size=4,
-                        max_message_size=max_message, receive_buffer_size=None)
-                    # The subprotocol the client really asked for (never a key's), and which
-                    # replica took the session, for a client behind a balancer.
-                    ws = await request.accept(
-                        subprotocol=_companion_subprotocol(request.proposed_subprotocols),
-                        extra_headers=[(b"x-duplexrt-replica", self.replica_id.encode())])
-                    # A resuming client may have nothing left to send (it waits for output): the
-                    # first-message limit is for new sessions only.
-                    first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
-                    transport = WebSocketTransport(ws, first_message_timeout,
-                                                   close_timeout=settings.close_timeout_s, stream=stream)
-                if transport is None:
-                    self.refused["bad_handshake"] += 1
-                    return
-                self._transports.add(transport)
-                try:
-                    if self._draining:  # shutdown began while this client's handshake was under way
-                        return
-                    nursery.start_soon(transport.watch, settings.ping_interval_s, settings.ping_timeout_s,
-                                       settings.idle_timeout_s)
-                    await serve(transport)
-                finally:
-                    with trio.CancelScope(shield=True):  # bounded by close_timeout_s
-                        await transport.close(CloseCode.GOING_AWAY if self._draining else CloseCode.NORMAL_CLOSURE)
-                    self._transports.discard(transport)
-            finally:
-                nursery.cancel_scope.cancel()
-
-    async def _serve_native(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
-                            serve: Callable[[Transport], Awaitable[None]], *, resuming: bool = False) -> None:
-        """The fast path: answer the upgrade here and let the session drive its frames (wsnative)."""
+                               serve: Callable[[Transport], Awaitable[None]], *, resuming: bool = False) -> None:
+        """Answer the upgrade here and let the session drive its frames (wsnative)."""
         assert self.runtime is not None
         settings = self.config.server
         try:
@@ -412,8 +366,7 @@ class Server:
         resumable.check(count)
         return resumable, translator, count
 
-    async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead,
-                            deadline: float) -> None:
+    async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead) -> None:
         try:
             resumable, translator, count = self._find_resumable(head)
         except ResumeError as exc:
@@ -423,7 +376,7 @@ class Server:
         max_message = ROUTES[head.path].max_message_bytes(self.config)
         await self._serve_websocket(stream, head, received, max_message,
                                     partial(self._rejoin, resumable=resumable, translator=translator, count=count),
-                                    deadline, resuming=True)
+                                    resuming=True)
 
     async def _rejoin(self, transport: Transport, *, resumable: ResumableTransport,
                       translator: Translator, count: int) -> None:
