@@ -27,9 +27,9 @@ import sys
 
 import trio
 
-from duplexrt.transport import TransportClosed
-from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import TransportClosed
+from duplexrt.wire.handshake import HandshakeRefused, accept_response, after_head, check_request
+from duplexrt.wire.native import NativeWebSocket
 
 SAMPLE_RATE = 24000
 FRAME_BYTES = 1920 * 4  # one 80 ms frame of pcm_f32le

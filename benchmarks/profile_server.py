@@ -11,7 +11,7 @@ Layers, matched on the file path py-spy prints for a Python frame (first rule th
 
     socket I/O          trio/_socket.py, trio/_highlevel_socket.py, trio/_core/_io_epoll.py,
                         selectors.py, socket.py
-    WebSocket framing   wsproto/*
+    WebSocket framing   wsproto/*, duplexrt/wire/frames.py, connection.py, native.py, handshake.py
     trio-websocket      trio_websocket/*
     trio scheduling     trio/* (the rest: the run loop, checkpoints, memory channels, locks)
     translator          duplexrt/protocols/*
@@ -24,7 +24,7 @@ Layers, matched on the file path py-spy prints for a Python frame (first rule th
                         duplexrt/core/stage_meter.py, duplexrt/server/metrics.py,
                         duplexrt/server/stats_log.py
     backend             duplexrt/backends/*, duplexrt/core/runtime.py
-    server glue         duplexrt/websocket.py, duplexrt/transport.py, duplexrt/core/resume.py,
+    server glue         duplexrt/wire/wss.py, duplexrt/wire/transport.py, duplexrt/wire/resume.py,
                         duplexrt/server/*
     other               no frame of the stack matches (interpreter start-up, logging, ...)
 
@@ -82,7 +82,7 @@ PY_SPY = BIN / "py-spy"
 RULES: list[tuple[str, re.Pattern[str]]] = [
     ("socket I/O", re.compile(r"^(trio/_socket\.py|trio/_highlevel_socket\.py|trio/_core/_io_epoll\.py"
                               r"|selectors\.py|socket\.py)$")),
-    ("WebSocket framing", re.compile(r"^wsproto/|^duplexrt/ws(frames|native|handshake)\.py$")),
+    ("WebSocket framing", re.compile(r"^wsproto/|^duplexrt/wire/(frames|connection|native|handshake)\.py$")),
     ("trio-websocket", re.compile(r"^trio_websocket/")),
     ("trio scheduling", re.compile(r"^trio/")),
     ("translator", re.compile(r"^duplexrt/protocols/")),
@@ -90,7 +90,7 @@ RULES: list[tuple[str, re.Pattern[str]]] = [
     ("scheduler/inbox", re.compile(r"^duplexrt/core/(scheduler|inbox|handoffs|capacity|affinity)\.py$")),
     ("metrics", re.compile(r"^duplexrt/(core/(metrics|histogram|stage_meter)|server/(metrics|stats_log))\.py$")),
     ("backend", re.compile(r"^duplexrt/(backends/|core/runtime\.py)")),
-    ("server glue", re.compile(r"^duplexrt/(websocket|transport|core/resume)\.py$|^duplexrt/server/")),
+    ("server glue", re.compile(r"^duplexrt/wire/(wss|transport|resume)\.py$|^duplexrt/server/")),
 ]
 WAIT = "blocked wait"
 LAYERS = [name for name, _ in RULES] + ["other", WAIT]

@@ -34,10 +34,10 @@ _EXPORTS = {
     "SlotSession": "duplexrt.backends.base",
     "BackendLoadError": "duplexrt.core.scheduler",
     "NoFreeSlotError": "duplexrt.core.scheduler",
-    "Transport": "duplexrt.transport",
-    "TransportClosed": "duplexrt.transport",
-    "MemoryTransport": "duplexrt.transport",
-    "memory_transport_pair": "duplexrt.transport",
+    "Transport": "duplexrt.wire.transport",
+    "TransportClosed": "duplexrt.wire.transport",
+    "MemoryTransport": "duplexrt.wire.transport",
+    "memory_transport_pair": "duplexrt.wire.transport",
     "Translator": "duplexrt.protocols.base",
     "SessionEnd": "duplexrt.protocols.events",
     "FinishReason": "duplexrt.reasons",
@@ -60,7 +60,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getat
     from duplexrt.reasons import CloseCode, FinishReason
     from duplexrt.server.app import Server, serve
     from duplexrt.server.statistics import ServerStatistics
-    from duplexrt.transport import MemoryTransport, Transport, TransportClosed, memory_transport_pair
+    from duplexrt.wire.transport import MemoryTransport, Transport, TransportClosed, memory_transport_pair
 
 
 def __getattr__(name: str) -> typing.Any:

@@ -30,7 +30,7 @@ from duplexrt.config import Config, load_config
 from duplexrt.core.runtime import Runtime
 from duplexrt.core.scheduler import THREAD_NAME
 from duplexrt.protocols.events import SessionEnd
-from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair
 
 MODEL_RATE = 24000
 FRAME = 1920

@@ -36,7 +36,7 @@ from duplexrt.protocols.events import AudioIn
 from duplexrt.protocols.moshi import MoshiProtocol
 from duplexrt.protocols.realtime import RealtimeProtocol
 from duplexrt.reasons import CloseCode
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 FORMATS = ["pcm_f32le", "pcm_s16le", "g711_ulaw", "g711_alaw"]
 

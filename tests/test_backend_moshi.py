@@ -26,7 +26,7 @@ from duplexrt.backends.base import BackendInfo, SlotSession
 from duplexrt.config import ConfigError, load_config
 from duplexrt.core.runtime import open_runtime
 from duplexrt.core.scheduler import BackendLoadError
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 pytest.importorskip("moshi")
 

@@ -513,7 +513,7 @@ async def test_open_connection_greets_echoes_and_names_a_refusal_on_either_path(
 async def test_a_conversation_whose_server_goes_quiet_after_the_input_ends_idles_out(autojump_clock):
     from duplexrt.client.conversation import IDLE, Conversation
     from duplexrt.client.protocols import DuplexClient
-    from duplexrt.transport import TransportClosed, memory_transport_pair
+    from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
     client_end, server_end = memory_transport_pair(capacity=16)
     spec = AudioSpec("pcm_f32le", RATE)

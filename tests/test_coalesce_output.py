@@ -17,7 +17,7 @@ import trio
 from conftest import FRAME, INPUT_END, PATIENCE, make_config
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.raw import RawProtocol
-from duplexrt.transport import TransportClosed
+from duplexrt.wire.transport import TransportClosed
 from test_session_direct import _socket_pair
 
 ECHO = ("backend.name=echo", "backend.options.delay_frames=0", "runtime.slots=2")

@@ -108,7 +108,7 @@ def test_the_benchmark_reference_is_short_and_covers_each_kept_script():
 
 #: Pointers to removed scripts in files that the session and wire restructuring (issue 28)
 #: rewrites; each entry must still be true, so the entry goes when its comment does.
-_REWRITTEN_BY_ISSUE_28 = {"duplexrt/wsframes.py: benchmarks/timed_serve.py"}
+_REWRITTEN_BY_ISSUE_28 = {"duplexrt/wire/frames.py: benchmarks/timed_serve.py"}
 
 
 def test_every_benchmark_script_the_repository_names_exists():

@@ -25,7 +25,7 @@ from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.moshi import MoshiProtocol
 from duplexrt.protocols.realtime import RealtimeProtocol
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 pytest.importorskip("moshi")
 

@@ -20,7 +20,7 @@ from conftest import FRAME, PATIENCE, backend_info, make_config
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.realtime import RealtimeProtocol
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 
 async def settle(session) -> None:

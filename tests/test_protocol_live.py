@@ -26,7 +26,7 @@ from duplexrt.protocols.events import AudioIn, InputEnd, ProtocolError, Reconfig
 from duplexrt.protocols.live import CLOSE_REASONS, LiveProtocol, close_reason
 from duplexrt.reasons import FinishReason
 from duplexrt.server import Server
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 FRAME = 1920
 KEY = "sk-live-test"

@@ -23,7 +23,7 @@ from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.realtime import RealtimeProtocol
-from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair
 from realtime_helpers import (
     FRAME,
     MODEL_RATE,

@@ -9,10 +9,10 @@ import pytest
 import trio
 
 from duplexrt.client.resume import ResumingTransport
-from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, split_token
+from duplexrt.wire.resume import ResumableTransport, ResumeError, new_token, split_token
 from duplexrt.core.state import SessionState
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 
 def _notice(token: str, taken: int) -> list[str]:

@@ -44,7 +44,7 @@ from duplexrt.core.runtime import Runtime, open_runtime
 from duplexrt.protocols.events import AudioIn
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.reasons import CloseCode
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 SYNTHETIC = ("backend.name=synthetic",)
 

@@ -18,12 +18,12 @@ import trio.testing
 import trio_websocket
 
 from conftest import FRAME, INPUT_END, PATIENCE, make_config
-from duplexrt.core.resume import ResumableTransport
+from duplexrt.wire.resume import ResumableTransport
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.server import Server
-from duplexrt.transport import TransportClosed, memory_transport_pair
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.native import NativeWebSocket
 
 ECHO = ("backend.name=echo", "backend.options.delay_frames=0", "runtime.slots=2")
 

@@ -35,7 +35,7 @@ from test_session import SYNTHETIC, pcm_workload
 from duplexrt.core.runtime import open_runtime
 from duplexrt.protocols.events import Reply
 from duplexrt.protocols.raw import RawProtocol
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.native import NativeWebSocket
 
 def noise_frames(count: int, seed: int) -> list[np.ndarray]:
     return list(noise(count * FRAME, seed).astype(np.float32).reshape(count, FRAME))

@@ -43,7 +43,7 @@ from duplexrt.core.inbox import Inbox
 from duplexrt.core.runtime import Runtime, open_runtime
 from duplexrt.core.session import Session
 from duplexrt.protocols.events import SessionEnd
-from duplexrt.transport import memory_transport_pair
+from duplexrt.wire.transport import memory_transport_pair
 
 
 class GatedPuts:

@@ -15,7 +15,7 @@ from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import ConfigError
 from duplexrt.core.runtime import open_runtime
 from duplexrt.server.stats_log import log_stats
-from duplexrt.transport import memory_transport_pair
+from duplexrt.wire.transport import memory_transport_pair
 
 F32 = spec("pcm_f32le")
 

@@ -23,7 +23,7 @@ import trio
 from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed
+from duplexrt.wire.transport import Message, Transport, TransportClosed
 
 __all__ = ["Conversation", "ENDED", "CLOSED", "COMPLETE", "IDLE"]
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed, poller
+from duplexrt.wire.transport import Message, Transport, TransportClosed, poller
 
 __all__ = ["ResumingTransport", "token_in"]
 

@@ -5,7 +5,7 @@ scheduler thread) -> ``scheduler`` (the thread that owns the model, one step per
 through ``handoffs`` (every thread crossing, counted) to the slot's owner (``slot_owner``: the
 session, as the scheduler sees it); ``runtime`` ties them together for one model,
 with ``metrics``/``histogram`` (per-frame figures), ``capacity`` (step cost by batch size) and
-``affinity`` (pinning the two GIL-bound threads).  The transports (``duplexrt.transport``,
-``duplexrt.websocket``) and the translators (``duplexrt.protocols``) sit outside it: the server and
+``affinity`` (pinning the two GIL-bound threads).  The transports (``duplexrt.wire.transport``,
+``duplexrt.wire.wss``) and the translators (``duplexrt.protocols``) sit outside it: the server and
 the clients use them too.
 """

@@ -26,7 +26,7 @@ from duplexrt.core.session import Session, SessionServices
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawProtocol
-from duplexrt.transport import Transport
+from duplexrt.wire.transport import Transport
 
 log = logging.getLogger("duplexrt.runtime")
 

@@ -38,7 +38,7 @@ from duplexrt.audio import Framer, make_encoder
 from duplexrt.config import Config
 from duplexrt.core.handoffs import Handoffs
 from duplexrt.core.metrics import FrameMetrics
-from duplexrt.core.resume import ResumableTransport
+from duplexrt.wire.resume import ResumableTransport
 from duplexrt.core.scheduler import BackendStepError, Scheduler, new_error_id
 from duplexrt.core.session_input import SessionInput
 from duplexrt.core.session_output import Output, SessionOutput
@@ -47,7 +47,7 @@ from duplexrt.core.state import SessionState, rank
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed, direct_send
+from duplexrt.wire.transport import Message, Transport, TransportClosed, direct_send
 
 
 log = logging.getLogger("duplexrt.session")

@@ -51,7 +51,7 @@ from duplexrt.protocols.events import (
     Reply,
 )
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, TransportClosed, poller
+from duplexrt.wire.transport import Message, TransportClosed, poller
 
 log = logging.getLogger("duplexrt.session")
 

@@ -24,7 +24,7 @@ import trio
 
 from duplexrt.core.handoffs import HandoffKind
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, TransportClosed
+from duplexrt.wire.transport import Message, TransportClosed
 
 log = logging.getLogger("duplexrt.session")
 

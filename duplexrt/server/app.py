@@ -3,7 +3,7 @@
 Each connection is read up to the end of its request head first (at most
 ``server.max_pending_handshakes`` at once: see ``_serve_connection``).  A WebSocket upgrade to a known
 route is checked (API key, free slot, route options) and answered here, the session then reading
-and writing its frames on the socket (``wsnative``);
+and writing its frames on the socket (``duplexrt.wire.native``);
 anything else is answered as plain HTTP (health, readiness, metrics).  Whatever one connection
 does, the handler catches it: a misbehaving client never takes the server down.
 """
@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 
 from duplexrt.backends import Backend, SlotChoice
 from duplexrt.config import Config
-from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, split_token
+from duplexrt.wire.resume import ResumableTransport, ResumeError, new_token, split_token
 from duplexrt.core.runtime import Runtime, open_runtime
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import ProtocolError
@@ -35,9 +35,9 @@ from duplexrt.server.routes import ROUTES
 from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
 from duplexrt.server.web import readyz_answer, static_answer, stats_json
-from duplexrt.transport import Transport, TransportClosed
-from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import Transport, TransportClosed
+from duplexrt.wire.handshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
+from duplexrt.wire.native import NativeWebSocket
 
 log = logging.getLogger("duplexrt.server")
 #: The start-up line: printed whatever the log level (even --log-level warning or error).
@@ -292,7 +292,7 @@ class Server:
 
     async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
                                serve: Callable[[Transport], Awaitable[None]], *, resuming: bool = False) -> None:
-        """Answer the upgrade here and let the session drive its frames (wsnative)."""
+        """Answer the upgrade here and let the session drive its frames (``duplexrt.wire.native``)."""
         assert self.runtime is not None
         settings = self.config.server
         try:

@@ -31,7 +31,7 @@ from duplexrt.simulate.virtual_client import (
     stream_real_time_factor,
 )
 from duplexrt.simulate.workload import Workload
-from duplexrt.transport import MemoryTransport, memory_transport_pair
+from duplexrt.wire.transport import MemoryTransport, memory_transport_pair
 
 
 async def run_simulation(config: Config, options: SimulateOptions, *, backend: Backend | None = None,

@@ -33,7 +33,7 @@ from typing import Protocol
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import DirectSend, Message, Transport, TransportClosed, direct_send, poller
+from duplexrt.wire.transport import DirectSend, Message, Transport, TransportClosed, direct_send, poller
 
 #: Random bytes in a token's secret: 144 bits, far past guessing; urlsafe base64 has no ``.``.
 TOKEN_BYTES = 18

@@ -4,7 +4,7 @@ Why not trio-websocket on the hot path: it runs a background reader task per con
 parses each message with wsproto and hands it to the session through a memory channel, so every
 input message costs a task wake-up, a channel hop and a per-byte Python unmask before the session
 sees it.  Here whoever needs bytes reads them: the session's own reader task calls ``receive``,
-which reads a chunk from the socket and parses every whole frame in it (``wsframes``); messages
+which reads a chunk from the socket and parses every whole frame in it (``frames``); messages
 already parsed are taken with ``poll`` (or ``receive_nowait``) in the same wake-up.  A message goes out as one
 ``send_all`` of header and payload.
 
@@ -28,11 +28,11 @@ from collections import deque
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import DEFAULT_CLOSE_TIMEOUT, Message, TransportClosed, wait_for_silence
-from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
+from duplexrt.wire.transport import DEFAULT_CLOSE_TIMEOUT, Message, TransportClosed, wait_for_silence
+from duplexrt.wire.frames import (MIN_ROOM, Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
                                frame, frame_header, masked_frame_parts)
 
-log = logging.getLogger("duplexrt.wsnative")
+log = logging.getLogger("duplexrt.wire.native")
 
 #: A read that filled all the room it had asks for this much next: a backlog (a session that fell
 #: behind, a burst) is taken several messages a read, not one.
@@ -152,7 +152,7 @@ class NativeWebSocket:
         if not rest:
             return True
         self._sending = True  # held by the drain until the rest is out
-        trio.lowlevel.spawn_system_task(self._drain, rest, name="duplexrt.wsnative.drain")
+        trio.lowlevel.spawn_system_task(self._drain, rest, name="duplexrt.wire.native.drain")
         return False
 
     async def flush(self) -> None:

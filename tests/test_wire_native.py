@@ -1,4 +1,4 @@
-"""The native WebSocket transport (duplexrt.wsnative) over a real socket pair: both ends are
+"""The native WebSocket transport (duplexrt.wire.native) over a real socket pair: both ends are
 ``NativeWebSocket``s, or one is a hand-driven peer writing frames laid out by hand."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import trio
 import trio.testing
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import TransportClosed
-from duplexrt.wsframes import Close, FrameParser, Opcode, Pong, frame
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import TransportClosed
+from duplexrt.wire.frames import Close, FrameParser, Opcode, Pong, frame
+from duplexrt.wire.native import NativeWebSocket
 
 
 def _pair(client_max_message: int = 1 << 20) -> tuple[NativeWebSocket, NativeWebSocket]:

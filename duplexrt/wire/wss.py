@@ -1,7 +1,7 @@
 """A trio-websocket connection as a ``Transport``: the clients' ``wss://`` (``duplexrt client``,
-``simulate --url``), where TLS is trio's and the native stack (``wsnative``) does not go.
+``simulate --url``), where TLS is trio's and the native stack (``native``) does not go.
 
-The server speaks through ``wsnative`` only; its limits (first message, pings, idle) are there.
+The server speaks through ``native`` only; its limits (first message, pings, idle) are there.
 Here a close still gives up after ``close_timeout`` seconds, so a server that never answers
 Close cannot hold the client.
 """
@@ -14,7 +14,7 @@ import trio
 import trio_websocket
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import DEFAULT_CLOSE_TIMEOUT, Message, TransportClosed
+from duplexrt.wire.transport import DEFAULT_CLOSE_TIMEOUT, Message, TransportClosed
 
 
 class WebSocketTransport:
@@ -42,7 +42,7 @@ class WebSocketTransport:
 
     def receive_nowait(self) -> Message:
         # trio-websocket has no public way to take an already-parsed message without a wait;
-        # this fallback pays one wake-up per message (wsnative takes a backlog in one).
+        # this fallback pays one wake-up per message (``native`` takes a backlog in one).
         raise trio.WouldBlock
 
     def poll(self) -> Message | None:
