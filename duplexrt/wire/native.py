@@ -1,4 +1,6 @@
-"""A WebSocket ``Transport`` that drives the socket itself, once the handshake is done.
+"""A WebSocket ``Transport`` that drives the socket itself, once the handshake is done: the thin
+trio driver of a sans-IO ``connection.Connection``, which holds what the connection may still do
+and why it ended; this module holds only the I/O (reads, writes, waits and deadlines).
 
 Why not trio-websocket on the hot path: it runs a background reader task per connection that
 parses each message with wsproto and hands it to the session through a memory channel, so every
@@ -28,9 +30,9 @@ from collections import deque
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.wire.transport import DEFAULT_CLOSE_TIMEOUT, Message, TransportClosed, wait_for_silence
-from duplexrt.wire.frames import (MIN_ROOM, Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
-                               frame, frame_header, masked_frame_parts)
+from duplexrt.wire.connection import Connection
+from duplexrt.wire.frames import MIN_ROOM, Close, FrameError, Ping
+from duplexrt.wire.transport import DEFAULT_CLOSE_TIMEOUT, Message, wait_for_silence
 
 log = logging.getLogger("duplexrt.wire.native")
 
@@ -50,8 +52,9 @@ class NativeWebSocket:
                  received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None) -> None:
         self._stream = stream
         self._client = client
-        self._mask_keys = MaskKeys() if client else None
-        self._parser = FrameParser(masked=not client, max_message=max_message)
+        #: The connection's state, sans-IO: what this driver may still do, and why it ended.
+        self._connection = connection = Connection(client=client, max_message=max_message)
+        self._parser = connection.parser
         if received:
             self._parser.feed(received)
         self._unparsed = bool(received)
@@ -65,23 +68,12 @@ class NativeWebSocket:
         self._reads_without_wait = 0
         #: The last read took less than it asked for: the socket was empty after it.
         self._drained = False
-        #: The idle watch shut the read side: the end of the stream is no hang-up then.
-        self._read_shut = False
-        self._eof = False
         self._sending = False
         self._send_lot = trio.lowlevel.ParkingLot()
         self._first_deadline = trio.current_time() + first_message_timeout
         #: Messages taken so far (the idle watch reads it).
         self.received = 0
-        self._pongs = 0
         self._close_timeout = close_timeout
-        #: This end ended the connection itself (a limit, a broken frame): what everything raises.
-        self._ended: TransportClosed | None = None
-        #: The peer closed or the connection dropped: what receive raises once the queue is empty.
-        self._gone: TransportClosed | None = None
-        self._peer_close: Close | None = None
-        self._close_sent = False
-        self._parser_failed = False
         self._closing: trio.Event | None = None
         self._close_deadline = math.inf
         self._close_scope: trio.CancelScope | None = None
@@ -90,8 +82,9 @@ class NativeWebSocket:
 
     async def receive(self) -> Message:
         messages = self._messages
-        if self._ended is not None:
-            raise self._ended
+        ended = self._connection.ended
+        if ended is not None:
+            raise ended
         if not messages:
             if self.received:
                 await self._fill()
@@ -100,38 +93,40 @@ class NativeWebSocket:
                     await self._fill()
                 if not messages:
                     reason = "no message arrived in time after the connection opened"
-                    ended = self._end(FinishReason.FIRST_MESSAGE_TIMEOUT, CloseCode.POLICY_VIOLATION, reason)
+                    ended = self._connection.end(FinishReason.FIRST_MESSAGE_TIMEOUT, CloseCode.POLICY_VIOLATION, reason)
                     await self.close(CloseCode.POLICY_VIOLATION, reason)
                     raise ended
         self.received += 1
         return messages.popleft()
 
     def receive_nowait(self) -> Message:
-        if self._ended is not None:
-            raise self._ended
+        connection = self._connection
+        if connection.ended is not None:
+            raise connection.ended
         if not self._messages:
-            if self._gone is not None:
-                raise self._gone
+            if connection.gone is not None:
+                raise connection.gone
             raise trio.WouldBlock
         self.received += 1
         return self._messages.popleft()
 
     def poll(self) -> Message | None:
-        if self._ended is not None:
-            raise self._ended
+        connection = self._connection
+        if connection.ended is not None:
+            raise connection.ended
         messages = self._messages
         if not messages:
-            if self._gone is not None:
-                raise self._gone
+            if connection.gone is not None:
+                raise connection.gone
             return None
         self.received += 1
         return messages.popleft()
 
     async def send(self, message: Message) -> None:
         self._check_open()
-        data, tail = self._frame(message)
+        data, tail = self._connection.frame(message)
         if not await self._write(data, tail):
-            raise self._closed()
+            raise self._connection.closed_error()
 
     #: ``send_nowait`` and ``flush`` are here: a session may send straight from a step's delivery.
     offers_send_nowait = True
@@ -145,10 +140,10 @@ class NativeWebSocket:
         self._check_open()
         if self._sending:
             raise trio.WouldBlock
-        data, tail = self._frame(message)
+        data, tail = self._connection.frame(message)
         rest = self._write_now(data, tail)
         if rest is None:
-            raise self._closed()
+            raise self._connection.closed_error()
         if not rest:
             return True
         self._sending = True  # held by the drain until the rest is out
@@ -166,27 +161,9 @@ class NativeWebSocket:
         self._check_open()
 
     def _check_open(self) -> None:
-        # An ended input (idle) still lets the session send its end: only a closed connection stops it.
-        if self._close_sent or self._gone is not None:
-            raise self._ended or self._gone or TransportClosed(CloseCode.GOING_AWAY, "the connection is closing")
-
-    def _closed(self) -> TransportClosed:
-        return self._ended or self._gone or TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
-
-    def _frame(self, message: Message) -> tuple[bytes, bytes]:
-        """A message as one frame, header and payload apart for one writev: a server's payload
-        not copied, a client's masked in one copy (``masked_frame_parts``)."""
-        if type(message) is str:
-            payload = message.encode()
-            opcode = Opcode.TEXT
-        elif self._client:  # masked into a buffer of its own anyway: no copy of a view first
-            return masked_frame_parts(Opcode.BINARY, message, self._mask_keys.next())
-        else:
-            payload = message if type(message) is bytes else bytes(message)
-            opcode = Opcode.BINARY
-        if self._client:
-            return masked_frame_parts(opcode, payload, self._mask_keys.next())
-        return frame_header(opcode, len(payload)), payload
+        error = self._connection.send_error()
+        if error is not None:
+            raise error
 
     async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
         """Send Close (unless one was sent) and wait for the peer's, at most ``close_timeout``
@@ -201,7 +178,7 @@ class NativeWebSocket:
             with trio.move_on_at(self._close_deadline) as self._close_scope:
                 await self._send_close(code, reason)
                 # After a broken frame no Close of the peer's can be found: hang up at once.
-                while self._peer_close is None and self._gone is None and not (self._parser_failed or self._eof):
+                while self._connection.reading:
                     await self._read_more(limit=False)
         finally:
             self._drop_stream()
@@ -229,16 +206,18 @@ class NativeWebSocket:
     async def _keep_alive(self, interval: float, timeout: float) -> None:
         while True:
             await trio.sleep(interval)
-            pongs = self._pongs
+            connection = self._connection
+            pongs = connection.pongs
             with trio.move_on_after(timeout if timeout > 0 else interval) as waited:
-                if not await self._write(frame(Opcode.PING, b"duplexrt", masked=self._client)):
+                if not await self._write(connection.ping()):
                     return
-                while self._pongs == pongs:
-                    if self._gone is not None or self._ended is not None or self._close_sent or self._eof:
+                while connection.pongs == pongs:
+                    if (connection.gone is not None or connection.ended is not None or connection.close_sent
+                            or connection.eof):
                         return
                     await self._read_more(limit=True)
             if waited.cancelled_caught and timeout > 0:
-                self._end(FinishReason.PING_TIMEOUT, CloseCode.GOING_AWAY, f"no pong within {timeout:g} s")
+                connection.end(FinishReason.PING_TIMEOUT, CloseCode.GOING_AWAY, f"no pong within {timeout:g} s")
                 self.abort()
                 return
 
@@ -253,12 +232,13 @@ class NativeWebSocket:
             return fresh
 
         await wait_for_silence(limit, heard)
-        self._end(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION, f"no message from the client for {limit:g} s")
+        self._connection.end(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION,
+                             f"no message from the client for {limit:g} s")
         # The session's input ends with that reason; the connection stays open so the session
         # can still send its end and close with its usage.  Shutting the read side wakes a
         # waiting read with the end of the stream (no cancel scope around every read for this
         # rare case); sends still go out.
-        self._read_shut = True
+        self._connection.shut_reading()
         try:
             self._sock.shutdown(socket.SHUT_RD)
         except OSError:
@@ -269,13 +249,11 @@ class NativeWebSocket:
 
     async def _fill(self) -> None:
         messages = self._messages
+        connection = self._connection
         while not messages:
-            if self._ended is not None:
-                raise self._ended
-            if self._gone is not None:
-                raise self._gone
-            if self._eof:
-                raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+            error = connection.receive_error()
+            if error is not None:
+                raise error
             if self._unparsed:  # frames that came with the handshake
                 self._unparsed = False
                 await self._parse()
@@ -298,9 +276,9 @@ class NativeWebSocket:
         if not count:
             self._stream_ended()
             return
-        if self._parser_failed:
+        if self._connection.failed:
             return  # after a broken frame, only the end of the connection matters
-        event = self._take_messages()
+        event = self._connection.receive_into(self._messages)
         if event is not None:  # rare: a ping, a close, a broken frame
             await self._handle(event)
 
@@ -339,7 +317,7 @@ class NativeWebSocket:
                 return 0
             self._drained = count < len(room)
             # Taken at once, before any yield; after a broken frame the bytes are only overwritten.
-            if not self._parser_failed:
+            if not self._connection.failed:
                 parser.received(count)
             self._reads_without_wait += 1
             if self._reads_without_wait >= _YIELD_EVERY:
@@ -348,75 +326,39 @@ class NativeWebSocket:
             return count
 
     async def _parse(self) -> None:
-        event = self._take_messages()
+        event = self._connection.receive_into(self._messages)
         if event is not None:
             await self._handle(event)
 
     async def _handle(self, event: Ping | Close | FrameError) -> None:
-        """Answer ``event`` (from ``_take_messages``), then go on parsing."""
+        """Answer ``event`` (from ``Connection.receive_into``, which recorded what it means), then
+        go on parsing."""
+        connection = self._connection
         while event is not None:
-            if type(event) is FrameError:
-                await self._fail(event)
-                return
             if type(event) is Ping:
-                if not self._close_sent:
-                    await self._write(frame(Opcode.PONG, event, masked=self._client))
-            else:
-                assert isinstance(event, Close)
-                await self._peer_closed(event)
+                pong = connection.pong(event)
+                if pong is not None:
+                    await self._write(pong)
+            elif type(event) is FrameError:  # close with its code; nothing more is read into messages
+                with trio.move_on_after(self._close_timeout):
+                    await self._send_close(event.code, event.reason)
                 return
-            event = self._take_messages()
-
-    def _take_messages(self) -> Ping | Close | FrameError | None:
-        """Queue every whole message parsed so far and count pongs, without a coroutine (a read
-        that brings audio needs no other work); stop at the first event that needs a write (a
-        ping, a close) or a broken frame, and return it."""
-        parser = self._parser
-        messages = self._messages
-        while True:
-            try:
-                event = parser.next()
-            except FrameError as error:
-                return error
-            if event is None:
-                return None
-            kind = type(event)
-            if kind is bytes or kind is str:
-                messages.append(event)
-            elif kind is Pong:
-                self._pongs += 1
-            else:
-                return event
-
-    async def _peer_closed(self, close: Close) -> None:
-        self._peer_close = close
-        if self._gone is None:
-            self._gone = TransportClosed(close.code, close.reason)
-        if not self._close_sent:  # answer with the same code, then (a server) hang up
-            code = close.code if close.code != 1005 else CloseCode.NORMAL_CLOSURE
-            with trio.move_on_after(self._close_timeout):
-                await self._send_close(code, "")
-        if not self._client:
-            self._drop_stream()
-
-    async def _fail(self, error: FrameError) -> None:
-        """A broken frame: close with its code, and read nothing more into messages."""
-        self._parser_failed = True
-        finish = FinishReason.MESSAGE_TOO_BIG if error.code == CloseCode.MESSAGE_TOO_BIG else FinishReason.PROTOCOL_ERROR
-        self._end(finish, error.code, error.reason)
-        with trio.move_on_after(self._close_timeout):
-            await self._send_close(error.code, error.reason)
+            else:  # the peer's Close: answer with the same code, then (a server) hang up
+                assert isinstance(event, Close)
+                with trio.move_on_after(self._close_timeout):
+                    await self._send_close(event.code if event.code != 1005 else CloseCode.NORMAL_CLOSURE, "")
+                if not self._client:
+                    self._drop_stream()
+                return
+            event = connection.receive_into(self._messages)
 
     def _stream_ended(self) -> None:
         """A read found the end of the stream."""
-        if self._read_shut:
-            self._eof = True  # this end stopped reading (idle): sending still works
-        else:
-            self._lost()
+        self._connection.stream_ended()
+        self._read_lot.unpark_all()
 
     def _lost(self) -> None:
-        if self._gone is None:
-            self._gone = TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+        self._connection.lost()
         self._read_lot.unpark_all()
 
     # -- writing ---------------------------------------------------------------------------------
@@ -497,17 +439,11 @@ class NativeWebSocket:
             self._send_lot.unpark()
 
     async def _send_close(self, code: int, reason: str) -> None:
-        if self._close_sent or (self._gone is not None and self._peer_close is None):  # sent, or no one to tell
-            return
-        self._close_sent = True
-        await self._write(frame(Opcode.CLOSE, close_payload(code, reason), masked=self._client))
+        data = self._connection.close(code, reason)
+        if data is not None:
+            await self._write(data)
 
     # -- internals ---------------------------------------------------------------------------------
-
-    def _end(self, finish_reason: FinishReason, code: int, reason: str) -> TransportClosed:
-        if self._ended is None:
-            self._ended = TransportClosed(code, reason, finish_reason)
-        return self._ended
 
     def _drop_stream(self) -> None:
         # A synchronous close: whatever waits on the socket wakes with ClosedResourceError.
