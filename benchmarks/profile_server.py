@@ -15,9 +15,7 @@ Layers, matched on the file path py-spy prints for a Python frame (first rule th
     trio-websocket      trio_websocket/*
     trio scheduling     trio/* (the rest: the run loop, checkpoints, memory channels, locks)
     translator          duplexrt/protocols/*
-    session             duplexrt/core/session.py and its session_input.py, session_output.py;
-                        duplexrt/core/slot_owner.py, duplexrt/core/state.py,
-                        duplexrt/audio/*
+    session             duplexrt/session/*, duplexrt/core/slot_owner.py, duplexrt/audio/*
     scheduler/inbox     duplexrt/core/scheduler.py, duplexrt/core/inbox.py, duplexrt/core/handoffs.py,
                         duplexrt/core/capacity.py, duplexrt/core/affinity.py
     metrics             duplexrt/core/metrics.py, duplexrt/core/histogram.py,
@@ -86,7 +84,7 @@ RULES: list[tuple[str, re.Pattern[str]]] = [
     ("trio-websocket", re.compile(r"^trio_websocket/")),
     ("trio scheduling", re.compile(r"^trio/")),
     ("translator", re.compile(r"^duplexrt/protocols/")),
-    ("session", re.compile(r"^duplexrt/(core/(session(_input|_output)?|slot_owner|state)\.py|audio/)")),
+    ("session", re.compile(r"^duplexrt/(session/|core/slot_owner\.py|audio/)")),
     ("scheduler/inbox", re.compile(r"^duplexrt/core/(scheduler|inbox|handoffs|capacity|affinity)\.py$")),
     ("metrics", re.compile(r"^duplexrt/(core/(metrics|histogram|stage_meter)|server/(metrics|stats_log))\.py$")),
     ("backend", re.compile(r"^duplexrt/(backends/|core/runtime\.py)")),
@@ -206,12 +204,12 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("  socket send: SocketStream.send_all", ("SocketStream.send_all",)),
     ("  wsproto send: Connection.send", ("Connection.send",)),
     ("  trio-websocket send lock: _LockImpl.acquire/release", ("_LockImpl.acquire", "_LockImpl.release")),
-    ("session read loop: SessionInput._read_loop", ("SessionInput._read_loop",)),
+    ("session read loop: Reader._read_loop", ("Reader._read_loop",)),
     ("  PCM decode: _PcmDecoder.decode", ("_PcmDecoder.decode",)),
     ("    of which the range check: _in_range", ("_in_range",)),
-    ("  submit to the scheduler: SessionInput._submit", ("SessionInput._submit",)),
-    ("session write loop: SessionOutput._write_loop", ("SessionOutput._write_loop",)),
-    ("output sent from a step's delivery: SessionOutput._send_directly", ("SessionOutput._send_directly",)),
+    ("  submit to the scheduler: Reader._submit", ("Reader._submit",)),
+    ("session write loop: Writer.run", ("Writer.run",)),
+    ("output sent from a step's delivery: Writer._send_directly", ("Writer._send_directly",)),
     ("  PCM encode: _PcmEncoder.encode(_rows)", ("_PcmEncoder.encode", "_PcmEncoder.encode_rows")),
     ("thread handoffs into trio: EntryQueue.task", ("EntryQueue.task",)),
     ("realtime/live VAD: InputVad.*", ("InputVad.",)),
@@ -231,7 +229,7 @@ def _matches(name: str, wanted: str) -> bool:
 #: The first frame of a task's stack, as the run loop calls it, and the name it gets in the table.
 TASK_NAMES = {"_run_handler": "connection handler (session read loop)",
               "WebSocketConnection._reader_task": "trio-websocket reader task",
-              "SessionOutput._write_loop": "session write loop", "EntryQueue.task": "trio entry queue (thread handoffs)"}
+              "Writer.run": "session write loop", "EntryQueue.task": "trio entry queue (thread handoffs)"}
 
 
 def task_of(frames: list[str]) -> str:

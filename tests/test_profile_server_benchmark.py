@@ -16,11 +16,11 @@ def profile_server():
 
 
 @pytest.mark.parametrize(("path", "layer"), [
-    ("duplexrt/core/session.py", "session"),
-    ("duplexrt/core/session_input.py", "session"),
-    ("duplexrt/core/session_output.py", "session"),
+    ("duplexrt/session/session.py", "session"),
+    ("duplexrt/session/reader.py", "session"),
+    ("duplexrt/session/writer.py", "session"),
     ("duplexrt/core/slot_owner.py", "session"),
-    ("duplexrt/core/state.py", "session"),
+    ("duplexrt/session/lifecycle.py", "session"),
     ("duplexrt/audio/framer.py", "session"),
     ("duplexrt/core/scheduler.py", "scheduler/inbox"),
     ("duplexrt/core/capacity.py", "scheduler/inbox"),
@@ -33,7 +33,7 @@ def profile_server():
     ("duplexrt/wire/resume.py", "server glue"),
     ("duplexrt/wire/native.py", "WebSocket framing"),
     ("duplexrt/protocols/vad.py", "translator"),
-    ("/work/checkout/duplexrt/core/session_output.py", "session"),
+    ("/work/checkout/duplexrt/session/writer.py", "session"),
     ("trio/_core/_run.py", "trio scheduling"),
     ("numpy/core/fromnumeric.py", None),
 ])

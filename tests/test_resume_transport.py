@@ -10,7 +10,7 @@ import trio
 
 from duplexrt.client.resume import ResumingTransport
 from duplexrt.wire.resume import ResumableTransport, ResumeError, new_token, split_token
-from duplexrt.core.state import SessionState
+from duplexrt.session.lifecycle import SessionState
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
@@ -161,7 +161,7 @@ async def test_a_clean_close_is_the_end_not_a_drop(autojump_clock):
 
 
 def test_a_detached_session_counts_as_open_and_states_only_move_forward():
-    from duplexrt.core.state import rank
+    from duplexrt.session.lifecycle import rank
 
     assert rank(SessionState.DETACHED) == rank(SessionState.OPEN)
     order = [SessionState.OPENING, SessionState.OPEN, SessionState.STOPPING, SessionState.INPUT_ENDED,

@@ -667,7 +667,7 @@ def test_the_way_back_is_typed_by_the_slot_owner_protocol():
     from duplexrt.core.inbox import Batch, Control
     from duplexrt.core.scheduler import SlotLease, StepOutcome
     from duplexrt.core.slot_owner import SlotOwner
-    from duplexrt.core.session import Session
+    from duplexrt.session.session import Session
 
     assert typing.get_type_hints(Control)["owner"] is SlotOwner
     assert typing.get_type_hints(Batch)["owners"] == list[SlotOwner]

@@ -439,7 +439,7 @@ async def test_input_end_with_nothing_sent_ends_cleanly():
 async def test_a_client_that_never_reads_its_audio_errors_holds_bounded_memory():
     """Every bad audio message gets an error; a client that never reads them must not grow the
     queue of replies without bound (the audio path once never waited for room)."""
-    from duplexrt.core import session_output as session_module
+    from duplexrt.session import outgoing as session_module
 
     limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
     config = make_config("runtime.slots=2")
@@ -456,7 +456,7 @@ async def test_a_client_that_never_reads_its_audio_errors_holds_bounded_memory()
             nursery.start_soon(flood)
             await trio.testing.wait_all_tasks_blocked()
             (session,) = runtime.sessions
-            queued = list(session._pending)
+            queued = list(session.outgoing.pending)
             await client.close(1000, "bye")
     assert len(queued) > 1000  # every message was answered ...
     assert all(json.loads(m)["code"] == "invalid_audio" for m in queued)
@@ -464,7 +464,7 @@ async def test_a_client_that_never_reads_its_audio_errors_holds_bounded_memory()
 
 
 async def test_a_client_that_sends_but_never_reads_cannot_grow_the_reply_queue():
-    from duplexrt.core.session_output import MAX_PENDING_MESSAGES
+    from duplexrt.session.outgoing import MAX_PENDING_MESSAGES
 
     config = make_config("runtime.slots=2")
     async with open_runtime(config) as runtime:
@@ -480,7 +480,7 @@ async def test_a_client_that_sends_but_never_reads_cannot_grow_the_reply_queue()
             nursery.start_soon(flood)
             await trio.testing.wait_all_tasks_blocked()
             (session,) = runtime.sessions
-            assert len(session._pending) <= MAX_PENDING_MESSAGES + 1
+            assert len(session.outgoing.pending) <= MAX_PENDING_MESSAGES + 1
             await client.close(1000, "bye")
 
 

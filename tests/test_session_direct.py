@@ -52,7 +52,7 @@ async def settle(session) -> None:
     with trio.fail_after(PATIENCE):
         while True:
             await trio.testing.wait_all_tasks_blocked()
-            if session._delivered == session._submitted:
+            if session.credits.all_delivered:
                 return
             await trio.sleep(0.001)  # the scheduler thread is stepping: let it deliver
 
