@@ -58,7 +58,7 @@ async def read_request_head(stream: trio.abc.Stream) -> tuple[RequestHead, bytes
             if not data:
                 raise BadRequest(400, "connection closed before a whole request head arrived")
             received += data
-            parser.receive_data(data)
+            parser.receive_data(bytes(data))
             continue
         raise BadRequest(400, "expected an HTTP request")
 

@@ -161,7 +161,6 @@ class Session:
             self._meter.opened()
         log.info("session %s opened: %s in, %s out, slot %d, %d active", lease.session_id,
                  self._protocol.input_spec, self._protocol.output_spec, lease.slot, metrics.sessions_active)
-        end = None
         try:
             async with trio.open_nursery() as nursery:
                 lifecycle.cancel_scope = nursery.cancel_scope

@@ -20,6 +20,7 @@ hands back the first event that needs an answer (a ``Ping``, the peer's ``Close`
 from __future__ import annotations
 
 import enum
+from collections import deque
 
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.wire.frames import (Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
@@ -107,13 +108,13 @@ class Connection:
 
     # -- input ---------------------------------------------------------------------------------------
 
-    def receive_into(self, messages: list[Message] | object) -> Ping | Close | FrameError | None:
-        """Append every whole message parsed so far to ``messages`` (anything with ``append``)
+    def receive_into(self, messages: deque[Message]) -> Ping | Close | FrameError | None:
+        """Append every whole message parsed so far to ``messages``
         and count pongs; stop at the first event that needs an answer and return it, its meaning
         already recorded: a ``Close`` (the peer's end), a ``FrameError`` (this end's), a ``Ping``.
         A plain call, no coroutine: a read that brings audio needs no other work."""
         parser = self.parser
-        append = messages.append  # type: ignore[attr-defined]
+        append = messages.append
         while True:
             try:
                 event = parser.next()
@@ -123,15 +124,15 @@ class Connection:
             if event is None:
                 return None
             kind = type(event)
-            if kind is bytes or kind is str:
-                append(event)
+            if kind is bytes or kind is str:  # exactly: a Ping and a Pong are bytes too
+                append(event)  # type: ignore[arg-type]
             elif kind is Pong:
                 self.pongs += 1
-            elif kind is Ping:
-                return event  # type: ignore[return-value]
+            elif isinstance(event, Close):
+                self._peer_closed(event)
+                return event
             else:
-                self._peer_closed(event)  # type: ignore[arg-type]
-                return event  # type: ignore[return-value]
+                return event  # type: ignore[return-value]  # a Ping, by elimination
 
     def _broken(self, error: FrameError) -> None:
         self.failed = True
@@ -172,7 +173,7 @@ class Connection:
         """A message as one frame, header and payload apart for one writev: a server's payload
         not copied, a client's masked in one copy (``masked_frame_parts``)."""
         keys = self._mask_keys
-        if type(message) is str:
+        if isinstance(message, str):
             payload: bytes | bytearray | memoryview = message.encode()
             opcode = Opcode.TEXT
         else:
@@ -182,7 +183,7 @@ class Connection:
             payload = message if type(message) is bytes else bytes(message)
         if keys is not None:
             return masked_frame_parts(opcode, payload, keys.next())
-        return frame_header(opcode, len(payload)), payload  # type: ignore[return-value]
+        return frame_header(opcode, len(payload)), payload  # type: ignore[return-value]  # bytes, from above
 
     def ping(self) -> bytes:
         return frame(Opcode.PING, b"duplexrt", masked=self.client)

@@ -330,7 +330,7 @@ class NativeWebSocket:
         if event is not None:
             await self._handle(event)
 
-    async def _handle(self, event: Ping | Close | FrameError) -> None:
+    async def _handle(self, event: Ping | Close | FrameError | None) -> None:
         """Answer ``event`` (from ``Connection.receive_into``, which recorded what it means), then
         go on parsing."""
         connection = self._connection
@@ -363,7 +363,7 @@ class NativeWebSocket:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    async def _write(self, data: bytes, tail: bytes = b"") -> bool:
+    async def _write(self, data: bytes | bytearray, tail: bytes = b"") -> bool:
         """Send ``data`` and then ``tail`` whole, one writer at a time; False once the connection
         is gone.  The write is tried at once: it waits (and yields) only when the socket's buffer
         is full."""
@@ -378,7 +378,7 @@ class NativeWebSocket:
         finally:
             self._release_send()
 
-    def _write_now(self, data: bytes, tail: bytes) -> bytes | memoryview | None:
+    def _write_now(self, data: bytes | bytearray, tail: bytes) -> bytes | memoryview | None:
         """Write what the socket takes now, without waiting: what is left of ``data + tail``
         (empty once all of it went), or None once the connection is gone."""
         fd = self._sock.fileno()
@@ -423,7 +423,7 @@ class NativeWebSocket:
             self._lost()
             return False
 
-    async def _drain(self, rest: memoryview) -> None:
+    async def _drain(self, rest: bytes | memoryview) -> None:
         """The rest of a ``send_nowait`` (a system task: it must not raise, and ends when the
         connection does, since a dropped socket wakes its wait)."""
         try:
