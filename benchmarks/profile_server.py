@@ -21,7 +21,7 @@ Layers, matched on the file path py-spy prints for a Python frame (first rule th
     metrics             duplexrt/core/metrics.py, duplexrt/core/histogram.py,
                         duplexrt/core/stage_meter.py, duplexrt/server/metrics.py,
                         duplexrt/server/stats_log.py
-    backend             duplexrt/backends/*, duplexrt/core/runtime.py
+    backend             duplexrt/backends/*, duplexrt/runtime.py
     server glue         duplexrt/wire/wss.py, duplexrt/wire/transport.py, duplexrt/wire/resume.py,
                         duplexrt/server/*
     other               no frame of the stack matches (interpreter start-up, logging, ...)

@@ -20,9 +20,9 @@ __version__ = "0.1.0.dev0"
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
-    "Runtime": "duplexrt.core.runtime",
-    "RuntimeStatistics": "duplexrt.core.runtime",
-    "open_runtime": "duplexrt.core.runtime",
+    "Runtime": "duplexrt.runtime",
+    "RuntimeStatistics": "duplexrt.runtime",
+    "open_runtime": "duplexrt.runtime",
     "Config": "duplexrt.config",
     "ConfigError": "duplexrt.config",
     "load_config": "duplexrt.config",
@@ -53,7 +53,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getat
     from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
     from duplexrt.backends.base import Backend, BackendInfo, SlotSession
     from duplexrt.config import Config, ConfigError, load_config
-    from duplexrt.core.runtime import Runtime, RuntimeStatistics, open_runtime
+    from duplexrt.runtime import Runtime, RuntimeStatistics, open_runtime
     from duplexrt.core.scheduler import BackendLoadError, NoFreeSlotError
     from duplexrt.protocols.base import Translator
     from duplexrt.protocols.events import SessionEnd

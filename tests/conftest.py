@@ -27,7 +27,7 @@ from duplexrt.audio import AudioSpec, Framer, make_decoder, make_encoder
 from duplexrt.backends import BackendInfo
 from duplexrt.backends.synthetic import SyntheticBackend, expected_output, marker_tones
 from duplexrt.config import Config, load_config
-from duplexrt.core.runtime import Runtime
+from duplexrt.runtime import Runtime
 from duplexrt.core.scheduler import THREAD_NAME
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair

@@ -30,7 +30,7 @@ from conftest import (
 from duplexrt.audio import AudioTooLongError, make_decoder, make_encoder
 from duplexrt.audio.formats import INLINE_DECODE_SECONDS
 from duplexrt.core.handoffs import HandoffKind
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn
 from duplexrt.protocols.moshi import MoshiProtocol

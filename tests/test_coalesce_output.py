@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from conftest import FRAME, INPUT_END, PATIENCE, make_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.wire.transport import TransportClosed
 from test_session_direct import _socket_pair

@@ -21,7 +21,7 @@ import trio
 from conftest import PATIENCE, run_session, wait_until, duplex_session
 from duplexrt.backends.base import BackendInfo, SlotSession
 from duplexrt.config import ConfigError, load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.moshi import MoshiProtocol
 from duplexrt.protocols.realtime import RealtimeProtocol

@@ -18,7 +18,7 @@ import trio.testing
 
 from conftest import FRAME, PATIENCE, backend_info, make_config
 from duplexrt.backends.echo import EchoBackend
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.realtime import RealtimeProtocol
 from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 

@@ -20,7 +20,7 @@ import trio_websocket
 from conftest import PATIENCE
 from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.config import load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn, InputEnd, ProtocolError, Reconfigure, Reply, SessionEnd
 from duplexrt.protocols.live import CLOSE_REASONS, LiveProtocol, close_reason

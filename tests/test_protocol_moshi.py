@@ -15,7 +15,7 @@ import trio
 
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.config import load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.events import AudioIn, EndTurn, Ignored, ProtocolError, SessionEnd
 from duplexrt.protocols.moshi import CONTROL_CODES, HANDSHAKE_MESSAGE, MoshiProtocol
 from duplexrt.reasons import CloseCode

@@ -30,7 +30,7 @@ def test_nothing_else_is_public_by_accident():
 
 
 def test_the_public_names_are_the_modules_own():
-    from duplexrt.core.runtime import Runtime, open_runtime
+    from duplexrt.runtime import Runtime, open_runtime
     from duplexrt.wire.transport import Transport
 
     assert duplexrt.Runtime is Runtime and duplexrt.open_runtime is open_runtime

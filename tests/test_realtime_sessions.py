@@ -21,7 +21,7 @@ from conftest import PATIENCE, backend_info, wait_until
 from duplexrt.audio import AudioSpec, make_decoder, make_encoder
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.realtime import RealtimeProtocol
 from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair
 from realtime_helpers import (

@@ -37,7 +37,7 @@ from conftest import (
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.core.handoffs import HandoffKind
 from duplexrt.core.inbox import _State
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.core.scheduler import CHEAP_STEP_CYCLE_MS, BackendStepError, NoFreeSlotError, SlotClosedError
 
 

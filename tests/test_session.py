@@ -40,7 +40,7 @@ from conftest import (
 )
 from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.core.handoffs import OFFLOAD_KINDS, HandoffKind
-from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.protocols.events import AudioIn
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.reasons import CloseCode

@@ -19,7 +19,7 @@ import trio_websocket
 
 from conftest import FRAME, INPUT_END, PATIENCE, make_config
 from duplexrt.wire.resume import ResumableTransport
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.server import Server
 from duplexrt.wire.transport import TransportClosed, memory_transport_pair

@@ -32,7 +32,7 @@ from conftest import (
     wait_until,
 )
 from test_session import SYNTHETIC, pcm_workload
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.events import Reply
 from duplexrt.protocols.raw import RawProtocol
 from duplexrt.wire.native import NativeWebSocket

@@ -40,7 +40,7 @@ from conftest import (
 )
 from duplexrt.core.handoffs import HandoffKind
 from duplexrt.core.inbox import Inbox
-from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.session.session import Session
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.wire.transport import memory_transport_pair

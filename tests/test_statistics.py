@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from duplexrt.config import load_config
-from duplexrt.core.runtime import RuntimeHistograms, RuntimeStatistics, open_runtime
+from duplexrt.runtime import RuntimeHistograms, RuntimeStatistics, open_runtime
 from duplexrt.server import Server
 from duplexrt.server.statistics import ServerStatistics
 

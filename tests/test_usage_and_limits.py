@@ -13,7 +13,7 @@ import trio
 from conftest import FRAME, INPUT_END, PATIENCE, backend_info, make_config, run_session, spec
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import ConfigError
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.server.stats_log import log_stats
 from duplexrt.wire.transport import memory_transport_pair
 

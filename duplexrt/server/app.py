@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from duplexrt.backends import Backend, SlotChoice
 from duplexrt.config import Config
 from duplexrt.wire.resume import ResumableTransport, ResumeError, new_token, split_token
-from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import ProtocolError
 from duplexrt.reasons import CloseCode

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from duplexrt.core.runtime import RuntimeStatistics
+from duplexrt.runtime import RuntimeStatistics
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import DuplexClient
 from duplexrt.config import Config
 from duplexrt.core.histogram import Summary
-from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.progress import show_progress
 from duplexrt.reasons import CloseCode
 from duplexrt.simulate.checker import Checker
