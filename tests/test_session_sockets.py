@@ -11,7 +11,6 @@ import contextlib
 import json
 
 import numpy as np
-import pytest
 import trio
 import trio.testing
 

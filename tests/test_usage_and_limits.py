@@ -164,7 +164,7 @@ async def test_log_stats_writes_one_line_per_interval(caplog):
 
 async def test_stage_timings_and_usage_counters_reach_prometheus(nursery):
     from duplexrt.server import Server
-    from test_server import http_get
+    from conftest import http_get
 
     config = make_config("server.port=0", "runtime.slots=4", "metrics.log_stats=false")
     server = Server(config, TalkingEcho(config))

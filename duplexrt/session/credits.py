@@ -9,8 +9,11 @@ and wait on worker threads, as the lease's own ``submit`` must, is what this avo
 hops and CPU per frame are ``benchmarks/core.py``'s to measure.)
 
 The reader counts frames in (``submitted``); the scheduler's delivery counts them back
-(``delivered``); the writer counts them out (``told``, then ``sent``); a clear drops them
-(``dropped``).  Whoever gives credit back wakes the reader (``wake``).
+(``delivered``, waking a reader that waits once ``resume_below`` or fewer are left in the inbox);
+the writer counts them out (``told``, then ``sent``, which gives ``in_flight`` credit back); a
+clear drops them (``dropped``).  Whoever gives credit back wakes the reader (``wake``).  The
+once-a-frame updates are written out where they happen (``Session.step_output``,
+``Writer._batch_sent``): a call each would cost more than the update.
 """
 
 from __future__ import annotations
@@ -49,17 +52,6 @@ class Credits:
         """Return once a frame may be submitted; the caller submits it before its next wait."""
         while self.submitted - self.delivered >= self.inbox_depth or self.in_flight >= self.max_in_flight:
             await self.lot.park()
-
-    def delivered_one(self) -> None:
-        self.delivered += 1
-        if self.lot and self.submitted - self.delivered <= self.resume_below:
-            self.lot.unpark_all()
-
-    def sent_out(self, count: int) -> None:
-        """``count`` frames went out: their credit comes back."""
-        self.sent += count
-        self.in_flight -= count
-        self.wake()
 
     def drop(self, count: int) -> None:
         """``count`` frames waiting to go out were thrown away (ClearOutput)."""

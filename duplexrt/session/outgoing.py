@@ -46,13 +46,6 @@ class Outgoing:
             if self.writer_lot:
                 self.writer_lot.unpark_all()
 
-    def queue_quietly(self, messages: list[Message] | tuple[Message, ...]) -> None:
-        """``queue`` without waking the writer: for the writer itself, which sends them next."""
-        pending = self.pending
-        for message in messages:
-            pending.append(message)
-            self.pending_bytes += len(message)
-
     def full(self) -> bool:
         return len(self.pending) > MAX_PENDING_MESSAGES or self.pending_bytes > MAX_PENDING_BYTES
 

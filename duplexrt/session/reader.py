@@ -253,7 +253,9 @@ class Reader:
         if self._at_frame_limit():
             return
         credits = self._credits
-        await credits.wait_to_submit()
+        if (credits.submitted - credits.delivered >= credits.inbox_depth
+                or credits.in_flight >= credits.max_in_flight):
+            await credits.wait_to_submit()  # rare on the paced path: no coroutine per frame otherwise
         credits.in_flight += 1
         started = _perf_counter_ns()
         lease = self._lease

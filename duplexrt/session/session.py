@@ -270,14 +270,18 @@ class Session:
     # -- the scheduler's callbacks (``SlotOwner``: trio thread, once per step) -----------------------
 
     def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
+        # Once per frame: the credit rule (credits.py) written out, no call.
         lease = self.lease
         writer = self.writer
-        if lease is None or lease.released or writer is None or not self.lifecycle.sending:
+        state = self.lifecycle.state
+        if lease is None or lease.released or writer is None or state is _CLOSING or state is _CLOSED:
             return
-        writer.step_output((output, text, submitted_ns, stepped_ns))
+        writer.outbox.append((output, text, submitted_ns, stepped_ns))
         credits = self.credits
-        credits.delivered_one()
-        if self.lifecycle.state is SessionState.INPUT_ENDED and credits.all_delivered:
+        credits.delivered += 1
+        if credits.lot and credits.submitted - credits.delivered <= credits.resume_below:
+            credits.lot.unpark_all()
+        if state is _INPUT_ENDED and credits.delivered == credits.submitted:
             writer.close_outbox()
 
     def delivery_done(self) -> None:
@@ -296,6 +300,11 @@ class Session:
                       error_id, exc_info=error)
             message = str(BackendStepError(error_id))
         self.lifecycle.finish(FinishReason.ERROR, message, CloseCode.INTERNAL_ERROR)
+
+
+_INPUT_ENDED = SessionState.INPUT_ENDED
+_CLOSING = SessionState.CLOSING
+_CLOSED = SessionState.CLOSED
 
 
 def _only_cancellation(exc: BaseException) -> bool:

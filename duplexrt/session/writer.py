@@ -80,9 +80,6 @@ class Writer:
 
     # -- what the delivery and the reader call -----------------------------------------------------
 
-    def step_output(self, output: Output) -> None:
-        self.outbox.append(output)
-
     def delivery_done(self) -> None:
         """Every row of this delivery is in the outbox (steps that finished while trio was busy
         come together, and go out together, as the writer would send them).  Sent from here when
@@ -218,7 +215,8 @@ class Writer:
         waits for the next batch."""
         outbox = self.outbox
         count = len(outbox)
-        answered = self._credits.answered
+        credits = self._credits
+        answered = credits.told + credits.dropped
         boundary = self._protocol.next_boundary()
         if boundary is not None and answered < boundary < answered + count:
             count = boundary - answered
@@ -232,6 +230,7 @@ class Writer:
         """Hand a batch to the translator, its messages into the queue behind everything before."""
         protocol = self._protocol
         outgoing = self._outgoing
+        pending = outgoing.pending  # appended here without a call each: the writer sends them next
         count = len(items)
         # Text first: a protocol that closes a turn on its last audio (realtime) must not find
         # that turn's text arriving after it.
@@ -239,10 +238,14 @@ class Writer:
             if item[1]:
                 self.text_pieces += 1
                 self._metrics.text_pieces += 1
-                outgoing.queue_quietly(protocol.text_out(item[1]))
+                for message in protocol.text_out(item[1]):
+                    pending.append(message)
+                    outgoing.pending_bytes += len(message)
         # Even with no bytes (an encoder still filling a packet): the translator counts the
         # frames, and may close a turn on them.
-        outgoing.queue_quietly(protocol.audio_out(payload, count))
+        for message in protocol.audio_out(payload, count):
+            pending.append(message)
+            outgoing.pending_bytes += len(message)
         # Counted as the translator is told, so that what it reads stays in step with what it
         # has said, whatever arrives while the messages are being sent...
         self._credits.told += count
@@ -255,4 +258,8 @@ class Writer:
         if self._meter is not None:
             self._meter.batch_sent(items, now, self.last_sent_ns)
         self.last_sent_ns = now
-        self._credits.sent_out(count)
+        credits = self._credits  # the credit rule (credits.py), written out: once per batch
+        credits.sent += count
+        credits.in_flight -= count
+        if credits.lot:
+            credits.lot.unpark_all()
