@@ -32,6 +32,7 @@ from duplexrt.runtime import Runtime
 from duplexrt.server import Server
 from duplexrt.core.scheduler import THREAD_NAME
 from duplexrt.protocols.events import SessionEnd
+from duplexrt.wire.native import NativeWebSocket
 from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair
 
 MODEL_RATE = 24000
@@ -510,3 +511,42 @@ async def start_server(nursery):
         return Served(server)
 
     return start
+
+
+# -- a session over a real socket pair ------------------------------------------------------
+
+
+def noise_frames(count: int, seed: int) -> list[np.ndarray]:
+    return list(noise(count * FRAME, seed).astype(np.float32).reshape(count, FRAME))
+
+
+def socket_pair() -> tuple[NativeWebSocket, NativeWebSocket]:
+    """``(client, server)`` over a socket pair."""
+    a, b = trio.socket.socketpair()
+    server = NativeWebSocket(trio.SocketStream(a))
+    client = NativeWebSocket(trio.SocketStream(b), client=True)
+    return client, server
+
+
+def start_socket_session(nursery: trio.Nursery, runtime, session_id: int, wire=None, protocol=None):
+    """Serve one session over a socket pair in ``nursery``: ``(client, outcome)``, where
+    ``outcome["end"]`` is the session's end once it is over."""
+    client, server = socket_pair()
+    outcome: dict = {}
+
+    async def serve() -> None:
+        outcome["end"] = await runtime.serve(server, protocol, input_spec=wire, output_spec=wire,
+                                             session_id=session_id)
+
+    nursery.start_soon(serve)
+    return client, outcome
+
+
+async def run_socket_session(runtime, messages, wire, session_id=None, *, client_log=None):
+    """One session over a socket pair."""
+    log = client_log if client_log is not None else ClientLog()
+    with trio.fail_after(PATIENCE):
+        async with trio.open_nursery() as nursery:
+            client, outcome = start_socket_session(nursery, runtime, session_id, wire)
+            await run_client(client, messages, log)
+    return outcome["end"], log

@@ -1,7 +1,7 @@
-"""A session's output sent straight from the step delivery (``Session.delivery_done``) over a real
-native WebSocket on a socket pair: no writer task woken for steady output, and the writer's
-guarantees kept when it does take over (a full socket, a slow reader, a journal), or when the
-path is not taken at all (``offload = "always"``, trio-websocket).
+"""A session's output sent straight from the step delivery (``Writer.delivery_done``, over a
+transport that is a ``DirectSend``) on a real native WebSocket on a socket pair: no writer task
+woken for steady output, and the writer's guarantees kept when it does take over (a full socket,
+a slow reader, a journal), or when the path is not taken at all (``offload = "always"``).
 
 Real runtime and scheduler thread, real sockets: no ``autojump_clock``; quiescence is read from
 the session's own counters (``settle``), never from sleeps.
