@@ -42,6 +42,10 @@ class ConnectionState(enum.Enum):
     CLOSED = "closed"
 
 
+_CLOSE_SENT = ConnectionState.CLOSE_SENT
+_CLOSED = ConnectionState.CLOSED
+
+
 def dropped() -> TransportClosed:
     """What a receive raises once the peer has hung up without a Close."""
     return TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
@@ -88,7 +92,8 @@ class Connection:
     def send_error(self) -> TransportClosed | None:
         """What a send raises now, or None while sending is allowed.  An ended input (the idle
         limit) still lets a session send its end: only a closing or closed connection stops it."""
-        if self.close_sent or self.gone is not None:
+        state = self.state  # once per message sent: the states by identity, no property call
+        if state is _CLOSE_SENT or state is _CLOSED or self.gone is not None:
             return self.ended or self.gone or TransportClosed(CloseCode.GOING_AWAY, "the connection is closing")
         return None
 
