@@ -12,12 +12,9 @@ CPU per frame is measured exactly as the server's is.
 
 The difference between this and ``duplexrt serve`` on the same load is what the runtime adds; what
 this costs is a floor no change inside the runtime can go below, given one socket operation each
-way.  ``--read-hub`` answers each message where duplexrt's ``ReadHub`` reads it (no task woken per
-message), as ``duplexrt serve`` does with ``server.read_hub``; without it each connection's task
-reads its own socket.  ``benchmarks/server.py --variants bare,bare-hub,...`` runs both beside the
-others.
+way.  ``benchmarks/server.py --variants bare,...`` runs it beside the others.
 
-Usage: python benchmarks/bare_echo.py [--port 0] [--read-hub]   (prints "listening on port(s) N" on stderr)
+Usage: python benchmarks/bare_echo.py [--port 0]   (prints "listening on port(s) N" on stderr)
 """
 
 from __future__ import annotations
@@ -30,10 +27,9 @@ import sys
 
 import trio
 
-from duplexrt.readhub import ReadHub
-from duplexrt.transport import Message, Taken, TransportClosed
-from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import TransportClosed
+from duplexrt.wire.handshake import HandshakeRefused, accept_response, after_head, check_request
+from duplexrt.wire.native import NativeWebSocket
 
 SAMPLE_RATE = 24000
 FRAME_BYTES = 1920 * 4  # one 80 ms frame of pcm_f32le
@@ -97,37 +93,20 @@ class _Echo:
     def _ends(self, message: str) -> bool:
         return json.loads(message).get("type") == "input.end"
 
-    def take(self, message: Message) -> Taken:
-        """The read hub's sink (``--read-hub``): answer ``message`` where it was read."""
-        if isinstance(message, str):
-            if self._ends(message):
-                self.ended = True
-                return Taken.HELD  # the goodbye is the connection's task's
-            return Taken.DONE
-        answer = self._answer(message)
-        if answer and not self.ws.send_nowait(answer):
-            return Taken.HELD  # the socket took part of it: the task waits for the rest
-        return Taken.DONE
-
-    async def run(self, hub: ReadHub | None) -> None:
+    async def run(self) -> None:
         ws = self.ws
         while not self.ended:
-            if hub is None:  # the connection's own task reads every message
-                message = await ws.receive()
-                if isinstance(message, str):
-                    self.ended = self._ends(message)
-                elif answer := self._answer(message):
-                    await ws.send(answer)
-                continue
-            message = await ws.serve_messages(self.take)  # None: the sink held one for this task
-            if (message is None or self.take(message) is Taken.HELD) and not self.ended:
-                await ws.flush()
+            message = await ws.receive()
+            if isinstance(message, str):
+                self.ended = self._ends(message)
+            elif answer := self._answer(message):
+                await ws.send(answer)
         frames = self.received // FRAME_BYTES
         await ws.send(json.dumps({"type": "session.end", "reason": "stop",
                                   "usage": {"frames_in": frames, "frames_out": frames}}))
 
 
-async def _connection(stream: trio.SocketStream, counters: Counters, hub: ReadHub | None) -> None:
+async def _connection(stream: trio.SocketStream, counters: Counters) -> None:
     try:
         received = await _read_head(stream)
         lines = received.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
@@ -149,10 +128,10 @@ async def _connection(stream: trio.SocketStream, counters: Counters, hub: ReadHu
     except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
         await stream.aclose()
         return
-    ws = NativeWebSocket(stream, received=after_head(received), hub=hub)
+    ws = NativeWebSocket(stream, received=after_head(received))
     try:
         await ws.send(_GREETING)
-        await _Echo(ws, counters).run(hub)
+        await _Echo(ws, counters).run()
     except TransportClosed:
         pass
     finally:
@@ -160,14 +139,11 @@ async def _connection(stream: trio.SocketStream, counters: Counters, hub: ReadHu
             await ws.close()
 
 
-async def serve(port: int, read_hub: bool = False) -> None:
+async def serve(port: int) -> None:
     counters = Counters()
-    hub = ReadHub() if read_hub else None
     async with trio.open_nursery() as nursery:
-        if hub is not None:
-            nursery.start_soon(hub.run)
         listeners = await nursery.start(
-            lambda task_status: trio.serve_tcp(lambda stream: _connection(stream, counters, hub), port,
+            lambda task_status: trio.serve_tcp(lambda stream: _connection(stream, counters), port,
                                                host="127.0.0.1", task_status=task_status))
         bound = listeners[0].socket.getsockname()[1]
         print(f"bare echo listening on port(s) {bound}", file=sys.stderr, flush=True)
@@ -180,11 +156,8 @@ async def serve(port: int, read_hub: bool = False) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--read-hub", action="store_true",
-                        help="answer each message where duplexrt's read hub reads it (as the server's "
-                             "server.read_hub does), instead of in each connection's own task")
     args = parser.parse_args()
-    trio.run(serve, args.port, args.read_hub)
+    trio.run(serve, args.port)
 
 
 if __name__ == "__main__":

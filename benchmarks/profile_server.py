@@ -10,21 +10,19 @@ the process for each sample and so inflates the CPU figure a little.
 Layers, matched on the file path py-spy prints for a Python frame (first rule that matches wins):
 
     socket I/O          trio/_socket.py, trio/_highlevel_socket.py, trio/_core/_io_epoll.py,
-                        selectors.py, socket.py, duplexrt/readhub.py
-    WebSocket framing   wsproto/*
+                        selectors.py, socket.py
+    WebSocket framing   wsproto/*, duplexrt/wire/frames.py, connection.py, native.py, handshake.py
     trio-websocket      trio_websocket/*
     trio scheduling     trio/* (the rest: the run loop, checkpoints, memory channels, locks)
     translator          duplexrt/protocols/*
-    session             duplexrt/core/session.py and its session_input.py, session_output.py,
-                        session_sink.py; duplexrt/core/slot_owner.py, duplexrt/core/state.py,
-                        duplexrt/audio/*
+    session             duplexrt/session/*, duplexrt/core/slot_owner.py, duplexrt/audio/*
     scheduler/inbox     duplexrt/core/scheduler.py, duplexrt/core/inbox.py, duplexrt/core/handoffs.py,
                         duplexrt/core/capacity.py, duplexrt/core/affinity.py
     metrics             duplexrt/core/metrics.py, duplexrt/core/histogram.py,
                         duplexrt/core/stage_meter.py, duplexrt/server/metrics.py,
                         duplexrt/server/stats_log.py
-    backend             duplexrt/backends/*, duplexrt/core/runtime.py
-    server glue         duplexrt/websocket.py, duplexrt/transport.py, duplexrt/core/resume.py,
+    backend             duplexrt/backends/*, duplexrt/runtime.py
+    server glue         duplexrt/wire/wss.py, duplexrt/wire/transport.py, duplexrt/wire/resume.py,
                         duplexrt/server/*
     other               no frame of the stack matches (interpreter start-up, logging, ...)
 
@@ -81,16 +79,16 @@ PY_SPY = BIN / "py-spy"
 #: (layer, path test) in order: the first match wins, so the socket files of trio come before trio.
 RULES: list[tuple[str, re.Pattern[str]]] = [
     ("socket I/O", re.compile(r"^(trio/_socket\.py|trio/_highlevel_socket\.py|trio/_core/_io_epoll\.py"
-                              r"|selectors\.py|socket\.py|duplexrt/readhub\.py)$")),
-    ("WebSocket framing", re.compile(r"^wsproto/|^duplexrt/ws(frames|native|handshake)\.py$")),
+                              r"|selectors\.py|socket\.py)$")),
+    ("WebSocket framing", re.compile(r"^wsproto/|^duplexrt/wire/(frames|connection|native|handshake)\.py$")),
     ("trio-websocket", re.compile(r"^trio_websocket/")),
     ("trio scheduling", re.compile(r"^trio/")),
     ("translator", re.compile(r"^duplexrt/protocols/")),
-    ("session", re.compile(r"^duplexrt/(core/(session(_input|_output|_sink)?|slot_owner|state)\.py|audio/)")),
+    ("session", re.compile(r"^duplexrt/(session/|core/slot_owner\.py|audio/)")),
     ("scheduler/inbox", re.compile(r"^duplexrt/core/(scheduler|inbox|handoffs|capacity|affinity)\.py$")),
     ("metrics", re.compile(r"^duplexrt/(core/(metrics|histogram|stage_meter)|server/(metrics|stats_log))\.py$")),
     ("backend", re.compile(r"^duplexrt/(backends/|core/runtime\.py)")),
-    ("server glue", re.compile(r"^duplexrt/(websocket|transport|core/resume)\.py$|^duplexrt/server/")),
+    ("server glue", re.compile(r"^duplexrt/wire/(wss|transport|resume)\.py$|^duplexrt/server/")),
 ]
 WAIT = "blocked wait"
 LAYERS = [name for name, _ in RULES] + ["other", WAIT]
@@ -206,14 +204,12 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("  socket send: SocketStream.send_all", ("SocketStream.send_all",)),
     ("  wsproto send: Connection.send", ("Connection.send",)),
     ("  trio-websocket send lock: _LockImpl.acquire/release", ("_LockImpl.acquire", "_LockImpl.release")),
-    ("session read loop: SessionInput._read_loop", ("SessionInput._read_loop",)),
-    ("a message handled where the read hub read it: SessionSink._take_nowait", ("SessionSink._take_nowait",)),
+    ("session read loop: Reader._read_loop", ("Reader._read_loop",)),
     ("  PCM decode: _PcmDecoder.decode", ("_PcmDecoder.decode",)),
     ("    of which the range check: _in_range", ("_in_range",)),
-    ("  submit to the scheduler: SessionInput._submit, SessionSink._submit_nowait",
-     ("SessionInput._submit", "SessionSink._submit_nowait")),
-    ("session write loop: SessionOutput._write_loop", ("SessionOutput._write_loop",)),
-    ("output sent from a step's delivery: SessionOutput._send_directly", ("SessionOutput._send_directly",)),
+    ("  submit to the scheduler: Reader._submit", ("Reader._submit",)),
+    ("session write loop: Writer.run", ("Writer.run",)),
+    ("output sent from a step's delivery: Writer._send_directly", ("Writer._send_directly",)),
     ("  PCM encode: _PcmEncoder.encode(_rows)", ("_PcmEncoder.encode", "_PcmEncoder.encode_rows")),
     ("thread handoffs into trio: EntryQueue.task", ("EntryQueue.task",)),
     ("realtime/live VAD: InputVad.*", ("InputVad.",)),
@@ -233,7 +229,7 @@ def _matches(name: str, wanted: str) -> bool:
 #: The first frame of a task's stack, as the run loop calls it, and the name it gets in the table.
 TASK_NAMES = {"_run_handler": "connection handler (session read loop)",
               "WebSocketConnection._reader_task": "trio-websocket reader task",
-              "SessionOutput._write_loop": "session write loop", "EntryQueue.task": "trio entry queue (thread handoffs)"}
+              "Writer.run": "session write loop", "EntryQueue.task": "trio entry queue (thread handoffs)"}
 
 
 def task_of(frames: list[str]) -> str:

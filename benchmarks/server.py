@@ -4,15 +4,15 @@
    256 by default), for each route in ``--routes``: ``duplexrt serve`` (echo model) in one process,
    ``duplexrt simulate --url`` in another; the server's CPU comes from its own /metrics
    (process_cpu_seconds_total).  Each (route, sessions) is run once per variant, the variants
-   alternated so that they share the machine's load: ``native`` and ``trio-websocket`` (this
-   checkout's server with ``server.websocket_impl`` set to each; this checkout's load generator),
-   ``native-no-hub`` (native with ``server.read_hub = false``: each session reads its own socket)
-   and, with ``--before-bin``, ``before`` (another checkout's ``duplexrt``, server and load).
-   ``bare`` (benchmarks/bare_echo.py, /v1/duplex only) is the floor: trio and the WebSocket layer
-   echoing with no runtime behind them (``bare-hub``: answered where the read hub reads each message), measured by the same load generator and the same /metrics
-   series, so that the difference to ``native`` is what the runtime adds.  A row run after a floor
-   of the same route and sessions also gives its CPU as a multiple of that floor (``floor_ratio``):
-   run the floor first (``--variants bare-hub,native``).
+   alternated so that they share the machine's load: ``native`` (this checkout's server and load
+   generator) and, with ``--before-bin``, ``before`` (another checkout's ``duplexrt``, server and load).
+   ``bare`` (benchmarks/bare_echo.py) is the floor: trio and the WebSocket layer echoing with no
+   runtime behind them, measured by the same load generator and the same /metrics series, so that
+   the difference to ``native`` is what the runtime adds.  It speaks ``/v1/duplex`` only, and is
+   run there beside every route (its row names ``/v1/duplex``), so that each route's rows have a
+   floor measured next to them.  A row run after the floor of the same route group and sessions
+   also gives its CPU as a multiple of that floor (``floor_ratio``): run the floor first
+   (``--variants bare,native``; ``before`` then runs right after the floor).
 2. Capacity: the largest number of paced sessions one server process keeps real-time (p99 frame
    lag under 80 ms, no late frames beyond 1 %, no connection errors) on ``/v1/duplex``, trying
    each of ``--capacity`` in turn (this checkout, native), ``--capacity-frames`` frames a session
@@ -96,14 +96,12 @@ def run_once(bin: Path, serve_args: list[str], url_path: str, concurrency: int, 
 
 
 def _variant(name: str) -> tuple[str, Path, list[str]]:
-    """A variant's server: this checkout's with one setting, or the floor."""
+    """A variant's server: this checkout's, or the floor."""
     if name == "bare":
         return name, BARE_ECHO, []
-    if name == "bare-hub":  # the floor answered where the read hub reads each message
-        return name, BARE_ECHO, ["--read-hub"]
-    if name == "native-no-hub":  # each session reads its own socket (server.read_hub = false)
-        return name, BIN, ["--set", "server.websocket_impl=native", "--set", "server.read_hub=false"]
-    return name, BIN, ["--set", f"server.websocket_impl={name}"]
+    if name == "native":
+        return name, BIN, []
+    raise SystemExit(f"unknown variant {name!r}: native or bare (before comes with --before-bin)")
 
 
 def _loadavg() -> str:
@@ -116,7 +114,7 @@ def _floor_ratio(row: dict, floor: float | None) -> float | None:
     to a floor measured minutes apart holds still.  None for the floor itself, without a floor
     run before it, or where a short run counted no CPU (the kernel counts in 10 ms ticks)."""
     server = row["server_cpu_us_per_frame"]
-    if row["variant"] in ("bare", "bare-hub") or not floor or server is None:
+    if row["variant"] == "bare" or not floor or server is None:
         return None
     return server / floor
 
@@ -129,10 +127,9 @@ def main() -> None:
                              "framework sends 10-20 ms)")
     parser.add_argument("--routes", default="/v1/duplex,/v1/realtime?duplex=1&continuous=1,/v1/live/sessions")
     parser.add_argument("--sessions", default="96,256")
-    parser.add_argument("--variants", default="native,trio-websocket",
-                        help="which of native, native-no-hub (server.read_hub=false), trio-websocket, bare and "
-                             "bare-hub to run (before is added by --before-bin); bare is benchmarks/bare_echo.py, "
-                             "the floor with no runtime, on /v1/duplex only, bare-hub the same through the read hub")
+    parser.add_argument("--variants", default="bare,native",
+                        help="which of native and bare to run, in order (before is added first by --before-bin); "
+                             "bare is benchmarks/bare_echo.py, the floor with no runtime, on /v1/duplex only")
     parser.add_argument("--before-bin", type=Path, default=None,
                         help="another checkout's duplexrt (e.g. main's .venv/bin/duplexrt): server and load generator")
     parser.add_argument("--capacity", default="256,512,768,1024", help="'' to skip")
@@ -140,8 +137,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     variants: list[tuple[str, Path, list[str]]] = [_variant(name) for name in args.variants.split(",") if name]
-    if args.before_bin is not None:
-        variants.insert(0, ("before", args.before_bin, []))
+    if args.before_bin is not None:  # after the floor, so that it has one
+        at = 1 if variants and variants[0][1] == BARE_ECHO else 0
+        variants.insert(at, ("before", args.before_bin, []))
     results: dict = {"cpu": [], "capacity": [], "load_average_before": _loadavg()}
     #: (route, sessions) -> the floor's server CPU per frame in this run, for the rows after it.
     floors: dict[tuple[str, int], float | None] = {}
@@ -151,11 +149,10 @@ def main() -> None:
     for route in (r for r in args.routes.split(",") if r):
         for concurrency in (int(n) for n in args.sessions.split(",") if n):
             for name, bin, serve_args in variants:
-                if bin == BARE_ECHO and not route.startswith("/v1/duplex"):
-                    continue  # the floor speaks /v1/duplex only
-                round_, code = run_once(bin, serve_args, route, concurrency, args.frames, args.message_ms)
+                path = "/v1/duplex" if bin == BARE_ECHO else route  # the floor speaks /v1/duplex only
+                round_, code = run_once(bin, serve_args, path, concurrency, args.frames, args.message_ms)
                 lag = round_["frame_lag_ms"] or {"p99": float("nan")}
-                row = {"route": route, "sessions": concurrency, "variant": name,
+                row = {"route": path, "sessions": concurrency, "variant": name,
                        "server_cpu_us_per_frame": round_["server_cpu_us_per_frame"],
                        "load_generator_cpu_us_per_frame": round_["load_generator_cpu_us_per_frame"],
                        "frame_lag_p99_ms": lag["p99"], "late_frames": round_["late_frames"],
@@ -169,7 +166,7 @@ def main() -> None:
                 share = row["server_scheduler_cpu_share"]
                 on_thread = f" ({100 * share:.0f} % on the scheduler thread)" if share is not None else ""
                 ratio = f", {row['floor_ratio']:.2f} x the floor" if row["floor_ratio"] is not None else ""
-                print(f"   {route} x{concurrency} {name:>14}: server {row['server_cpu_us_per_frame']:.1f} us/frame"
+                print(f"   {path} x{concurrency} {name:>14}: server {row['server_cpu_us_per_frame']:.1f} us/frame"
                       f"{on_thread}{ratio}, load generator {row['load_generator_cpu_us_per_frame']:.1f} us/frame, lag p99 "
                       f"{lag['p99']:.1f} ms, late {round_['late_frames']}, "
                       f"guards {'ok' if not round_['failures'] else round_['failures'][:2]}", file=sys.stderr)

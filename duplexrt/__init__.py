@@ -24,9 +24,9 @@ __version__ = "0.1.0.dev0"
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
-    "Runtime": "duplexrt.core.runtime",
-    "RuntimeStatistics": "duplexrt.core.runtime",
-    "open_runtime": "duplexrt.core.runtime",
+    "Runtime": "duplexrt.runtime",
+    "RuntimeStatistics": "duplexrt.runtime",
+    "open_runtime": "duplexrt.runtime",
     "Config": "duplexrt.config",
     "ConfigError": "duplexrt.config",
     "load_config": "duplexrt.config",
@@ -38,10 +38,10 @@ _EXPORTS = {
     "SlotSession": "duplexrt.backends.base",
     "BackendLoadError": "duplexrt.core.scheduler",
     "NoFreeSlotError": "duplexrt.core.scheduler",
-    "Transport": "duplexrt.transport",
-    "TransportClosed": "duplexrt.transport",
-    "MemoryTransport": "duplexrt.transport",
-    "memory_transport_pair": "duplexrt.transport",
+    "Transport": "duplexrt.wire.transport",
+    "TransportClosed": "duplexrt.wire.transport",
+    "MemoryTransport": "duplexrt.wire.transport",
+    "memory_transport_pair": "duplexrt.wire.transport",
     "Translator": "duplexrt.protocols.base",
     "SessionProgress": "duplexrt.protocols.base",
     "AudioIn": "duplexrt.protocols.events",
@@ -67,7 +67,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getat
     from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
     from duplexrt.backends.base import Backend, BackendInfo, SlotSession
     from duplexrt.config import Config, ConfigError, load_config
-    from duplexrt.core.runtime import Runtime, RuntimeStatistics, open_runtime
+    from duplexrt.runtime import Runtime, RuntimeStatistics, open_runtime
     from duplexrt.core.scheduler import BackendLoadError, NoFreeSlotError
     from duplexrt.protocols.base import SessionProgress, Translator
     from duplexrt.protocols.events import (
@@ -85,7 +85,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getat
     from duplexrt.reasons import CloseCode, FinishReason
     from duplexrt.server.app import Server, serve
     from duplexrt.server.statistics import ServerStatistics
-    from duplexrt.transport import MemoryTransport, Transport, TransportClosed, memory_transport_pair
+    from duplexrt.wire.transport import MemoryTransport, Transport, TransportClosed, memory_transport_pair
 
 
 def __getattr__(name: str) -> typing.Any:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
+
+#: What attrs calls to check a field: each ``_...`` factory below builds one for a key.
+Validator = Callable[[object, "attrs.Attribute[Any]", object], None]
 
 OFFLOAD_POLICIES = ("counted", "always")
 LATE_INPUT_POLICIES = ("wait", "fill")
@@ -26,7 +29,7 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range.  The message names the key."""
 
 
-def _int_range(key: str, low: int, high: int):
+def _int_range(key: str, low: int, high: int) -> Validator:
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ConfigError(f"{key} must be an integer from {low} to {high}, got {value!r}")
@@ -34,7 +37,7 @@ def _int_range(key: str, low: int, high: int):
     return check
 
 
-def _float_range(key: str, low: float, high: float):
+def _float_range(key: str, low: float, high: float) -> Validator:
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
             raise ConfigError(f"{key} must be a number from {low:g} to {high:g}, got {value!r}")
@@ -42,7 +45,7 @@ def _float_range(key: str, low: float, high: float):
     return check
 
 
-def _one_of(key: str, allowed: Iterable[str]):
+def _one_of(key: str, allowed: Iterable[str]) -> Validator:
     allowed = tuple(allowed)
 
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
@@ -52,7 +55,7 @@ def _one_of(key: str, allowed: Iterable[str]):
     return check
 
 
-def _is_bool(key: str):
+def _is_bool(key: str) -> Validator:
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {value!r}")
@@ -123,11 +126,6 @@ class RuntimeConfig:
     gather_window_ms: float = attrs.field(
         default=2.0, validator=_float_range("runtime.gather_window_ms", 0.0, 1000.0)
     )
-    #: A model whose steps cost under 0.1 ms (echo, a model at zero cost) is stepped in cycles at
-    #: most this far apart while input keeps coming: each cycle's wake-up and delivery cost the
-    #: host more than such a step, and a frame waits at most this long (0: the gather window).
-    cheap_step_cycle_ms: float = attrs.field(
-        default=5.0, validator=_float_range("runtime.cheap_step_cycle_ms", 0.0, 1000.0))
     #: ``counted``: only encoded formats and full inboxes use worker threads.  ``always``: every
     #: conversion and submit hops through a worker thread (the reference behaviour, for comparison).
     offload: str = attrs.field(default="counted", validator=_one_of("runtime.offload", OFFLOAD_POLICIES))
@@ -197,7 +195,7 @@ class MetricsConfig:
         default=10.0, validator=_float_range("metrics.log_stats_interval_s", 0.1, 86400.0))
 
 
-def _is_string(key: str, *, may_be_empty: bool = False):
+def _is_string(key: str, *, may_be_empty: bool = False) -> Validator:
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, str) or not (value or may_be_empty):
             raise ConfigError(f"{key} must be a {'' if may_be_empty else 'non-empty '}string, got {value!r}")
@@ -209,7 +207,7 @@ def _stripped(value: object) -> object:
     return value.strip() if isinstance(value, str) else value
 
 
-def _is_replica_id(key: str):
+def _is_replica_id(key: str) -> Validator:
     # It lands in log lines, a Prometheus label and balancer configs: a plain name only.
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, str) or not _REPLICA_ID.fullmatch(value):
@@ -221,7 +219,7 @@ def _is_replica_id(key: str):
 _REPLICA_ID = re.compile(r"[A-Za-z0-9._:-]{0,128}")
 
 
-def _is_api_key(key: str):
+def _is_api_key(key: str) -> Validator:
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {type(value).__name__}")
@@ -296,15 +294,6 @@ class ServerConfig:
     #: This replica's name behind a load balancer, shown in /readyz, /metrics and the log.
     #: Empty: the host name and the bound port (``gpu-node-3:8000``).
     replica_id: str = attrs.field(default="", converter=_stripped, validator=_is_replica_id("server.replica_id"))
-    #: "native": sessions read and write their own WebSocket frames (duplexrt.wsnative), the fast
-    #: path; "trio-websocket": the library's connection with its reader task (the fallback).
-    websocket_impl: str = attrs.field(
-        default="native", validator=_one_of("server.websocket_impl", ("native", "trio-websocket")))
-    #: With "native": one task reads every session's socket as data comes, and takes each message
-    #: there when nothing in it has to wait, instead of a wake-up of the session's reader per
-    #: message (Linux; elsewhere each session reads its own).  false: each session reads its own.
-    read_hub: bool = attrs.field(default=True, validator=_is_bool("server.read_hub"))
-
 
 @attrs.frozen(kw_only=True)
 class RealtimeConfig:

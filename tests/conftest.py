@@ -20,17 +20,20 @@ from types import ModuleType
 
 import attrs
 import numpy as np
+import pytest
 import trio
 import trio_websocket
 
 from duplexrt.audio import AudioSpec, Framer, make_decoder, make_encoder
-from duplexrt.backends import BackendInfo
+from duplexrt.backends import Backend, BackendInfo
 from duplexrt.backends.synthetic import SyntheticBackend, expected_output, marker_tones
 from duplexrt.config import Config, load_config
-from duplexrt.core.runtime import Runtime
+from duplexrt.runtime import Runtime
+from duplexrt.server import Server
 from duplexrt.core.scheduler import THREAD_NAME
 from duplexrt.protocols.events import SessionEnd
-from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+from duplexrt.wire.native import NativeWebSocket
+from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair
 
 MODEL_RATE = 24000
 FRAME = 1920
@@ -433,3 +436,117 @@ async def duplex_session(url: str, audio: np.ndarray, chunk: int = 2 * FRAME) ->
             except trio_websocket.ConnectionClosed as closed:
                 events.append({"type": "closed", "code": closed.reason.code, "reason": closed.reason.reason})
     return bytes(received), events
+
+
+# -- one server in the test's own trio run -----------------------------------------------------
+
+
+@attrs.define
+class Served:
+    """A ``duplexrt serve`` running in the test's nursery, and what a client or a balancer reads
+    of it: its port, URLs on it, plain HTTP answers, ``/readyz`` and ``/metrics``."""
+
+    server: Server
+
+    @property
+    def port(self) -> int:
+        return self.server.ports[0]
+
+    def url(self, path: str = "/v1/duplex", scheme: str = "ws") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}{path}"
+
+    async def get(self, path: str, method: str = "GET", headers: str = "") -> tuple[int, dict[str, str], bytes]:
+        """One plain HTTP request: status, headers (lower-case names) and body."""
+        return await http_get(self.port, path, method, headers)
+
+    async def readyz(self, query: str = "") -> tuple[int, dict]:
+        status, _, body = await self.get(f"/readyz{query}")
+        return status, json.loads(body)
+
+    async def metrics(self) -> str:
+        status, _, body = await self.get("/metrics")
+        assert status == 200
+        return body.decode()
+
+    async def metric(self, name: str) -> float:
+        """One unlabelled sample of ``/metrics`` (a counter named with its ``_total``)."""
+        return exported(await self.metrics(), name)
+
+
+def exported(metrics: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in a Prometheus text page."""
+    (line,) = [line for line in metrics.splitlines() if line.split(" ")[0] == name]
+    return float(line.split(" ")[1])
+
+
+async def http_get(port: int, path: str, method: str = "GET", headers: str = "") -> tuple[int, dict[str, str], bytes]:
+    """One plain HTTP/1.1 request to 127.0.0.1:``port``, read to the server's close."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"{method} {path} HTTP/1.1\r\nhost: x\r\n{headers}\r\n".encode())
+        data = b""
+        with trio.fail_after(PATIENCE):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    fields = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split(" ")[1]), fields, body
+
+
+@pytest.fixture
+async def start_server(nursery):
+    """Start ``duplexrt serve`` in the test's nursery: on a free port, 4 slots, the echo model
+    with no delay unless told, no periodic stats line.  ``await start_server(*overrides,
+    backend=..., config_path=...)`` returns a ``Served``; ``backend`` is a backend, or a callable
+    that makes one from the config."""
+
+    async def start(*overrides: str, backend=None, config_path=None) -> Served:
+        config = load_config(config_path, ["server.port=0", "runtime.slots=4", "backend.options.delay_frames=0",
+                                           "metrics.log_stats=false", *overrides])
+        if backend is not None and not isinstance(backend, Backend):
+            backend = backend(config)
+        server = Server(config, backend)
+        await nursery.start(server.run)
+        return Served(server)
+
+    return start
+
+
+# -- a session over a real socket pair ------------------------------------------------------
+
+
+def noise_frames(count: int, seed: int) -> list[np.ndarray]:
+    return list(noise(count * FRAME, seed).astype(np.float32).reshape(count, FRAME))
+
+
+def socket_pair() -> tuple[NativeWebSocket, NativeWebSocket]:
+    """``(client, server)`` over a socket pair."""
+    a, b = trio.socket.socketpair()
+    server = NativeWebSocket(trio.SocketStream(a))
+    client = NativeWebSocket(trio.SocketStream(b), client=True)
+    return client, server
+
+
+def start_socket_session(nursery: trio.Nursery, runtime, session_id: int, wire=None, protocol=None):
+    """Serve one session over a socket pair in ``nursery``: ``(client, outcome)``, where
+    ``outcome["end"]`` is the session's end once it is over."""
+    client, server = socket_pair()
+    outcome: dict = {}
+
+    async def serve() -> None:
+        outcome["end"] = await runtime.serve(server, protocol, input_spec=wire, output_spec=wire,
+                                             session_id=session_id)
+
+    nursery.start_soon(serve)
+    return client, outcome
+
+
+async def run_socket_session(runtime, messages, wire, session_id=None, *, client_log=None):
+    """One session over a socket pair."""
+    log = client_log if client_log is not None else ClientLog()
+    with trio.fail_after(PATIENCE):
+        async with trio.open_nursery() as nursery:
+            client, outcome = start_socket_session(nursery, runtime, session_id, wire)
+            await run_client(client, messages, log)
+    return outcome["end"], log

@@ -30,13 +30,13 @@ from conftest import (
 from duplexrt.audio import AudioTooLongError, make_decoder, make_encoder
 from duplexrt.audio.formats import INLINE_DECODE_SECONDS
 from duplexrt.core.handoffs import HandoffKind
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn
 from duplexrt.protocols.moshi import MoshiTranslator
 from duplexrt.protocols.realtime import RealtimeTranslator
 from duplexrt.reasons import CloseCode
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 FORMATS = ["pcm_f32le", "pcm_s16le", "g711_ulaw", "g711_alaw"]
 

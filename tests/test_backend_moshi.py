@@ -24,9 +24,9 @@ from conftest import INPUT_END, PATIENCE
 from duplexrt.backends import create_backend
 from duplexrt.backends.base import BackendInfo, SlotSession
 from duplexrt.config import ConfigError, load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.core.scheduler import BackendLoadError
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 pytest.importorskip("moshi")
 

@@ -242,7 +242,7 @@ def test_auto_is_refused_by_the_backends_whose_rows_cost_nothing():
 
 async def test_readyz_stats_and_the_runtime_show_what_auto_chose():
     from duplexrt.server import Server
-    from tests.test_server import http_get
+    from tests.conftest import http_get
 
     config = load_config(None, ["server.port=0", 'backend.name="moshi"', "backend.options.tiny=true",
                                 "backend.options.warmup_steps=2", 'runtime.slots="auto"',

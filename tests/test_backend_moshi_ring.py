@@ -19,7 +19,7 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")
 from conftest import INPUT_END, run_session, spec  # noqa: E402
 from duplexrt.backends.base import BackendInfo, SlotSession  # noqa: E402
 from duplexrt.config import ConfigError, load_config  # noqa: E402
-from duplexrt.core.runtime import open_runtime  # noqa: E402
+from duplexrt.runtime import open_runtime  # noqa: E402
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("moshi")
@@ -144,7 +144,7 @@ async def test_a_peer_that_floods_past_the_ring_and_drops_leaves_its_slot_fresh(
     """15 frames at a 10-position ring in one message, then the connection dropped without a
     word or a read: the session ends, its slot comes back, and the next call in it is a fresh
     call (the same audio as in a new runtime)."""
-    from duplexrt.transport import memory_transport_pair
+    from duplexrt.wire.transport import memory_transport_pair
 
     config = _tiny("runtime.slots=1", "backend.options.context_seconds=0.8", 'backend.options.beyond_context="end"')
     follow = [_frames_bytes(13, 4), INPUT_END]

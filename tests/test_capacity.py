@@ -16,7 +16,7 @@ from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.core.capacity import REFIT_AFTER_MS, CapacityEstimator, fit_line, sessions_within
 from duplexrt.server import Server
-from test_server import http_get
+from conftest import http_get
 
 FRAME_S = 0.080
 

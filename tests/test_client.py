@@ -52,12 +52,6 @@ def _config(*overrides: str):
     return load_config(None, ["server.port=0", "runtime.slots=4", "backend.options.delay_frames=0", *overrides])
 
 
-async def _serve(nursery: trio.Nursery, *overrides: str) -> int:
-    server = Server(_config(*overrides))
-    await nursery.start(server.run)
-    return server.ports[0]
-
-
 def _noise(samples: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return (0.25 * rng.standard_normal(samples)).clip(-0.9, 0.9).astype(np.float32)
@@ -123,8 +117,8 @@ async def _client(tmp_path: Path, url: str, source: Path, **fields) -> tuple[int
 # -- the routes, end to end -------------------------------------------------------------------------------
 
 
-async def test_duplex_route_f32_at_24k_comes_back_exactly(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_duplex_route_f32_at_24k_comes_back_exactly(tmp_path, start_server):
+    port = (await start_server()).port
     sent = _wav(tmp_path / "in.wav", _noise(5 * FRAME + 100, seed=1), RATE)
     code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/duplex", tmp_path / "in.wav")
     assert code == 0, stderr
@@ -137,8 +131,8 @@ async def test_duplex_route_f32_at_24k_comes_back_exactly(nursery, tmp_path):
     assert "server ended the session: stop" in stdout
 
 
-async def test_duplex_route_at_16k_is_sent_at_the_files_rate(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_duplex_route_at_16k_is_sent_at_the_files_rate(tmp_path, start_server):
+    port = (await start_server()).port
     signal = _chirp(16000, 16000)
     sent = _wav(tmp_path / "in16.wav", signal, 16000)
     code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/duplex", tmp_path / "in16.wav")
@@ -151,8 +145,8 @@ async def test_duplex_route_at_16k_is_sent_at_the_files_rate(nursery, tmp_path):
     assert value > 0.99 and lag < 200, (value, lag)
 
 
-async def test_realtime_duplex_mode_pcm16_comes_back_exactly(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_realtime_duplex_mode_pcm16_comes_back_exactly(tmp_path, start_server):
+    port = (await start_server()).port
     sent = _wav(tmp_path / "in.wav", _noise(4 * FRAME + 700, seed=2), RATE)
     code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/realtime?duplex=1",
                                               tmp_path / "in.wav")
@@ -164,8 +158,8 @@ async def test_realtime_duplex_mode_pcm16_comes_back_exactly(nursery, tmp_path):
     assert "server ended the session: stop" in stdout  # response.done, after the client's cancel
 
 
-async def test_realtime_from_a_16k_file_is_resampled_to_24k_by_the_client(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_realtime_from_a_16k_file_is_resampled_to_24k_by_the_client(tmp_path, start_server):
+    port = (await start_server()).port
     sent = _wav(tmp_path / "in16.wav", _chirp(8000, 16000), 16000)
     code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/realtime?duplex=1",
                                               tmp_path / "in16.wav")
@@ -178,8 +172,8 @@ async def test_realtime_from_a_16k_file_is_resampled_to_24k_by_the_client(nurser
     np.testing.assert_allclose(heard, expected, atol=2 / 32768)
 
 
-async def test_realtime_turn_mode_hears_the_whole_reply_to_its_turn(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_realtime_turn_mode_hears_the_whole_reply_to_its_turn(tmp_path, start_server):
+    port = (await start_server()).port
     sent = _wav(tmp_path / "in.wav", _noise(40 * FRAME, seed=3), RATE)
     # Whichever comes first, the model's answer or response.create, the whole reply is heard;
     # each order is forced in tests/test_promises.py and tests/test_realtime_sessions.py.
@@ -190,8 +184,8 @@ async def test_realtime_turn_mode_hears_the_whole_reply_to_its_turn(nursery, tmp
     assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", _pcm16(sent), RATE)
 
 
-async def test_live_route_pcm16_comes_back_exactly_and_closes_cleanly(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_live_route_pcm16_comes_back_exactly_and_closes_cleanly(tmp_path, start_server):
+    port = (await start_server()).port
     sent = _wav(tmp_path / "in.wav", _noise(4 * FRAME + 700, seed=5), RATE)
     code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/live/sessions",
                                               tmp_path / "in.wav")
@@ -205,8 +199,8 @@ async def test_live_route_pcm16_comes_back_exactly_and_closes_cleanly(nursery, t
 
 
 @pytest.mark.parametrize("rate", [24000, 16000])
-async def test_moshi_route_opus_comes_back_close(nursery, tmp_path, rate):
-    port = await _serve(nursery)
+async def test_moshi_route_opus_comes_back_close(tmp_path, rate, start_server):
+    port = (await start_server()).port
     seconds = 1.5
     sent = _wav(tmp_path / "in.wav", _chirp(int(seconds * rate), rate), rate)
     code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/api/chat", tmp_path / "in.wav")
@@ -220,8 +214,8 @@ async def test_moshi_route_opus_comes_back_close(nursery, tmp_path, rate):
     assert value > 0.9 and 0 < lag < 2000, (value, lag)
 
 
-async def test_realtime_pacing_takes_as_long_as_the_audio(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_realtime_pacing_takes_as_long_as_the_audio(tmp_path, start_server):
+    port = (await start_server()).port
     sent = _wav(tmp_path / "in.wav", _noise(4 * FRAME, seed=4), RATE)
     started = time.perf_counter()
     code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/duplex", tmp_path / "in.wav",
@@ -232,10 +226,10 @@ async def test_realtime_pacing_takes_as_long_as_the_audio(nursery, tmp_path):
     assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", sent, RATE)
 
 
-async def test_a_session_the_server_ends_early_reports_what_was_really_sent(nursery, tmp_path):
+async def test_a_session_the_server_ends_early_reports_what_was_really_sent(tmp_path, start_server):
     """A 4 s file, paced, to a server that ends every session at 1.2 s (``length``): the line says
     about 1.2 s sent, not the file's 4 s."""
-    port = await _serve(nursery, "runtime.max_session_seconds=1.2")
+    port = (await start_server("runtime.max_session_seconds=1.2")).port
     _wav(tmp_path / "in.wav", _noise(50 * FRAME, seed=9), RATE)
     code, stdout, stderr, _ = await _client(tmp_path, f"ws://127.0.0.1:{port}/v1/duplex", tmp_path / "in.wav",
                                             realtime=True)
@@ -244,8 +238,8 @@ async def test_a_session_the_server_ends_early_reports_what_was_really_sent(nurs
     assert 1.2 <= sent <= 1.2 + 0.5, stdout  # up to a few messages in flight when the end came
 
 
-async def test_api_key_is_sent_as_a_bearer_token(nursery, tmp_path):
-    port = await _serve(nursery, 'server.api_key="s3cret"')
+async def test_api_key_is_sent_as_a_bearer_token(tmp_path, start_server):
+    port = (await start_server('server.api_key="s3cret"')).port
     _wav(tmp_path / "in.wav", _noise(FRAME, seed=5), RATE)
     url = f"ws://127.0.0.1:{port}/v1/duplex"
     code, _, stderr, _ = await _client(tmp_path, url, tmp_path / "in.wav", api_key="s3cret")
@@ -257,8 +251,8 @@ async def test_api_key_is_sent_as_a_bearer_token(nursery, tmp_path):
 # -- failures ------------------------------------------------------------------------------------------
 
 
-async def test_no_free_slot_is_a_clear_503_and_exit_1(nursery, tmp_path):
-    port = await _serve(nursery, "runtime.slots=1")
+async def test_no_free_slot_is_a_clear_503_and_exit_1(tmp_path, start_server):
+    port = (await start_server("runtime.slots=1")).port
     _wav(tmp_path / "in.wav", _noise(FRAME, seed=6), RATE)
     async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{port}/v1/duplex") as holder:
         await holder.get_message()  # session.created: the only slot is taken
@@ -268,8 +262,8 @@ async def test_no_free_slot_is_a_clear_503_and_exit_1(nursery, tmp_path):
     assert not out.exists()
 
 
-async def test_a_path_the_server_does_not_serve_is_its_404(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_a_path_the_server_does_not_serve_is_its_404(tmp_path, start_server):
+    port = (await start_server()).port
     _wav(tmp_path / "in.wav", _noise(FRAME, seed=7), RATE)
     code, _, stderr, _ = await _client(tmp_path, f"ws://127.0.0.1:{port}/v2/duplex", tmp_path / "in.wav",
                                        protocol="duplex")
@@ -494,8 +488,8 @@ class _CuttingProxy:
             pumps.start_soon(pump, server, client, True)
 
 
-async def test_the_client_resumes_a_dropped_connection_and_hears_every_frame_once(nursery, tmp_path):
-    port = await _serve(nursery)
+async def test_the_client_resumes_a_dropped_connection_and_hears_every_frame_once(nursery, tmp_path, start_server):
+    port = (await start_server()).port
     proxy = _CuttingProxy(port, after=20 * FRAME * 4)
     proxy_port = await proxy.serve(nursery)
     sent = _wav(tmp_path / "in.wav", _noise(60 * FRAME, seed=4), RATE)
@@ -511,11 +505,11 @@ async def test_the_client_resumes_a_dropped_connection_and_hears_every_frame_onc
 
 
 @pytest.mark.parametrize("impl", ["native", "trio-websocket"])
-async def test_open_connection_greets_echoes_and_names_a_refusal_on_either_path(nursery, impl):
+async def test_open_connection_greets_echoes_and_names_a_refusal_on_either_path(impl, start_server):
     from duplexrt.client.connection import ConnectError, open_connection
     from duplexrt.client.protocols import client_for_url
 
-    port = await _serve(nursery, "runtime.slots=1", "backend.options.delay_frames=0")
+    port = (await start_server("runtime.slots=1", "backend.options.delay_frames=0")).port
     url = f"ws://127.0.0.1:{port}/v1/duplex"
     frame = _noise(FRAME, seed=11).tobytes()
     with trio.fail_after(PATIENCE):
@@ -532,7 +526,7 @@ async def test_open_connection_greets_echoes_and_names_a_refusal_on_either_path(
 async def test_a_conversation_whose_server_goes_quiet_after_the_input_ends_idles_out(autojump_clock):
     from duplexrt.client.conversation import IDLE, Conversation
     from duplexrt.client.protocols import DuplexClient
-    from duplexrt.transport import TransportClosed, memory_transport_pair
+    from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
     client_end, server_end = memory_transport_pair(capacity=16)
     spec = AudioSpec("pcm_f32le", RATE)

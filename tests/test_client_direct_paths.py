@@ -18,7 +18,7 @@ from duplexrt.client.conversation import ENDED, Conversation
 from duplexrt.client.protocols import DuplexClient
 from duplexrt.client.resume import ResumingTransport
 from duplexrt.reasons import CloseCode
-from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair
 
 URL = "ws://127.0.0.1:1/v1/duplex"
 

@@ -15,9 +15,9 @@ import pytest
 import trio
 
 from conftest import FRAME, INPUT_END, PATIENCE, make_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.raw import RawTranslator
-from duplexrt.transport import TransportClosed
+from duplexrt.wire.transport import TransportClosed
 from test_session_direct import _socket_pair
 
 ECHO = ("backend.name=echo", "backend.options.delay_frames=0", "runtime.slots=2")

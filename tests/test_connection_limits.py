@@ -35,28 +35,6 @@ PATIENCE = 10.0
 INPUT_END = json.dumps({"type": "input.end"})
 
 
-#: Every limit here holds on both WebSocket paths (``server.websocket_impl``); set per test below.
-_IMPL = ["native"]
-
-
-@pytest.fixture(autouse=True, params=["native", "trio-websocket"])
-def websocket_impl(request):
-    _IMPL[0] = request.param
-    yield request.param
-    _IMPL[0] = "native"
-
-
-def _config(*overrides: str):
-    return load_config(None, ["server.port=0", "runtime.slots=2", "backend.options.delay_frames=0",
-                              "metrics.log_stats=false", f"server.websocket_impl={_IMPL[0]}", *overrides])
-
-
-async def _start(nursery: trio.Nursery, *overrides: str) -> Server:
-    server = Server(_config(*overrides))
-    await nursery.start(server.run)
-    return server
-
-
 def _url(server: Server, path: str = "/v1/duplex") -> str:
     return f"ws://127.0.0.1:{server.ports[0]}{path}"
 
@@ -124,8 +102,8 @@ def _ended(caplog: pytest.LogCaptureFixture) -> list[str]:
 # -- closing handshakes ----------------------------------------------------------------------------
 
 
-async def test_peers_that_never_answer_close_give_their_slots_back(nursery):
-    server = await _start(nursery, "server.close_timeout_s=0.3")
+async def test_peers_that_never_answer_close_give_their_slots_back(start_server):
+    server = (await start_server("runtime.slots=2", "server.close_timeout_s=0.3")).server
     peers = [await RawPeer.connect(server.ports[0]) for _ in range(2)]  # every slot
     started = trio.current_time()
     for peer in peers:
@@ -140,10 +118,10 @@ async def test_peers_that_never_answer_close_give_their_slots_back(nursery):
     await _new_session_is_admitted(server)
 
 
-async def test_first_message_timeout_frees_the_slot(nursery, caplog):
+async def test_first_message_timeout_frees_the_slot(caplog, start_server):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
-    server = await _start(nursery, "runtime.slots=1", "server.first_message_timeout_s=0.2",
-                          "server.close_timeout_s=0.3")
+    server = (await start_server("runtime.slots=2", "runtime.slots=1", "server.first_message_timeout_s=0.2",
+                          "server.close_timeout_s=0.3")).server
     peer = await RawPeer.connect(server.ports[0])
     await peer.read_until_dropped()  # it never sends, and never answers the Close
     assert peer.close_frame().code == 1008 and "no message" in peer.close_frame().reason
@@ -157,12 +135,12 @@ async def test_first_message_timeout_frees_the_slot(nursery, caplog):
 # -- keepalive and idle limit ------------------------------------------------------------------------
 
 
-async def test_peer_that_stops_answering_pings_is_dropped_and_a_live_one_stays(nursery, caplog):
+async def test_peer_that_stops_answering_pings_is_dropped_and_a_live_one_stays(caplog, start_server):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
     # A pong may be late by up to half a second on a loaded machine before the live one is lost.
     # Resume off: with it, a peer lost to pings is kept for its resume (tests/test_resume.py).
-    server = await _start(nursery, "server.ping_interval_s=0.2", "server.ping_timeout_s=0.5",
-                          "server.idle_timeout_s=0", "runtime.resume_window_s=0")
+    server = (await start_server("runtime.slots=2", "server.ping_interval_s=0.2", "server.ping_timeout_s=0.5",
+                          "server.idle_timeout_s=0", "runtime.resume_window_s=0")).server
     result = {}
 
     async def live() -> None:  # trio-websocket's reader answers every ping
@@ -191,9 +169,9 @@ async def test_peer_that_stops_answering_pings_is_dropped_and_a_live_one_stays(n
     await _new_session_is_admitted(server)
 
 
-async def test_idle_client_is_told_idle_timeout_and_a_busy_one_is_not(nursery, caplog):
+async def test_idle_client_is_told_idle_timeout_and_a_busy_one_is_not(caplog, start_server):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
-    server = await _start(nursery, "server.idle_timeout_s=0.6", "server.ping_interval_s=0")
+    server = (await start_server("runtime.slots=2", "server.idle_timeout_s=0.6", "server.ping_interval_s=0")).server
     result = {}
 
     async def busy() -> None:
@@ -226,8 +204,8 @@ async def test_idle_client_is_told_idle_timeout_and_a_busy_one_is_not(nursery, c
     assert sorted(_ended(caplog)) == ["idle_timeout", "stop"]
 
 
-async def test_accepted_sockets_have_tcp_keepalive(nursery):
-    server = await _start(nursery)
+async def test_accepted_sockets_have_tcp_keepalive(start_server):
+    server = (await start_server("runtime.slots=2")).server
     async with trio_websocket.open_websocket_url(_url(server)) as ws:
         await ws.get_message()
         (stream,) = server._streams
@@ -237,9 +215,9 @@ async def test_accepted_sockets_have_tcp_keepalive(nursery):
 # -- finish reasons of server-side closes ----------------------------------------------------------
 
 
-async def test_oversized_message_ends_with_message_too_big(nursery, caplog):
+async def test_oversized_message_ends_with_message_too_big(caplog, start_server):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
-    server = await _start(nursery, "server.max_message_bytes=4096")
+    server = (await start_server("runtime.slots=2", "server.max_message_bytes=4096")).server
     async with trio_websocket.open_websocket_url(_url(server)) as ws:
         await ws.get_message()
         await ws.send_message(b"\x00" * 8192)
@@ -252,9 +230,9 @@ async def test_oversized_message_ends_with_message_too_big(nursery, caplog):
     assert _ended(caplog) == ["message_too_big"]
 
 
-async def test_broken_frame_ends_with_protocol_error_and_a_close_is_client_closed(nursery, caplog):
+async def test_broken_frame_ends_with_protocol_error_and_a_close_is_client_closed(caplog, start_server):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
-    server = await _start(nursery)
+    server = (await start_server("runtime.slots=2")).server
     peer = await RawPeer.connect(server.ports[0])
     await peer.send(_audio())
     await peer.stream.send_all(b"\x82\x03abc")  # a client frame without a mask
@@ -273,8 +251,8 @@ async def test_broken_frame_ends_with_protocol_error_and_a_close_is_client_close
 # -- before admission --------------------------------------------------------------------------------
 
 
-async def test_pending_handshakes_are_capped_while_metrics_and_sessions_go_on(nursery):
-    server = await _start(nursery, "server.max_pending_handshakes=2")
+async def test_pending_handshakes_are_capped_while_metrics_and_sessions_go_on(start_server):
+    server = (await start_server("runtime.slots=2", "server.max_pending_handshakes=2")).server
     port = server.ports[0]
     async with trio_websocket.open_websocket_url(_url(server)) as session:
         await session.get_message()
@@ -313,8 +291,8 @@ async def _http_get(port: int, path: str) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
-async def test_websocket_request_wsproto_refuses_does_not_hold_a_slot(nursery):
-    server = await _start(nursery, "runtime.slots=1", "server.handshake_timeout_s=0.3")
+async def test_websocket_request_wsproto_refuses_does_not_hold_a_slot(start_server):
+    server = (await start_server("runtime.slots=2", "runtime.slots=1", "server.handshake_timeout_s=0.3")).server
     stream = await trio.open_tcp_stream("127.0.0.1", server.ports[0])
     await stream.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
                           b"connection: upgrade\r\n\r\n")  # no Sec-WebSocket-Key
@@ -326,9 +304,8 @@ async def test_websocket_request_wsproto_refuses_does_not_hold_a_slot(nursery):
     await _new_session_is_admitted(server)
 
 
-async def test_an_upgrade_in_a_version_the_server_does_not_speak_is_refused_and_holds_no_slot(nursery, websocket_impl):
-    # (trio-websocket holds a refused handshake's slot until the handshake deadline.)
-    server = await _start(nursery, "runtime.slots=1", "server.handshake_timeout_s=0.3")
+async def test_an_upgrade_in_a_version_the_server_does_not_speak_is_refused_and_holds_no_slot(start_server):
+    server = (await start_server("runtime.slots=2", "runtime.slots=1", "server.handshake_timeout_s=0.3")).server
     stream = await trio.open_tcp_stream("127.0.0.1", server.ports[0])
     async with stream:
         await stream.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
@@ -338,18 +315,16 @@ async def test_an_upgrade_in_a_version_the_server_does_not_speak_is_refused_and_
             while chunk := await stream.receive_some(65536):
                 data += chunk
     head = data.partition(b"\r\n\r\n")[0].lower()
-    if websocket_impl == "native":  # RFC 6455 4.4: 426, naming the version it speaks
-        assert head.startswith(b"http/1.1 426") and b"sec-websocket-version: 13" in head
-    else:  # wsproto refuses the request its own way
-        assert head.startswith(b"http/1.1 4")
+    # RFC 6455 4.4: 426, naming the version it speaks
+    assert head.startswith(b"http/1.1 426") and b"sec-websocket-version: 13" in head
     with trio.fail_after(PATIENCE):
         while server.admitted:  # the refused request's handler is finishing
             await trio.sleep(0.01)
     await _new_session_is_admitted(server)
 
 
-async def test_permessage_deflate_offered_is_not_negotiated_and_plain_frames_follow(nursery):
-    server = await _start(nursery)
+async def test_permessage_deflate_offered_is_not_negotiated_and_plain_frames_follow(start_server):
+    server = (await start_server("runtime.slots=2")).server
     stream = await trio.open_tcp_stream("127.0.0.1", server.ports[0])
     async with stream:
         await stream.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
@@ -367,8 +342,8 @@ async def test_permessage_deflate_offered_is_not_negotiated_and_plain_frames_fol
 # -- the API key ------------------------------------------------------------------------------------
 
 
-async def test_api_key_from_a_file_with_a_newline_still_matches(nursery):
-    server = await _start(nursery, 'server.api_key="s3cret\\n"')
+async def test_api_key_from_a_file_with_a_newline_still_matches(start_server):
+    server = (await start_server("runtime.slots=2", 'server.api_key="s3cret\\n"')).server
     assert server.config.server.api_key == "s3cret"
     async with trio_websocket.open_websocket_url(_url(server), extra_headers=[(b"authorization",
                                                                               b"Bearer s3cret")]) as ws:

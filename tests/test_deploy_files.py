@@ -15,7 +15,7 @@ import trio
 import trio_websocket
 import yaml
 
-from test_server import _start, http_get
+from conftest import http_get
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -169,12 +169,12 @@ def test_the_kubernetes_manifest_passes_the_api_schemas_strictly():
         raise AssertionError("a misspelled field passed")
 
 
-async def test_the_kubernetes_prestop_hook_begins_the_drain_with_the_key_and_the_call_goes_on(nursery):
+async def test_the_kubernetes_prestop_hook_begins_the_drain_with_the_key_and_the_call_goes_on(start_server):
     (container,) = _kubernetes()["Deployment"]["spec"]["template"]["spec"]["containers"]
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "python3"
     key = "sk-k8s"
-    running = await _start(nursery, f'server.api_key="{key}"', "server.shutdown_grace_s=600")
+    running = await start_server(f'server.api_key="{key}"', "server.shutdown_grace_s=600")
     env = {**os.environ, "DUPLEXRT_PORT": str(running.port), "DUPLEXRT_API_KEY": key + "\n"}
     headers = [("authorization", f"Bearer {key}")]
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex"), extra_headers=headers) as ws:

@@ -106,11 +106,6 @@ def test_the_benchmark_reference_is_short_and_covers_each_kept_script():
     assert "git log -p docs/benchmarks.md" in text
 
 
-#: Pointers to removed scripts in files that the session and wire restructuring (issue 28)
-#: rewrites; each entry must still be true, so the entry goes when its comment does.
-_REWRITTEN_BY_ISSUE_28 = {"duplexrt/wsframes.py: benchmarks/timed_serve.py"}
-
-
 def test_every_benchmark_script_the_repository_names_exists():
     """Docs, library comments and the CLI point to the script that measures a figure; the
     pointer must not outlive the script."""
@@ -124,8 +119,7 @@ def test_every_benchmark_script_the_repository_names_exists():
         for name in re.findall(r"\bbenchmarks/([\w.-]+\.(?:py|sh))", text):
             if not (ROOT / "benchmarks" / name).exists() and source.name != "CHANGELOG.md":
                 missing.add(f"{source.relative_to(ROOT)}: benchmarks/{name}")
-    assert sorted(missing - _REWRITTEN_BY_ISSUE_28) == []
-    assert _REWRITTEN_BY_ISSUE_28 <= missing, "fixed: drop it from _REWRITTEN_BY_ISSUE_28"
+    assert sorted(missing) == []
 
 
 def test_the_readme_settings_tables_name_every_config_key_and_only_those():

@@ -17,10 +17,8 @@ import trio
 import trio_websocket
 
 from conftest import PATIENCE, ServeProcess
-from duplexrt.config import load_config
-from duplexrt.server import Server
 from duplexrt.server.drain import Signals, drain_answer, progress_line, wait_for_calls
-from test_server import http_get
+from conftest import http_get
 
 FRAME = 1920
 KEY = "sk-drain"
@@ -92,16 +90,8 @@ def test_the_second_signal_is_the_one_that_cuts(caplog):
 # -- in process: readiness and the HTTP request --------------------------------------------------
 
 
-async def _serve(nursery, *overrides: str) -> Server:
-    config = load_config(None, ["server.port=0", "backend.options.delay_frames=0", "metrics.log_stats=false",
-                                *overrides])
-    server = Server(config)
-    await nursery.start(server.run)
-    return server
-
-
-async def test_readyz_full_ok_stays_ready_while_full_and_not_while_draining(nursery):
-    server = await _serve(nursery, "runtime.slots=1", "server.shutdown_grace_s=0")
+async def test_readyz_full_ok_stays_ready_while_full_and_not_while_draining(start_server):
+    server = (await start_server("runtime.slots=1", "server.shutdown_grace_s=0")).server
     port = server.ports[0]
     async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{port}/v1/duplex") as ws:
         await ws.get_message()  # session.created: the one slot is taken
@@ -115,8 +105,8 @@ async def test_readyz_full_ok_stays_ready_while_full_and_not_while_draining(nurs
             assert (status, json.loads(body)["reason"]) == (503, "draining")
 
 
-async def test_post_drain_needs_the_key_then_begins_the_drain_once(nursery):
-    server = await _serve(nursery, f'server.api_key="{KEY}"', "server.shutdown_grace_s=600")
+async def test_post_drain_needs_the_key_then_begins_the_drain_once(nursery, start_server):
+    server = (await start_server(f'server.api_key="{KEY}"', "server.shutdown_grace_s=600")).server
     port = server.ports[0]
     url = f"ws://127.0.0.1:{port}/v1/duplex"
     call = await trio_websocket.connect_websocket_url(nursery, url, extra_headers=[("authorization", f"Bearer {KEY}")])
@@ -133,9 +123,9 @@ async def test_post_drain_needs_the_key_then_begins_the_drain_once(nursery):
     await call.aclose()
 
 
-async def test_a_flood_of_drain_requests_and_half_sent_ones_leave_the_server_serving(nursery):
+async def test_a_flood_of_drain_requests_and_half_sent_ones_leave_the_server_serving(start_server):
     """Hostile peers on the new path: wrong keys, heads cut short, then one real session works."""
-    server = await _serve(nursery, f'server.api_key="{KEY}"', "server.handshake_timeout_s=0.5")
+    server = (await start_server(f'server.api_key="{KEY}"', "server.handshake_timeout_s=0.5")).server
     port = server.ports[0]
     with trio.fail_after(PATIENCE):
         for _ in range(50):

@@ -21,11 +21,11 @@ import trio
 from conftest import PATIENCE, run_session, wait_until, duplex_session
 from duplexrt.backends.base import BackendInfo, SlotSession
 from duplexrt.config import ConfigError, load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.moshi import MoshiTranslator
 from duplexrt.protocols.realtime import RealtimeTranslator
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 pytest.importorskip("moshi")
 

@@ -34,12 +34,6 @@ def _config(*overrides: str):
                               "metrics.log_stats=false", *QUICK, *overrides])
 
 
-async def _start(nursery: trio.Nursery, *overrides: str, backend=None) -> Server:
-    server = Server(_config(*overrides), backend)
-    await nursery.start(server.run)
-    return server
-
-
 def _noise(samples: int, seed: int) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(samples) * 0.2).astype(np.float32)
 
@@ -92,10 +86,10 @@ async def _beside_a_healthy_session(server: Server, fault) -> None:
     assert end["reason"] == "stop" and end["usage"]["frames_out"] == 16
 
 
-async def test_peer_that_vanishes_mid_message_frees_its_slot(nursery):
+async def test_peer_that_vanishes_mid_message_frees_its_slot(start_server):
     # Resume off: with it, each vanished session keeps its slot for its resume window (10 s, as
     # long as PATIENCE, so the test raced it under load); that wait is tests/test_resume.py's.
-    server = await _start(nursery, "runtime.resume_window_s=0")
+    server = (await start_server(f"runtime.slots={SLOTS}", *QUICK, "runtime.resume_window_s=0")).server
 
     async def fault() -> None:
         for _ in range(3):
@@ -110,8 +104,8 @@ async def test_peer_that_vanishes_mid_message_frees_its_slot(nursery):
     await _settled(server)
 
 
-async def test_peer_that_never_answers_close_frees_its_slot_while_still_connected(nursery):
-    server = await _start(nursery)
+async def test_peer_that_never_answers_close_frees_its_slot_while_still_connected(start_server):
+    server = (await start_server(f"runtime.slots={SLOTS}", *QUICK)).server
     peers = []
     for _ in range(SLOTS):
         peer = await FaultyPeer.connect(server.ports[0], "/v1/duplex")
@@ -128,10 +122,10 @@ async def test_peer_that_never_answers_close_frees_its_slot_while_still_connecte
             await peer.wait_closed_by_server()
 
 
-async def test_peer_that_stops_reading_is_dropped_and_frees_its_slot(nursery):
+async def test_peer_that_stops_reading_is_dropped_and_frees_its_slot(start_server):
     # Resume off: with it, the dropped peer's session waits out its resume window first
     # (tests/test_resume.py).
-    server = await _start(nursery, "runtime.resume_window_s=0")
+    server = (await start_server(f"runtime.slots={SLOTS}", *QUICK, "runtime.resume_window_s=0")).server
 
     async def fault() -> None:
         peer = await FaultyPeer.connect(server.ports[0], "/v1/duplex")
@@ -149,9 +143,9 @@ async def test_peer_that_stops_reading_is_dropped_and_frees_its_slot(nursery):
     await _settled(server)
 
 
-async def test_silent_peer_that_completed_the_handshake_is_dropped_by_the_keepalive(nursery, caplog):
+async def test_silent_peer_that_completed_the_handshake_is_dropped_by_the_keepalive(caplog, start_server):
     caplog.set_level("INFO", logger="duplexrt.session")
-    server = await _start(nursery, "server.first_message_timeout_s=30", "runtime.resume_window_s=0")
+    server = (await start_server(f"runtime.slots={SLOTS}", *QUICK, "server.first_message_timeout_s=30", "runtime.resume_window_s=0")).server
     peer = await FaultyPeer.connect(server.ports[0], "/v1/duplex")
     await peer.receive()  # session.created
     await peer.send_bytes(_noise(FRAME, seed=4).tobytes())
@@ -164,9 +158,9 @@ async def test_silent_peer_that_completed_the_handshake_is_dropped_by_the_keepal
     await _settled(server)
 
 
-async def test_garbage_after_valid_audio_is_refused_and_harms_nobody(nursery, caplog):
+async def test_garbage_after_valid_audio_is_refused_and_harms_nobody(caplog, start_server):
     caplog.set_level("INFO", logger="duplexrt.session")
-    server = await _start(nursery)
+    server = (await start_server(f"runtime.slots={SLOTS}", *QUICK)).server
 
     async def fault() -> None:
         # Text that is not UTF-8, then a reserved opcode: each fails the connection (RFC 6455
@@ -196,10 +190,10 @@ async def test_garbage_after_valid_audio_is_refused_and_harms_nobody(nursery, ca
     assert caplog.text.count("ended: protocol_error") == 2
 
 
-async def test_reconnect_storm_leaks_nothing(nursery):
+async def test_reconnect_storm_leaks_nothing(start_server):
     # A short resume window: the sessions of peers gone without a word wait for a resume that never
     # comes, then free their slots like the rest.
-    server = await _start(nursery, "runtime.resume_window_s=0.5")
+    server = (await start_server(f"runtime.slots={SLOTS}", *QUICK, "runtime.resume_window_s=0.5")).server
     port = server.ports[0]
     outcomes: list[str] = []
 
@@ -242,9 +236,9 @@ async def test_reconnect_storm_leaks_nothing(nursery):
     await _settled(server)
 
 
-async def test_model_failing_on_random_steps_ends_only_the_sessions_in_those_steps(nursery):
+async def test_model_failing_on_random_steps_ends_only_the_sessions_in_those_steps(start_server):
     backend = ControlledBackend(_config(), fail_on=[3, 9, 10, 17])
-    server = await _start(nursery, backend=backend)
+    server = (await start_server(f"runtime.slots={SLOTS}", *QUICK, backend=backend)).server
     audio = _noise(12 * FRAME, seed=8)
     ends: list[dict] = []
     audios: list[bytes] = []
@@ -285,10 +279,10 @@ def _live_append(seed: int) -> str:
     return json.dumps({"type": "session.input_audio.append", "audio": base64.b64encode(pcm).decode()})
 
 
-async def test_live_peers_that_vanish_or_never_answer_close_free_their_slots(nursery):
+async def test_live_peers_that_vanish_or_never_answer_close_free_their_slots(start_server):
     # Resume off, as for the vanishing duplex peer above: with it, each vanished session keeps
     # its slot for its 10 s window, as long as PATIENCE, and the test would race that wait.
-    server = await _start(nursery, "runtime.resume_window_s=0")
+    server = (await start_server(f"runtime.slots={SLOTS}", *QUICK, "runtime.resume_window_s=0")).server
 
     async def fault() -> None:
         closers = []

@@ -59,3 +59,18 @@ def test_a_response_is_complete_and_closes_the_connection():
     assert headers[b"content-length"] == b"5"
     assert client.next_event().data == b"busy\n"
     assert isinstance(client.next_event(), h11.EndOfMessage)
+
+
+@pytest.mark.parametrize("header", [("retry-after", "1\r\nset-cookie: x=1"), ("bad name", "1"), ("x", "a\nb")])
+def test_a_header_that_would_break_the_response_head_is_refused(header):
+    with pytest.raises(ValueError, match="not a valid HTTP header"):
+        response_bytes(503, b"busy\n", extra_headers=[header])
+
+
+def test_a_status_without_a_standard_phrase_still_makes_a_valid_response():
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(response_bytes(599, b""))
+    response = client.next_event()
+    assert response.status_code == 599 and response.reason == b""

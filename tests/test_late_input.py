@@ -13,8 +13,8 @@ import trio
 import trio.testing
 
 from conftest import FRAME, INPUT_END, ClientLog, make_config, receive_all
-from duplexrt.core.runtime import open_runtime
-from duplexrt.transport import memory_transport_pair
+from duplexrt.runtime import open_runtime
+from duplexrt.wire.transport import memory_transport_pair
 
 FILL_AFTER = 0.24  # the default
 

@@ -13,7 +13,7 @@ from duplexrt.audio import AudioSpec
 from duplexrt.client.conversation import ENDED, Conversation
 from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import DuplexClient
-from duplexrt.transport import memory_transport_pair
+from duplexrt.wire.transport import memory_transport_pair
 
 
 async def _waiters(pacer: Pacer, times: list[float], woke: list[tuple[int, float]]) -> None:

@@ -16,12 +16,11 @@ def profile_server():
 
 
 @pytest.mark.parametrize(("path", "layer"), [
-    ("duplexrt/core/session.py", "session"),
-    ("duplexrt/core/session_input.py", "session"),
-    ("duplexrt/core/session_output.py", "session"),
-    ("duplexrt/core/session_sink.py", "session"),
+    ("duplexrt/session/session.py", "session"),
+    ("duplexrt/session/reader.py", "session"),
+    ("duplexrt/session/writer.py", "session"),
     ("duplexrt/core/slot_owner.py", "session"),
-    ("duplexrt/core/state.py", "session"),
+    ("duplexrt/session/lifecycle.py", "session"),
     ("duplexrt/audio/framer.py", "session"),
     ("duplexrt/core/scheduler.py", "scheduler/inbox"),
     ("duplexrt/core/capacity.py", "scheduler/inbox"),
@@ -31,11 +30,10 @@ def profile_server():
     ("duplexrt/server/stats_log.py", "metrics"),
     ("duplexrt/server/metrics.py", "metrics"),
     ("duplexrt/server/app.py", "server glue"),
-    ("duplexrt/core/resume.py", "server glue"),
-    ("duplexrt/readhub.py", "socket I/O"),
-    ("duplexrt/wsnative.py", "WebSocket framing"),
+    ("duplexrt/wire/resume.py", "server glue"),
+    ("duplexrt/wire/native.py", "WebSocket framing"),
     ("duplexrt/protocols/vad.py", "translator"),
-    ("/work/checkout/duplexrt/core/session_sink.py", "session"),
+    ("/work/checkout/duplexrt/session/writer.py", "session"),
     ("trio/_core/_run.py", "trio scheduling"),
     ("numpy/core/fromnumeric.py", None),
 ])
@@ -58,15 +56,3 @@ def test_the_scheduler_asleep_is_a_wait_not_work(profile_server, prefix):
     waits = profile.self_["scheduler thread"]
     assert waits[profile_server.WAIT] == 5
     assert waits["scheduler/inbox"] == 2
-
-
-def test_a_message_taken_by_the_sink_is_the_sessions_time_not_the_resume_wrappers(profile_server):
-    profile = profile_server.Profile()
-    profile.add(_stack("MainThread", "unrolled_run (trio/_core/_run.py:2866)",
-                       "ReadHub.run (duplexrt/readhub.py:96)",
-                       "NativeWebSocket._on_readable (duplexrt/wsnative.py:204)",
-                       "ResumableTransport._counting.<locals>.counted (duplexrt/core/resume.py:166)",
-                       "SessionSink._take_nowait (duplexrt/core/session_sink.py:42)", count=3))
-    mine = profile.self_["trio (MainThread)"]
-    assert mine["session"] == 3 and mine["server glue"] == 0
-    assert profile.parts["a message handled where the read hub read it: SessionSink._take_nowait"] == 3

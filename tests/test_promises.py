@@ -18,9 +18,9 @@ import trio.testing
 
 from conftest import FRAME, PATIENCE, backend_info, make_config
 from duplexrt.backends.echo import EchoBackend
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.realtime import RealtimeTranslator
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 
 async def settle(session) -> None:
@@ -29,7 +29,7 @@ async def settle(session) -> None:
     with trio.fail_after(PATIENCE):
         while True:
             await trio.testing.wait_all_tasks_blocked()
-            if session._delivered == session._submitted:
+            if session.credits.all_delivered:
                 return
             await trio.sleep(0.001)  # the scheduler thread is stepping: let it deliver
 
@@ -67,7 +67,7 @@ async def test_a_client_that_never_reads_stops_its_own_input_and_holds_bounded_m
             await settle(session)
             held = session.frames_in - session.frames_out
             taken = session.frames_in
-            outbox_len = len(session._outbox)
+            outbox_len = len(session.writer.outbox)
             await client.close(1000, "bye")
     assert held <= inbox + outbox, f"{held} frames held for a client that never reads"
     assert outbox_len <= inbox + outbox  # stepped, waiting for the blocked writer
@@ -266,16 +266,16 @@ async def test_realtime_output_clear_drops_what_is_waiting_and_keeps_the_account
                 while session.frames_in < frames:
                     await trio.sleep(0.001)
                 await settle(session)
-                waiting = len(session._outbox)
+                waiting = len(session.writer.outbox)
                 assert waiting > 0  # stepped, not sent: the writer is blocked on the client
                 await client.send("output_audio_buffer.clear")
                 await settle(session)
-                assert len(session._outbox) == 0
+                assert len(session.writer.outbox) == 0
                 client.reading.set()
                 await client.wait_for("output_audio_buffer.cleared")
                 await settle(session)
                 assert session.frames_answered == session.frames_in == frames
-                assert session._in_flight == 0  # every frame sent or dropped: all credits back
+                assert session.credits.in_flight == 0  # every frame sent or dropped: all credits back
                 await client.send("response.cancel")
                 await client.wait_for("response.done")
                 await client_end.close()

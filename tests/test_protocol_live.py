@@ -20,13 +20,13 @@ import trio_websocket
 from conftest import PATIENCE
 from duplexrt.audio import AudioSpec, make_decoder
 from duplexrt.config import load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols import b64audio
 from duplexrt.protocols.events import AudioIn, InputEnd, ProtocolError, Reconfigure, Reply, SessionEnd
 from duplexrt.protocols.live import CLOSE_REASONS, LiveTranslator, close_reason
 from duplexrt.reasons import FinishReason
 from duplexrt.server import Server
-from duplexrt.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 FRAME = 1920
 KEY = "sk-live-test"

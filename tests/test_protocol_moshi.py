@@ -15,11 +15,11 @@ import trio
 
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.config import load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.events import AudioIn, EndTurn, Ignored, ProtocolError, SessionEnd
 from duplexrt.protocols.moshi import CONTROL_CODES, HANDSHAKE_MESSAGE, MoshiTranslator
 from duplexrt.reasons import CloseCode
-from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair
 
 RATE = 24000
 PATIENCE = 10.0

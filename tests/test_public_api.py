@@ -31,8 +31,8 @@ def test_nothing_else_is_public_by_accident():
 
 
 def test_the_public_names_are_the_modules_own():
-    from duplexrt.core.runtime import Runtime, open_runtime
-    from duplexrt.transport import Transport
+    from duplexrt.runtime import Runtime, open_runtime
+    from duplexrt.wire.transport import Transport
 
     assert duplexrt.Runtime is Runtime and duplexrt.open_runtime is open_runtime
     assert duplexrt.Transport is Transport

@@ -21,9 +21,9 @@ from conftest import PATIENCE, backend_info, wait_until
 from duplexrt.audio import AudioSpec, make_decoder, make_encoder
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.realtime import RealtimeTranslator
-from duplexrt.transport import MemoryTransport, TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import MemoryTransport, TransportClosed, memory_transport_pair
 from realtime_helpers import (
     FRAME,
     MODEL_RATE,
@@ -355,7 +355,7 @@ async def test_a_batch_crossing_the_end_of_a_turn_is_split_between_the_responses
         await client.send("input_audio_buffer.commit")  # a reply the writer blocks on: nobody reads
         await wait_until(lambda: session.frames_in == 6, "six frames submitted")
         backend.gate.set()
-        await wait_until(lambda: len(session._outbox) == 6, "all six outputs waiting for the writer")
+        await wait_until(lambda: len(session.writer.outbox) == 6, "all six outputs waiting for the writer")
         nursery.start_soon(client.receive_all)
         first = await client.wait_for("response.done")
         await wait_until(lambda: session.frames_answered == 6, "the rest held for the next response")
@@ -431,7 +431,7 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_una
     """Large control messages from a client that never reads: every reply is short (client values
     are quoted short, ignored settings not echoed) and the queue of replies is bounded in bytes,
     while another session is served as usual."""
-    from duplexrt.core import session_output as session_module
+    from duplexrt.session import outgoing as session_module
 
     limit = getattr(session_module, "MAX_PENDING_BYTES", 1 << 20)
     config = load_config(None, ["backend.options.delay_frames=0", "runtime.slots=2"])
@@ -469,7 +469,7 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_others_are_una
                 while len(other.audio()) < len(frames) * PCM_FRAME_BYTES:
                     await other.wait_for(names(False)["delta"], len(other.of_type(names(False)["delta"])) + 1)
                 await trio.testing.wait_all_tasks_blocked()  # the flood is stuck: nobody reads
-                queued = list(flooded._pending)
+                queued = list(flooded.outgoing.pending)
                 await flood_end.close()
                 await other_end.close()
                 await other.wait_closed()

@@ -13,13 +13,14 @@ import trio_websocket
 
 from duplexrt.config import ConfigError, load_config
 from duplexrt.server.app import serve
-from test_server import _config, _start, http_get
+from conftest import http_get
+from test_server import _config
 
 PATIENCE = 10.0
 
 
-async def test_the_replica_id_is_in_readyz_metrics_and_the_upgrade_response(nursery):
-    running = await _start(nursery, 'server.replica_id="gpu-3"')
+async def test_the_replica_id_is_in_readyz_metrics_and_the_upgrade_response(start_server):
+    running = await start_server('server.replica_id="gpu-3"')
     status, _, body = await http_get(running.port, "/readyz")
     assert status == 200 and json.loads(body)["replica_id"] == "gpu-3"
     _, _, metrics = await http_get(running.port, "/metrics")
@@ -28,8 +29,8 @@ async def test_the_replica_id_is_in_readyz_metrics_and_the_upgrade_response(nurs
         assert dict(ws.handshake_headers)[b"x-duplexrt-replica"] == b"gpu-3"
 
 
-async def test_the_default_replica_id_is_the_host_name_and_the_bound_port(nursery):
-    running = await _start(nursery)
+async def test_the_default_replica_id_is_the_host_name_and_the_bound_port(start_server):
+    running = await start_server()
     _, _, body = await http_get(running.port, "/readyz")
     assert json.loads(body)["replica_id"] == f"{socket.gethostname()}:{running.port}"
 
@@ -40,10 +41,10 @@ def test_a_replica_id_that_cannot_be_a_label_is_a_config_error(bad):
         load_config(None, [f"server.replica_id={bad}"])
 
 
-async def test_drain_answers_readyz_503_while_sessions_finish_and_refuses_new_ones(nursery):
+async def test_drain_answers_readyz_503_while_sessions_finish_and_refuses_new_ones(start_server):
     # A long close timeout and a client that never answers the server's Close: the session
     # stays admitted through the drain, which is what a balancer sees during a rolling update.
-    running = await _start(nursery, "server.close_timeout_s=30", "server.shutdown_grace_s=30")
+    running = await start_server("server.close_timeout_s=30", "server.shutdown_grace_s=30")
     server = running.server
     done = trio.Event()
 

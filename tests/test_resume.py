@@ -20,7 +20,7 @@ from duplexrt.audio import make_encoder
 from duplexrt.client.protocols import (AUDIO_TYPES, ClientProtocol, Ended, LiveClient, MoshiClient, Opened, Other,
                                        RealtimeClient)
 from duplexrt.reasons import FinishReason
-from test_server import _start, http_get
+from conftest import http_get
 
 PATIENCE = 10.0
 FRAME = 1920  # the default model frame (80 ms at 24 kHz)
@@ -108,8 +108,8 @@ async def wait_for(predicate, what: str) -> None:
             await trio.sleep(0.005)
 
 
-async def test_a_duplex_session_resumes_after_a_drop_with_every_frame_once_and_in_order(nursery):
-    running = await _start(nursery)
+async def test_a_duplex_session_resumes_after_a_drop_with_every_frame_once_and_in_order(start_server):
+    running = await start_server()
     audio = frames(40)
     peer = DuplexPeer(running.port)
     async with trio.open_nursery() as connections:
@@ -141,10 +141,10 @@ async def test_a_duplex_session_resumes_after_a_drop_with_every_frame_once_and_i
     assert running.server.statistics().runtime.frames.sessions_resumed == 1
 
 
-async def test_a_client_may_resume_before_the_server_notices_the_drop(nursery):
+async def test_a_client_may_resume_before_the_server_notices_the_drop(start_server):
     """A phone that changed networks comes back before the server's pings find the old
     connection dead: the token wins, the old connection is given up."""
-    running = await _start(nursery)
+    running = await start_server()
     audio = frames(10, seed=1)
     peer = DuplexPeer(running.port)
     async with trio.open_nursery() as connections:
@@ -176,8 +176,8 @@ async def _refusal(port: int, query: str) -> tuple[int, bytes]:
     return status, body
 
 
-async def test_unknown_reused_and_other_replica_tokens_are_refused_before_the_upgrade(nursery):
-    running = await _start(nursery, 'server.replica_id="gpu-0"')
+async def test_unknown_reused_and_other_replica_tokens_are_refused_before_the_upgrade(start_server):
+    running = await start_server('server.replica_id="gpu-0"')
     peer = DuplexPeer(running.port)
     async with trio.open_nursery() as connections:
         await peer.start(connections)
@@ -197,8 +197,8 @@ async def test_unknown_reused_and_other_replica_tokens_are_refused_before_the_up
         connections.cancel_scope.cancel()
 
 
-async def test_a_session_nobody_resumes_ends_with_resume_expired_and_frees_its_slot(nursery):
-    running = await _start(nursery, "runtime.resume_window_s=0.2")
+async def test_a_session_nobody_resumes_ends_with_resume_expired_and_frees_its_slot(start_server):
+    running = await start_server("runtime.resume_window_s=0.2")
     peer = DuplexPeer(running.port)
     async with trio.open_nursery() as connections:
         await peer.start(connections)
@@ -214,8 +214,8 @@ async def test_a_session_nobody_resumes_ends_with_resume_expired_and_frees_its_s
     assert status == 404
 
 
-async def test_with_resume_off_a_drop_ends_the_session_and_no_token_is_given(nursery):
-    running = await _start(nursery, "runtime.resume_window_s=0")
+async def test_with_resume_off_a_drop_ends_the_session_and_no_token_is_given(nursery, start_server):
+    running = await start_server("runtime.resume_window_s=0")
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex")) as ws:
         created = json.loads(await ws.get_message())
     assert "resume_token" not in created
@@ -288,8 +288,8 @@ def _pcm16_frames(count: int, seed: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("route", ["realtime", "live"])
-async def test_realtime_and_live_sessions_resume_with_every_frame_once(nursery, route):
-    running = await _start(nursery)
+async def test_realtime_and_live_sessions_resume_with_every_frame_once(route, start_server):
+    running = await start_server()
     protocol = RealtimeClient(duplex=True) if route == "realtime" else LiveClient()
     path = "/v1/realtime" if route == "realtime" else "/v1/live/sessions"
     audio = _pcm16_frames(30, seed=3)
@@ -316,8 +316,8 @@ async def test_realtime_and_live_sessions_resume_with_every_frame_once(nursery, 
     assert session.frames_in == 30
 
 
-async def test_a_moshi_session_gets_its_token_in_the_handshake_metadata_and_resumes(nursery):
-    running = await _start(nursery)
+async def test_a_moshi_session_gets_its_token_in_the_handshake_metadata_and_resumes(start_server):
+    running = await start_server()
     protocol = MoshiClient()
     peer = RoutePeer(running.port, protocol, "/api/chat")
     encoder = make_encoder(protocol.input_spec, 24000)
@@ -345,10 +345,10 @@ async def test_a_moshi_session_gets_its_token_in_the_handshake_metadata_and_resu
     assert running.server.statistics().runtime.frames.sessions_resumed == 1
 
 
-async def test_a_peer_lost_to_pings_is_kept_for_its_resume_then_expires(nursery):
+async def test_a_peer_lost_to_pings_is_kept_for_its_resume_then_expires(start_server):
     """A phone that lost its network sends no FIN: the server's pings find it gone, and that is a
     drop like any other (not the end), until the window passes."""
-    running = await _start(nursery, "server.ping_interval_s=0.1", "server.ping_timeout_s=0.2",
+    running = await start_server("server.ping_interval_s=0.1", "server.ping_timeout_s=0.2",
                            "runtime.resume_window_s=0.3")
     peer = DuplexPeer(running.port)
     async with trio.open_nursery() as connections:
@@ -361,10 +361,10 @@ async def test_a_peer_lost_to_pings_is_kept_for_its_resume_then_expires(nursery)
     assert session.summary().reason == FinishReason.RESUME_EXPIRED
 
 
-async def test_a_resumed_connection_owes_no_first_message(nursery):
+async def test_a_resumed_connection_owes_no_first_message(start_server):
     """A client that resumes with all its input sent (waiting for output) sends nothing: the
     first-message limit, meant for new sessions, must not end it."""
-    running = await _start(nursery, "server.first_message_timeout_s=0.1")
+    running = await start_server("server.first_message_timeout_s=0.1")
     peer = DuplexPeer(running.port)
     async with trio.open_nursery() as connections:
         await peer.start(connections)
@@ -384,10 +384,10 @@ async def test_a_resumed_connection_owes_no_first_message(nursery):
     assert end["reason"] == FinishReason.STOP and end["usage"]["frames_out"] == 1
 
 
-async def test_with_late_input_fill_the_model_keeps_its_clock_while_detached(nursery):
+async def test_with_late_input_fill_the_model_keeps_its_clock_while_detached(start_server):
     """``late_input = "fill"``: while nobody is connected the session steps silence, its output
     goes to the journal, and the client that comes back hears all of it, once."""
-    running = await _start(nursery, 'runtime.late_input="fill"', "runtime.fill_after_ms=40")
+    running = await start_server('runtime.late_input="fill"', "runtime.fill_after_ms=40")
     peer = DuplexPeer(running.port)
     async with trio.open_nursery() as connections:
         await peer.start(connections)

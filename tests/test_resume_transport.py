@@ -9,10 +9,10 @@ import pytest
 import trio
 
 from duplexrt.client.resume import ResumingTransport
-from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, split_token
-from duplexrt.core.state import SessionState
+from duplexrt.wire.resume import ResumableTransport, ResumeError, new_token, split_token
+from duplexrt.session.lifecycle import SessionState
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Taken, TransportClosed, memory_transport_pair
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
 
 
 def _notice(token: str, taken: int) -> list[str]:
@@ -161,7 +161,7 @@ async def test_a_clean_close_is_the_end_not_a_drop(autojump_clock):
 
 
 def test_a_detached_session_counts_as_open_and_states_only_move_forward():
-    from duplexrt.core.state import rank
+    from duplexrt.session.lifecycle import rank
 
     assert rank(SessionState.DETACHED) == rank(SessionState.OPEN)
     order = [SessionState.OPENING, SessionState.OPEN, SessionState.STOPPING, SessionState.INPUT_ENDED,
@@ -286,91 +286,3 @@ async def test_send_nowait_over_a_connection_without_one_is_refused_and_numbers_
     with pytest.raises(trio.WouldBlock):
         resumable.send_nowait("x")
     assert resumable.sent == 0
-
-
-# -- serving messages (a server's read hub) through the resumable transport ------------------------
-
-
-class ServingConnection:
-    """A stand-in for a connection on a read hub: ``serve_messages`` hands ``messages`` to the
-    sink as the hub would, one by one, and ``between`` runs after a message the sink held and
-    before the serving task gets it back (what a resume may do in that gap).  The hub itself is
-    tested in tests/test_wsnative.py; this pins what the resumable transport counts."""
-
-    def __init__(self, messages, between=None) -> None:
-        self.messages = list(messages)
-        self.between = between
-        self.offered: list[str] = []
-
-    async def serve_messages(self, sink):
-        while self.messages:
-            message = self.messages.pop(0)
-            self.offered.append(message)
-            taken = sink(message)
-            if taken is Taken.HELD:
-                if self.between is not None:
-                    await self.between()
-                return None
-            if taken is Taken.LEFT:
-                return message
-        await trio.sleep_forever()
-
-    async def receive(self):
-        await trio.sleep_forever()
-
-    def abort(self) -> None:
-        pass
-
-
-def _answering(*answers: Taken):
-    taken: list[str] = []
-    queue = list(answers)
-
-    def sink(message: str) -> Taken:
-        answer = queue.pop(0)
-        if answer is not Taken.LEFT:
-            taken.append(message)
-        return answer
-
-    return sink, taken
-
-
-async def test_messages_the_sink_takes_or_holds_count_as_taken_and_one_it_leaves_is_returned_and_counted():
-    connection = ServingConnection(["a", "b", "c", "d"])
-    resumable = ResumableTransport(connection, "r.s", window_s=10, journal_s=10)
-    sink, taken = _answering(Taken.DONE, Taken.HELD)
-    assert await resumable.serve_messages(sink) is None  # "b" held for the caller
-    assert taken == ["a", "b"] and resumable.taken == 2
-    sink, taken = _answering(Taken.LEFT)
-    assert await resumable.serve_messages(sink) == "c"  # left: the caller takes it itself
-    assert taken == [] and resumable.taken == 3
-
-
-async def test_a_held_message_is_the_callers_even_when_a_resume_replaced_its_connection_meanwhile(autojump_clock):
-    """The sink took it (and the session holds it): a resume that gives the old connection up
-    before the serving task runs again must not lose it, nor count it twice."""
-    new_client, new_server = memory_transport_pair(capacity=10)
-    resumable: ResumableTransport
-
-    async def resume() -> None:
-        await resumable.attach(new_server, 0, "r.t", _notice)
-
-    old = ServingConnection(["held one"], between=resume)
-    resumable = ResumableTransport(old, "r.s", window_s=10, journal_s=10)
-    sink, taken = _answering(Taken.HELD)
-    with trio.fail_after(5):  # lost, it would wait on the new connection for a message
-        assert await resumable.serve_messages(sink) is None
-    assert taken == ["held one"] and resumable.taken == 1
-    assert await new_client.receive() == "resumed r.t 1"  # the client will not send it again
-
-
-async def test_a_message_read_on_a_connection_given_up_is_not_offered_to_the_sink_nor_counted():
-    new_client, new_server = memory_transport_pair(capacity=10)
-    old = ServingConnection(["late"])
-    resumable = ResumableTransport(old, "r.s", window_s=10, journal_s=10)
-    await resumable.attach(new_server, 0, "r.t", _notice)  # old not yet noticed as dropped
-    sink, taken = _answering()
-    counted = resumable._counting(old, sink)
-    assert counted("late") is Taken.LEFT and taken == [] and resumable.taken == 0
-    await new_client.send("again")
-    assert await resumable.serve_messages(sink) == "again" and resumable.taken == 1

@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio_websocket
 
-from conftest import PATIENCE, ControlledBackend, ServeProcess, backend_info, duplex_session
+from conftest import PATIENCE, ControlledBackend, Served, ServeProcess, backend_info, duplex_session, http_get
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
@@ -25,41 +25,12 @@ def _config(*overrides: str):
     return load_config(None, ["server.port=0", "runtime.slots=4", "backend.options.delay_frames=0", *overrides])
 
 
-class Running:
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.port = server.ports[0]
-
-    def url(self, path: str) -> str:
-        return f"ws://127.0.0.1:{self.port}{path}"
-
-
-async def _start(nursery: trio.Nursery, *overrides: str) -> Running:
-    server = Server(_config(*overrides))
-    await nursery.start(server.run)
-    return Running(server)
-
-
-async def http_get(port: int, path: str, method: str = "GET", headers: str = "") -> tuple[int, dict, bytes]:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(f"{method} {path} HTTP/1.1\r\nhost: x\r\n{headers}\r\n".encode())
-        data = b""
-        while chunk := await stream.receive_some(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    status = int(lines[0].split()[1])
-    fields = dict(line.split(": ", 1) for line in lines[1:])
-    return status, {k.lower(): v for k, v in fields.items()}, body
-
-
 def _noise(samples: int, seed: int) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(samples) * 0.2).astype(np.float32)
 
 
-async def test_health_ready_and_metrics_are_plain_http(nursery):
-    running = await _start(nursery)
+async def test_health_ready_and_metrics_are_plain_http(start_server):
+    running = await start_server()
     status, _, body = await http_get(running.port, "/healthz")
     assert (status, body) == (200, b"ok\n")
     status, headers, body = await http_get(running.port, "/readyz")
@@ -90,12 +61,9 @@ class FailingEcho(EchoBackend):
         return super().step(rows, inputs, outputs)
 
 
-async def test_readyz_is_503_while_the_model_fails_every_step_and_clients_get_no_details(nursery, caplog):
-    config = _config("runtime.max_consecutive_step_failures=2")
-    backend = FailingEcho(config)
-    server = Server(config, backend)
-    await nursery.start(server.run)
-    running = Running(server)
+async def test_readyz_is_503_while_the_model_fails_every_step_and_clients_get_no_details(start_server, caplog):
+    backend = FailingEcho(_config())
+    running = await start_server("runtime.max_consecutive_step_failures=2", backend=backend)
     status, _, body = await http_get(running.port, "/readyz")
     assert status == 200 and json.loads(body)["reason"] is None
 
@@ -128,8 +96,8 @@ async def test_readyz_is_503_while_the_model_fails_every_step_and_clients_get_no
     assert status == 200 and (ready["ready"], ready["reason"], ready["consecutive_step_failures"]) == (True, None, 0)
 
 
-async def test_malformed_http_gets_400_and_the_server_goes_on(nursery):
-    running = await _start(nursery)
+async def test_malformed_http_gets_400_and_the_server_goes_on(start_server):
+    running = await start_server()
     stream = await trio.open_tcp_stream("127.0.0.1", running.port)
     async with stream:
         await stream.send_all(b"\x16\x03\x01 this is not http\r\n\r\n")
@@ -138,8 +106,8 @@ async def test_malformed_http_gets_400_and_the_server_goes_on(nursery):
     assert (await http_get(running.port, "/healthz"))[0] == 200
 
 
-async def test_duplex_route_echoes_pcm_and_reports_usage(nursery):
-    running = await _start(nursery)
+async def test_duplex_route_echoes_pcm_and_reports_usage(start_server):
+    running = await start_server()
     audio = _noise(5 * FRAME + 100, seed=1)
     received, events = await duplex_session(running.url("/v1/duplex"), audio, chunk=3000)
     padded = np.concatenate([audio, np.zeros(6 * FRAME - len(audio), np.float32)])
@@ -151,8 +119,8 @@ async def test_duplex_route_echoes_pcm_and_reports_usage(nursery):
     assert events[-1] == {"type": "closed", "code": 1000, "reason": "stop"}
 
 
-async def test_duplex_route_takes_s16_at_16k_and_answers_in_kind(nursery):
-    running = await _start(nursery)
+async def test_duplex_route_takes_s16_at_16k_and_answers_in_kind(start_server):
+    running = await start_server()
     pcm = (_noise(16000, seed=2) * 32767).astype("<i2")
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex?format=pcm_s16le&rate=16000")) as ws:
         created = json.loads(await ws.get_message())
@@ -167,8 +135,8 @@ async def test_duplex_route_takes_s16_at_16k_and_answers_in_kind(nursery):
     assert len(audio) == 13 * 1280 * 2
 
 
-async def test_bad_route_options_are_refused_at_the_handshake(nursery):
-    running = await _start(nursery)
+async def test_bad_route_options_are_refused_at_the_handshake(start_server):
+    running = await start_server()
     with pytest.raises(trio_websocket.ConnectionRejected) as refused:
         async with trio_websocket.open_websocket_url(running.url("/v1/duplex?format=mp3")):
             pass
@@ -179,8 +147,8 @@ async def test_bad_route_options_are_refused_at_the_handshake(nursery):
     assert refused.value.status_code == 404
 
 
-async def test_one_session_more_than_slots_is_refused_with_503_and_nothing_leaks(nursery):
-    running = await _start(nursery, "runtime.slots=2")
+async def test_one_session_more_than_slots_is_refused_with_503_and_nothing_leaks(start_server):
+    running = await start_server("runtime.slots=2")
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex")) as first, \
             trio_websocket.open_websocket_url(running.url("/v1/duplex")) as second:
         await first.get_message()
@@ -200,8 +168,8 @@ async def test_one_session_more_than_slots_is_refused_with_503_and_nothing_leaks
     assert running.server.refused["no_free_slot"] == 1
 
 
-async def test_api_key_is_required_as_bearer_or_query(nursery):
-    running = await _start(nursery, 'server.api_key="s3cret"')
+async def test_api_key_is_required_as_bearer_or_query(start_server):
+    running = await start_server('server.api_key="s3cret"')
     with pytest.raises(trio_websocket.ConnectionRejected) as refused:
         async with trio_websocket.open_websocket_url(running.url("/v1/duplex")):
             pass
@@ -223,8 +191,8 @@ async def test_api_key_is_required_as_bearer_or_query(nursery):
         assert json.loads(await ws.get_message())["type"] == "session.created"
 
 
-async def test_oversized_message_closes_with_1009(nursery):
-    running = await _start(nursery, "server.max_message_bytes=4096")
+async def test_oversized_message_closes_with_1009(start_server):
+    running = await start_server("server.max_message_bytes=4096")
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex")) as ws:
         await ws.get_message()
         await ws.send_message(b"\x00" * 8192)
@@ -234,8 +202,8 @@ async def test_oversized_message_closes_with_1009(nursery):
     assert closed.value.reason.code == 1009
 
 
-async def test_silent_client_is_closed_after_the_first_message_timeout(nursery):
-    running = await _start(nursery, "server.first_message_timeout_s=0.2")
+async def test_silent_client_is_closed_after_the_first_message_timeout(start_server):
+    running = await start_server("server.first_message_timeout_s=0.2")
     async with trio_websocket.open_websocket_url(running.url("/v1/duplex")) as ws:
         await ws.get_message()  # session.created
         with trio.fail_after(5), pytest.raises(trio_websocket.ConnectionClosed) as closed:
@@ -245,8 +213,8 @@ async def test_silent_client_is_closed_after_the_first_message_timeout(nursery):
     assert "no message" in closed.value.reason.reason
 
 
-async def test_stalled_request_head_is_answered_408(nursery):
-    running = await _start(nursery, "server.handshake_timeout_s=0.2")
+async def test_stalled_request_head_is_answered_408(start_server):
+    running = await start_server("server.handshake_timeout_s=0.2")
     stream = await trio.open_tcp_stream("127.0.0.1", running.port)
     async with stream:
         await stream.send_all(b"GET /healthz HTTP/1.1\r\n")
@@ -255,8 +223,8 @@ async def test_stalled_request_head_is_answered_408(nursery):
     assert reply.startswith(b"HTTP/1.1 408")
 
 
-async def test_misbehaving_connections_leave_a_concurrent_session_intact(nursery):
-    running = await _start(nursery, "server.max_message_bytes=65536")
+async def test_misbehaving_connections_leave_a_concurrent_session_intact(start_server):
+    running = await start_server("server.max_message_bytes=65536")
     audio = _noise(12 * FRAME, seed=4)
     result = {}
 
@@ -288,11 +256,11 @@ async def test_misbehaving_connections_leave_a_concurrent_session_intact(nursery
     assert (await http_get(running.port, "/healthz"))[0] == 200
 
 
-async def test_websockets_library_client_talks_to_the_duplex_route(nursery):
+async def test_websockets_library_client_talks_to_the_duplex_route(start_server):
     """An independent client implementation (the `websockets` library), run in a thread."""
     from websockets.sync.client import connect
 
-    running = await _start(nursery)
+    running = await start_server()
     audio = _noise(3 * FRAME, seed=5)
 
     def client() -> tuple[bytes, dict]:
@@ -358,7 +326,7 @@ def test_a_second_signal_stops_at_once_without_waiting_for_the_grace_period():
             assert server.proc.wait(timeout=60) == 0
 
 
-async def _start_stalled(nursery: trio.Nursery, *overrides: str) -> tuple[Running, ControlledBackend, trio.Event]:
+async def _start_stalled(nursery: trio.Nursery, *overrides: str) -> tuple[Served, ControlledBackend, trio.Event]:
     """A server on the synthetic model with a test gate (see ControlledBackend); the event is set
     once ``run`` has returned."""
     config = _config("backend.name=synthetic", *overrides)
@@ -374,7 +342,7 @@ async def _start_stalled(nursery: trio.Nursery, *overrides: str) -> tuple[Runnin
         returned.set()
 
     await nursery.start(run)
-    return Running(server), backend, returned
+    return Served(server), backend, returned
 
 
 class _Collect:
@@ -492,12 +460,12 @@ def test_a_session_that_cannot_drain_is_cut_after_the_grace_period_and_the_serve
         assert server.proc.wait(timeout=PATIENCE) == 0
 
 
-async def test_a_model_that_is_not_ready_gets_503_and_health_stays_up(nursery, monkeypatch):
+async def test_a_model_that_is_not_ready_gets_503_and_health_stays_up(monkeypatch, start_server):
     """README: readiness is "model loaded, free slots"; a WebSocket handshake while the model is
     not ready is refused with 503 (retry-after), /readyz says why, /healthz stays 200."""
     from duplexrt.core.scheduler import Scheduler
 
-    running = await _start(nursery)
+    running = await start_server()
     # FAKE: the scheduler reports its model not loaded (as between a thread failure and exit).
     monkeypatch.setattr(Scheduler, "ready", property(lambda self: False))
     with pytest.raises(trio_websocket.ConnectionRejected) as refused:
@@ -513,9 +481,9 @@ async def test_a_model_that_is_not_ready_gets_503_and_health_stays_up(nursery, m
     assert running.server.refused["not_ready"] == 1
 
 
-async def test_health_endpoints_stay_open_when_a_key_is_set(nursery):
+async def test_health_endpoints_stay_open_when_a_key_is_set(start_server):
     """README: "The health endpoints stay open" with --api-key."""
-    running = await _start(nursery, 'server.api_key="s3cret"')
+    running = await start_server('server.api_key="s3cret"')
     status, _, body = await http_get(running.port, "/healthz")
     assert (status, body) == (200, b"ok\n")
     status, _, body = await http_get(running.port, "/readyz")
@@ -528,8 +496,8 @@ async def test_health_endpoints_stay_open_when_a_key_is_set(nursery):
     assert refused.value.status_code == 401  # while the routes still need it
 
 
-async def test_head_gets_the_headers_without_a_body(nursery):
-    running = await _start(nursery)
+async def test_head_gets_the_headers_without_a_body(start_server):
+    running = await start_server()
     status, headers, body = await http_get(running.port, "/healthz", method="HEAD")
     assert status == 200 and headers["content-length"] == "3" and body == b""
 

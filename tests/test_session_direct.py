@@ -1,7 +1,7 @@
-"""A session's output sent straight from the step delivery (``Session.delivery_done``) over a real
-native WebSocket on a socket pair: no writer task woken for steady output, and the writer's
-guarantees kept when it does take over (a full socket, a slow reader, a journal), or when the
-path is not taken at all (``offload = "always"``, trio-websocket).
+"""A session's output sent straight from the step delivery (``Writer.delivery_done``, over a
+transport that is a ``DirectSend``) on a real native WebSocket on a socket pair: no writer task
+woken for steady output, and the writer's guarantees kept when it does take over (a full socket,
+a slow reader, a journal), or when the path is not taken at all (``offload = "always"``).
 
 Real runtime and scheduler thread, real sockets: no ``autojump_clock``; quiescence is read from
 the session's own counters (``settle``), never from sleeps.
@@ -18,12 +18,12 @@ import trio.testing
 import trio_websocket
 
 from conftest import FRAME, INPUT_END, PATIENCE, make_config
-from duplexrt.core.resume import ResumableTransport
-from duplexrt.core.runtime import open_runtime
+from duplexrt.wire.resume import ResumableTransport
+from duplexrt.runtime import open_runtime
 from duplexrt.protocols.raw import RawTranslator
 from duplexrt.server import Server
-from duplexrt.transport import TransportClosed, memory_transport_pair
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair
+from duplexrt.wire.native import NativeWebSocket
 
 ECHO = ("backend.name=echo", "backend.options.delay_frames=0", "runtime.slots=2")
 
@@ -52,7 +52,7 @@ async def settle(session) -> None:
     with trio.fail_after(PATIENCE):
         while True:
             await trio.testing.wait_all_tasks_blocked()
-            if session._delivered == session._submitted:
+            if session.credits.all_delivered:
                 return
             await trio.sleep(0.001)  # the scheduler thread is stepping: let it deliver
 
@@ -186,11 +186,6 @@ async def _lockstep_over_a_server(nursery: trio.Nursery, *overrides: str, frames
             end = json.loads(await ws.get_message())
     assert end["type"] == "session.end" and end["usage"]["frames_out"] == frames
     return stats
-
-
-async def test_trio_websocket_sessions_keep_the_writer(nursery):
-    stats = await _lockstep_over_a_server(nursery, "server.websocket_impl=trio-websocket")
-    assert stats.direct_batches == 0 and stats.writer_wakeups == 5
 
 
 async def test_a_native_server_session_sends_from_the_delivery(nursery):

@@ -31,19 +31,23 @@ from conftest import (
     make_config,
     model_frames,
     noise,
+    noise_frames,
     receive_all,
     send_all,
     spec,
+    start_socket_session,
+    synthetic_out,
     synthetic_wire,
     wait_until,
     wire_messages,
 )
+from test_session import SYNTHETIC, pcm_workload
 from duplexrt.core.handoffs import HandoffKind
 from duplexrt.core.inbox import Inbox
-from duplexrt.core.runtime import Runtime, open_runtime
-from duplexrt.core.session import Session
+from duplexrt.runtime import Runtime, open_runtime
+from duplexrt.session.session import Session
 from duplexrt.protocols.events import SessionEnd
-from duplexrt.transport import memory_transport_pair
+from duplexrt.wire.transport import memory_transport_pair
 
 
 class GatedPuts:
@@ -415,3 +419,54 @@ async def test_a_cancelled_threaded_submit_whose_frame_had_not_gone_in_never_que
             puts.open_all()
             backend.release()
         lease.release()
+
+
+# -- over real sockets ----------------------------------------------------------------------------
+
+
+async def test_a_shutdown_answers_every_frame_taken_and_nothing_after():
+    async with open_runtime(make_config("runtime.slots=1", *SYNTHETIC)) as runtime:
+        wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+        frames = noise_frames(6, seed=10)
+        log = ClientLog()
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                client, outcome = start_socket_session(nursery, runtime, 5, wire)
+                nursery.start_soon(receive_all, client, log)
+                await send_all(client, [frame.astype("<f4").tobytes() for frame in frames[:4]], log,
+                               end_input=False)
+                await wait_until(lambda: runtime.metrics.frames_in >= 4, "the four frames in")
+                next(iter(runtime.sessions)).shutdown()
+    end = outcome["end"]
+    assert end.reason == "shutdown" and end.frames_in == end.frames_out == 4
+    got = np.frombuffer(bytes(log.audio), dtype="<f4").reshape(-1, FRAME)
+    for k in range(4):
+        np.testing.assert_array_equal(got[k], synthetic_out(frames[k], 5, k))
+
+
+async def test_a_shutdown_while_a_message_waits_for_credit_still_answers_all_of_it():
+    """A message of six frames, credit for two, the model stalled: the reader waits for credit
+    in the middle of it when a shutdown lands.  That message was read: the reader finishes it,
+    every frame answered, and stops after it."""
+    config = make_config("runtime.slots=1", "runtime.inbox_depth=2", "runtime.outbox_depth=2", *SYNTHETIC)
+    wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+    frames = noise_frames(7, seed=13)
+    log = ClientLog()
+    backend = ControlledBackend(config)
+    async with open_runtime(config, backend=backend) as runtime:
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                client, outcome = start_socket_session(nursery, runtime, 6, wire)
+                nursery.start_soon(receive_all, client, log)
+                await client.send(frames[0].astype("<f4").tobytes())
+                await wait_until(lambda: runtime.metrics.frames_out == 1, "the first frame out")
+                backend.stall()
+                await client.send(np.concatenate(frames[1:]).astype("<f4").tobytes())
+                await backend.wait_stalled()
+                await wait_until(lambda: runtime.metrics.frames_in == 3, "the credits used up")
+                await trio.testing.wait_all_tasks_blocked()  # the reader waits for credit
+                next(iter(runtime.sessions)).shutdown()
+                backend.release()
+    end = outcome["end"]
+    assert end.reason == "shutdown" and end.frames_in == end.frames_out == 7
+    assert bytes(log.audio) == synthetic_wire(frames, 6, wire)[:7 * FRAME * 4]

@@ -43,16 +43,10 @@ async def _simulate(url: str, config=None, **options):
         return await run_url_simulation(config or _described(), SimulateOptions(**options), url)
 
 
-#: The server takes messages where its read hub reads them, or each session reads its own: both
-#: must pass every guard.
-READ_PATHS = pytest.mark.parametrize("read_hub", [True, False], ids=["read-hub", "session-reads"])
-
-
-@READ_PATHS
 @pytest.mark.parametrize("mode", ["burst", "paced"])
 @pytest.mark.parametrize("route", list(ROUTES))
-async def test_every_route_passes_the_guards_with_server_figures(nursery, route, mode, read_hub):
-    base = await _serve(nursery, f"server.read_hub={str(read_hub).lower()}", 'server.replica_id="gpu-7"')
+async def test_every_route_passes_the_guards_with_server_figures(nursery, route, mode):
+    base = await _serve(nursery, 'server.replica_id="gpu-7"')
     report = await _simulate(base + route, format=ROUTES[route], mode=mode,
                              message_ms=80 if mode == "paced" else 160)
     (round_,) = report.rounds
@@ -154,10 +148,9 @@ async def test_options_that_do_not_fit_the_route_are_refused():
             await _simulate(url, format=fmt)
 
 
-@READ_PATHS
 @pytest.mark.parametrize("route", list(ROUTES))
-async def test_drop_rate_cuts_connections_and_every_session_resumes_with_no_frame_lost_or_twice(nursery, route, read_hub):
-    base = await _serve(nursery, "runtime.slots=8", f"server.read_hub={str(read_hub).lower()}")
+async def test_drop_rate_cuts_connections_and_every_session_resumes_with_no_frame_lost_or_twice(nursery, route):
+    base = await _serve(nursery, "runtime.slots=8")
     report = await _simulate(base + route, format=ROUTES[route], concurrency=8, frames=30, message_ms=80,
                              drop_rate=1.0)
     (round_,) = report.rounds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import FRAME, make_config, noise, run_session, spec, wire_messages
 from duplexrt.core.metrics import FrameMetrics
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.core.stage_meter import StageMeter
 
 MS = 1_000_000

@@ -18,13 +18,11 @@ import attrs
 import pytest
 import trio
 
-from duplexrt.config import load_config
-from duplexrt.core.runtime import RuntimeHistograms, RuntimeStatistics, open_runtime
+from duplexrt.runtime import RuntimeHistograms, RuntimeStatistics, open_runtime
 from duplexrt.server import Server
 from duplexrt.server.statistics import ServerStatistics
 
-from conftest import FRAME, duplex_session, make_config, noise, run_sessions, spec
-from duplexrt.readhub import ReadHub
+from conftest import FRAME, duplex_session, exported, make_config, noise, run_sessions, spec
 
 PATIENCE = 10.0
 
@@ -99,67 +97,34 @@ async def test_the_scheduler_thread_s_cpu_is_counted_and_kept_once_it_ends():
     assert ended >= running and ended == runtime.scheduler.statistics().thread_cpu_seconds
 
 
-def _exported(metrics: str, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1))
-
-
-async def _get(port: int, path: str) -> bytes:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
-        data = b""
-        with trio.fail_after(PATIENCE):
-            while chunk := await stream.receive_some(65536):
-                data += chunk
-    return data.partition(b"\r\n\r\n")[2]
-
-
-async def test_free_slots_agree_while_a_connection_is_in_its_handshake(nursery):
-    config = load_config(None, ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
-                                "server.handshake_timeout_s=30", "server.websocket_impl=trio-websocket"])
-    server = Server(config)
-    await nursery.start(server.run)
-    port = server.ports[0]
-    # An upgrade to a known route without Sec-WebSocket-Key: admitted, then held in the
-    # handshake (wsproto never accepts it) until the handshake deadline; no row is taken.
-    # (Only the trio-websocket path has that state: the native one refuses such a head at once.)
-    stuck = await trio.open_tcp_stream("127.0.0.1", port)
-    await stuck.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n")
+async def test_free_slots_agree_while_a_session_waits_for_its_first_message(start_server):
+    served = await start_server("runtime.slots=2")
+    server, port = served.server, served.port
+    # An upgrade answered, and then nothing sent: admitted, its session open, its row taken.
+    quiet = await trio.open_tcp_stream("127.0.0.1", port)
+    await quiet.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+                         b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
     with trio.fail_after(PATIENCE):
-        while server.admitted != 1:
+        while server.admitted != 1 or server.statistics().runtime.free_rows != 1:
             await trio.sleep(0.01)
-    ready = json.loads(await _get(port, "/readyz"))
-    stats = json.loads(await _get(port, "/stats"))
-    metrics = (await _get(port, "/metrics")).decode()
-    exported = _exported(metrics, "duplexrt_slots_free")
-    assert ready["free_slots"] == stats["free_slots"] == exported == 1
-    assert server.statistics().runtime.free_rows == 2  # the handshake holds no row yet
-    await stuck.aclose()
+    _, ready = await served.readyz()
+    stats = json.loads((await served.get("/stats"))[2])
+    assert ready["free_slots"] == stats["free_slots"] == await served.metric("duplexrt_slots_free") == 1
+    await quiet.aclose()
 
 
-@pytest.mark.skipif(not ReadHub.available(), reason="the read hub needs epoll (Linux)")
-async def test_stats_and_metrics_say_where_the_hot_path_ran(nursery):
-    """Messages the read hub took, its wake-ups and callbacks, batches sent from the delivery and
-    writer wake-ups: the same figures in ``/stats`` and ``/metrics``, and what the session did."""
-    config = load_config(None, ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
-                                "server.websocket_impl=native", "server.read_hub=true"])
-    server = Server(config)
-    await nursery.start(server.run)
-    port = server.ports[0]
+async def test_stats_and_metrics_say_where_the_hot_path_ran(start_server):
+    """Batches sent from the delivery and writer wake-ups: the same figures in ``/stats`` and
+    ``/metrics``, and what the session did."""
+    served = await start_server("runtime.slots=2")
     audio = noise(6 * FRAME, 3).astype("float32")
-    received, events = await duplex_session(f"ws://127.0.0.1:{port}/v1/duplex", audio, chunk=FRAME)
+    received, events = await duplex_session(served.url(), audio, chunk=FRAME)
     assert len(received) == audio.nbytes and events[-1]["code"] == 1000
-    hot = json.loads(await _get(port, "/stats"))["hot_path"]
-    metrics = (await _get(port, "/metrics")).decode()
-    # Six audio messages and the end of input: the hub took some of them where it read them.
-    assert 1 <= hot["messages_taken_inline"] <= 7
-    assert hot["read_hub_wakeups"] >= 1 and hot["read_hub_callbacks"] >= 1
+    hot = json.loads((await served.get("/stats"))[2])["hot_path"]
+    metrics = await served.metrics()
     assert hot["direct_batches"] + hot["writer_wakeups"] >= 1
     # The scheduler thread's CPU, read later for /metrics: it only grows.
-    assert 0 < hot["scheduler_thread_cpu_s"] <= _exported(metrics, "duplexrt_scheduler_thread_cpu_seconds_total")
-    for key, name in [("messages_taken_inline", "duplexrt_messages_taken_inline_total"),
-                      ("read_hub_wakeups", "duplexrt_read_hub_wakeups_total"),
-                      ("read_hub_callbacks", "duplexrt_read_hub_callbacks_total"),
-                      ("direct_batches", "duplexrt_output_batches_direct_total"),
+    assert 0 < hot["scheduler_thread_cpu_s"] <= exported(metrics, "duplexrt_scheduler_thread_cpu_seconds_total")
+    for key, name in [("direct_batches", "duplexrt_output_batches_direct_total"),
                       ("writer_wakeups", "duplexrt_writer_wakeups_total")]:
-        assert _exported(metrics, name) == hot[key], name
+        assert exported(metrics, name) == hot[key], name

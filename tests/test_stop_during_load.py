@@ -22,7 +22,7 @@ import trio
 from duplexrt.backends import BackendInfo
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from tests.conftest import PATIENCE, scheduler_threads
 
 #: Seconds the slow load would take if nothing stopped it: far longer than any bound below.

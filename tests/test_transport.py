@@ -1,11 +1,11 @@
-"""The in-memory transport (transport.py) by plain calls: what each end sees when either closes."""
+"""The in-memory transport (duplexrt/wire/transport.py) by plain calls: what each end sees when either closes."""
 
 from __future__ import annotations
 
 import pytest
 import trio
 
-from duplexrt.transport import TransportClosed, memory_transport_pair, poller
+from duplexrt.wire.transport import TransportClosed, memory_transport_pair, poller
 
 
 async def test_messages_cross_in_order_both_ways():

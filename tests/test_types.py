@@ -21,17 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Files with errors today, each to leave this list when it is clean.  The session and wire
 #: wing (rebuilt in duplexrt/session/ and duplexrt/wire/) and the moshi backend.
 EXPECTED_UNFIXED = frozenset({
-    "duplexrt/config.py",
-    "duplexrt/core/resume.py",
-    "duplexrt/core/session.py",
-    "duplexrt/core/session_input.py",
-    "duplexrt/core/session_output.py",
-    "duplexrt/core/session_sink.py",
-    "duplexrt/server/app.py",
-    "duplexrt/server/http.py",
-    "duplexrt/server/streams.py",
-    "duplexrt/wsframes.py",
-    "duplexrt/wsnative.py",
     "duplexrt/backends/moshi/backend.py",
     "duplexrt/backends/moshi/memory.py",
     "duplexrt/backends/moshi/rows.py",

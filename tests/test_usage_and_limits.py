@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import trio
 
-from conftest import FRAME, INPUT_END, PATIENCE, backend_info, make_config, run_session, spec
+from conftest import (FRAME, INPUT_END, PATIENCE, backend_info, make_config, noise_frames, run_session,
+                      run_socket_session, spec, synthetic_wire)
+from test_session import SYNTHETIC, pcm_workload
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import ConfigError
-from duplexrt.core.runtime import open_runtime
+from duplexrt.runtime import open_runtime
 from duplexrt.server.stats_log import log_stats
-from duplexrt.transport import memory_transport_pair
+from duplexrt.wire.transport import memory_transport_pair
 
 F32 = spec("pcm_f32le")
 
@@ -164,7 +166,7 @@ async def test_log_stats_writes_one_line_per_interval(caplog):
 
 async def test_stage_timings_and_usage_counters_reach_prometheus(nursery):
     from duplexrt.server import Server
-    from test_server import http_get
+    from conftest import http_get
 
     config = make_config("server.port=0", "runtime.slots=4", "metrics.log_stats=false")
     server = Server(config, TalkingEcho(config))
@@ -179,3 +181,14 @@ async def test_stage_timings_and_usage_counters_reach_prometheus(nursery):
     assert "duplexrt_time_to_first_audio_seconds_count 1.0" in text
     assert "duplexrt_frame_latency_seconds_count 6.0" in text
     assert "process_cpu_seconds_total" in text
+
+
+async def test_the_length_limit_ends_the_session_with_every_taken_frame_answered():
+    async with open_runtime(make_config("runtime.slots=1", "runtime.max_session_seconds=0.4", *SYNTHETIC)) as runtime:
+        wire = pcm_workload("pcm_f32le", 1, seed=5)[1]
+        frames = noise_frames(8, seed=9)
+        messages = [frame.astype("<f4").tobytes() for frame in frames]
+        end, log = await run_socket_session(runtime, messages, wire, session_id=3)
+    assert end.reason == "length" and end.frames_in == end.frames_out == 5
+    assert log.end["reason"] == "length"
+    assert bytes(log.audio) == synthetic_wire(frames[:5], 3, wire)

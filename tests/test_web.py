@@ -9,16 +9,7 @@ import numpy as np
 import pytest
 import trio_websocket
 
-from duplexrt.config import load_config
-from duplexrt.server import Server
-from test_server import http_get
-
-
-async def _server(nursery, *overrides: str) -> Server:
-    server = Server(load_config(None, ["server.port=0", "runtime.slots=2", "backend.options.delay_frames=0",
-                                       *overrides]))
-    await nursery.start(server.run)
-    return server
+from conftest import http_get
 
 
 @pytest.mark.parametrize("path, content_type, marker", [
@@ -33,8 +24,8 @@ async def _server(nursery, *overrides: str) -> Server:
     ("/static/favicon.svg", "image/svg+xml", b"<svg"),
     ("/favicon.ico", "image/svg+xml", b"<svg"),
 ])
-async def test_pages_and_static_files_are_served_with_their_types_and_no_key(nursery, path, content_type, marker):
-    server = await _server(nursery, 'server.api_key="s3cret"')
+async def test_pages_and_static_files_are_served_with_their_types_and_no_key(path, content_type, marker, start_server):
+    server = (await start_server("runtime.slots=2", 'server.api_key="s3cret"')).server
     status, headers, body = await http_get(server.ports[0], path)
     assert status == 200 and headers["content-type"] == content_type
     assert marker in body
@@ -44,21 +35,21 @@ async def test_pages_and_static_files_are_served_with_their_types_and_no_key(nur
     "/static/../app.py", "/static/..%2fapp.py", "/static/%2e%2e/web.py", "/static/", "/static/static/style.css",
     "/static//etc/passwd", "/static/../../../../etc/passwd", "/static/__init__.py", "/index.html", "/static",
 ])
-async def test_no_path_leaves_the_static_files(nursery, path):
-    server = await _server(nursery)
+async def test_no_path_leaves_the_static_files(path, start_server):
+    server = (await start_server("runtime.slots=2")).server
     status, _, body = await http_get(server.ports[0], path)
     assert status == 404
     assert b"import" not in body and b"root:" not in body
 
 
-async def test_the_plain_route_list_is_still_there(nursery):
-    server = await _server(nursery)
+async def test_the_plain_route_list_is_still_there(start_server):
+    server = (await start_server("runtime.slots=2")).server
     status, _, body = await http_get(server.ports[0], "/routes")
     assert status == 200 and b"/v1/duplex" in body and b"/dashboard" in body
 
 
-async def test_stats_reads_the_runtime_counters(nursery):
-    server = await _server(nursery)
+async def test_stats_reads_the_runtime_counters(start_server):
+    server = (await start_server("runtime.slots=2")).server
     status, headers, body = await http_get(server.ports[0], "/stats")
     before = json.loads(body)
     assert status == 200 and headers["content-type"] == "application/json"
@@ -86,15 +77,15 @@ async def test_stats_reads_the_runtime_counters(nursery):
     assert set(during["send_jitter_ms"]) == {"p50", "p99", "max"}
 
 
-async def test_stats_says_a_key_is_needed_without_needing_one(nursery):
-    server = await _server(nursery, 'server.api_key="s3cret"')
+async def test_stats_says_a_key_is_needed_without_needing_one(start_server):
+    server = (await start_server("runtime.slots=2", 'server.api_key="s3cret"')).server
     status, _, body = await http_get(server.ports[0], "/stats")
     assert status == 200 and json.loads(body)["api_key_required"] is True
     assert b"s3cret" not in body
 
 
-async def test_a_browser_sends_the_key_as_a_subprotocol_and_gets_the_other_one_back(nursery):
-    server = await _server(nursery, 'server.api_key="s3cret"')
+async def test_a_browser_sends_the_key_as_a_subprotocol_and_gets_the_other_one_back(start_server):
+    server = (await start_server("runtime.slots=2", 'server.api_key="s3cret"')).server
     url = f"ws://127.0.0.1:{server.ports[0]}/v1/duplex"
     async with trio_websocket.open_websocket_url(
             url, subprotocols=["duplexrt", "openai-insecure-api-key.s3cret"]) as ws:
@@ -107,8 +98,8 @@ async def test_a_browser_sends_the_key_as_a_subprotocol_and_gets_the_other_one_b
     assert server.refused["unauthorized"] == 1
 
 
-async def test_clients_offering_no_key_subprotocol_are_answered_as_before(nursery):
-    server = await _server(nursery)
+async def test_clients_offering_no_key_subprotocol_are_answered_as_before(start_server):
+    server = (await start_server("runtime.slots=2")).server
     url = f"ws://127.0.0.1:{server.ports[0]}/v1/duplex"
     async with trio_websocket.open_websocket_url(url) as ws:
         assert ws.subprotocol is None

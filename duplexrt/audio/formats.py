@@ -175,11 +175,6 @@ _TO_WIRE: dict[AudioFormat, Callable[[np.ndarray], bytes]] = {
 }
 
 
-#: Model samples a stream resampler's filter may hold back from one message and give with the next:
-#: well above its delay (a few ms at the rates served), so a bound made with it is never short.
-_RESAMPLER_HELD_AT_MOST = 4096
-
-
 def _resampler_or_none(in_rate: int, out_rate: int) -> StreamResampler | None:
     # None (rather than an identity resampler) lets the hot path skip even
     # the method call when no conversion is needed.
@@ -235,11 +230,6 @@ class Decoder:
         resampler = self._resampler
         return _EMPTY if resampler is None else resampler.flush()
 
-    def samples_at_most(self, size: int) -> int:
-        """The most model samples a payload of ``size`` bytes can decode to (what a session
-        needs credit for before it may decode without waiting)."""
-        return sys.maxsize
-
     def too_long(self, size: int) -> AudioTooLongError:
         """The error for a payload of ``size`` bytes over ``max_bytes``."""
         raise NotImplementedError(f"{type(self).__name__} cannot tell a message's length from its size")
@@ -283,15 +273,6 @@ class _PcmDecoder(Decoder):
         samples = self._from_wire(payload)
         resampler = self._resampler
         return samples if resampler is None else resampler.process(samples)
-
-    def samples_at_most(self, size: int) -> int:
-        samples = size // self._sample_bytes
-        resampler = self._resampler
-        if resampler is None:
-            return samples
-        # A stream resampler gives out no more than the rate ratio of what it was given, less
-        # what it gave before; what its filter held from earlier messages comes on top.
-        return -(-samples * self.model_rate // self.spec.sample_rate) + _RESAMPLER_HELD_AT_MOST
 
     def _length_error(self, size: int) -> AudioFormatError:
         unit = "byte" if size == 1 else "bytes"

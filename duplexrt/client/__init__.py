@@ -2,7 +2,7 @@
 driver shared with ``duplexrt simulate``, and the ``duplexrt client`` command's logic."""
 
 from duplexrt.client.connection import ConnectError, open_connection
-from duplexrt.websocket import WebSocketTransport
+from duplexrt.wire.wss import WebSocketTransport
 from duplexrt.client.conversation import Conversation
 from duplexrt.client.protocols import (
     ClientProtocol,

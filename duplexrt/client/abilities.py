@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 __all__ = ["Abortable", "NowaitSender", "SendsNowait", "nowait_sender"]
 

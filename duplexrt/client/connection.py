@@ -18,10 +18,10 @@ import trio_websocket
 
 from duplexrt.client.protocols import ClientProtocol, Opened
 from duplexrt.client.resume import Connect, ResumingTransport
-from duplexrt.transport import Transport, TransportClosed
-from duplexrt.websocket import WebSocketTransport
-from duplexrt.wshandshake import HandshakeRefused, Rejected, client_handshake
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import Transport, TransportClosed
+from duplexrt.wire.wss import WebSocketTransport
+from duplexrt.wire.handshake import HandshakeRefused, Rejected, client_handshake
+from duplexrt.wire.native import NativeWebSocket
 
 __all__ = ["ConnectError", "NativeWebSocket", "WebSocketTransport", "open_connection", "host_and_port"]
 
@@ -95,7 +95,7 @@ async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | 
     ``resume``: the transport is a ``ResumingTransport``, which resumes the session on a new
     connection (for up to ``resume_window`` seconds) when this one drops.
 
-    ``impl``: ``native`` (duplexrt.wsnative: the load generator's frames cost what the server's
+    ``impl``: ``native`` (duplexrt.wire.native: the load generator's frames cost what the server's
     do) or ``trio-websocket``; ``wss://`` URLs always take trio-websocket, which does TLS."""
     native = impl != "trio-websocket" and not url.startswith("wss:")
     try:

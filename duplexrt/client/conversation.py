@@ -24,7 +24,7 @@ from duplexrt.client.abilities import NowaitSender, nowait_sender
 from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import AUDIO_TYPES, Buffer, ClientProtocol, Ended, Opened, ServerError, Text
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed
+from duplexrt.wire.transport import Message, Transport, TransportClosed
 
 __all__ = ["Conversation", "ENDED", "CLOSED", "COMPLETE", "IDLE"]
 

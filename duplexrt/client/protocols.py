@@ -45,7 +45,7 @@ from duplexrt.protocols import moshi as moshi_wire
 from duplexrt.protocols.options import duplex_specs, wants_duplex
 from duplexrt.reasons import FinishReason
 from duplexrt.routes import CLIENT_ROUTES
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 __all__ = [
     "AUDIO_TYPES", "ROUTES", "ClientProtocol", "DuplexClient", "Ended", "MoshiClient", "Opened",

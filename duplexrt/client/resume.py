@@ -20,7 +20,7 @@ import trio
 
 from duplexrt.client.abilities import Abortable, nowait_sender
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Transport, TransportClosed, poller
+from duplexrt.wire.transport import Message, Transport, TransportClosed, poller
 
 __all__ = ["ResumingTransport", "token_in"]
 

@@ -34,9 +34,6 @@ class FrameStatistics:
     #: Times a session's writer task woke: for output the delivery could not send itself,
     #: replies and errors, and a session's end.
     writer_wakeups: int = 0
-    #: Client messages a session took where they were read (the server's read hub,
-    #: ``server.read_hub``), with no reader task woken.
-    messages_taken_inline: int = 0
 
 
 class FrameMetrics:
@@ -72,7 +69,6 @@ class FrameMetrics:
         #: Output batches sent from the step delivery, and writer task wake-ups (see FrameStatistics).
         self.direct_batches = 0
         self.writer_wakeups = 0
-        self.messages_taken_inline = 0
 
     def statistics(self) -> FrameStatistics:
         return FrameStatistics(
@@ -93,5 +89,4 @@ class FrameMetrics:
             sessions_resumed=self.sessions_resumed,
             direct_batches=self.direct_batches,
             writer_wakeups=self.writer_wakeups,
-            messages_taken_inline=self.messages_taken_inline,
         )

@@ -38,6 +38,10 @@ THREAD_NAME = "duplexrt-scheduler"
 #: of the server's CPU is a column of ``benchmarks/server.py``), so for such a model the cycle, not
 #: the step, is the cost (echo, a model at zero cost, a tiny CPU one).
 DRAIN_BELOW_MS = 0.1
+#: While input keeps coming, cycles of such steps start at most this far apart (milliseconds):
+#: a frame waits at most this long, and each cycle's wake-up and delivery serve the frames of
+#: every session that came meanwhile.
+CHEAP_STEP_CYCLE_MS = 5.0
 #: A load interrupted by a stop (``Scheduler.run`` cancelled while the model loads) gets this
 #: long to unwind before its thread is left behind.
 LOAD_STOP_S = 10.0
@@ -217,7 +221,7 @@ class Scheduler:
         self.end_of_input = np.zeros(self.frame_size, dtype=np.float32)
         self.gather_window = config.gather_window_ms / 1e3
         #: How far apart cycles of steps under ``DRAIN_BELOW_MS`` start while input keeps coming.
-        self.cheap_cycle = (config.cheap_step_cycle_ms or config.gather_window_ms) / 1e3
+        self.cheap_cycle = CHEAP_STEP_CYCLE_MS / 1e3
         self.max_consecutive_failures = config.max_consecutive_step_failures
         self._config = config
         #: How the slot count came about (``runtime.slots``, or the backend's choice at load).

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from duplexrt.audio import AudioSpec
 from duplexrt.protocols.events import Event, ProtocolError, SessionEnd
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 
 class SessionProgress(Protocol):

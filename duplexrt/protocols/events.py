@@ -10,7 +10,7 @@ import attrs
 
 from duplexrt.audio import AudioSpec
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 
 @attrs.frozen

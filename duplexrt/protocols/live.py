@@ -87,7 +87,7 @@ from duplexrt.protocols.events import (
     quote,
 )
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 __all__ = ["CLOSE_REASONS", "LiveTranslator", "close_reason"]
 

@@ -58,7 +58,7 @@ from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import AudioIn, EndTurn, Event, Ignored, ProtocolError, SessionEnd
 from duplexrt.reasons import CloseCode
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 __all__ = [
     "AUDIO", "CONTROL", "CONTROL_CODES", "ERROR", "HANDSHAKE", "HANDSHAKE_MESSAGE", "METADATA",

@@ -17,7 +17,7 @@ import attrs
 from duplexrt.audio import AudioSpec
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd, quote
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 _PONG = json.dumps({"type": "pong"})
 

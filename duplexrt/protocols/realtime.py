@@ -85,7 +85,7 @@ from duplexrt.protocols.realtime_server_events import END_CODES, END_STATUS, Res
 from duplexrt.protocols.realtime_session import render_turn_detection
 from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
 from duplexrt.reasons import FinishReason
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 __all__ = ["RealtimeTranslator"]
 

@@ -18,7 +18,7 @@ from duplexrt.protocols.b64codec import encode
 from duplexrt.protocols.realtime_client_events import G711_RATE, PCM_RATE
 from duplexrt.protocols.realtime_items import message_item
 from duplexrt.reasons import FinishReason
-from duplexrt.transport import Message
+from duplexrt.wire.transport import Message
 
 #: Each wire format by the name each naming gives it.
 GA_NAMES = {

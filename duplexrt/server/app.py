@@ -2,7 +2,8 @@
 
 Each connection is read up to the end of its request head first (at most
 ``server.max_pending_handshakes`` at once: see ``_serve_connection``).  A WebSocket upgrade to a known
-route is checked (API key, free slot, route options) and handed, bytes and all, to trio-websocket;
+route is checked (API key, free slot, route options) and answered here, the session then reading
+and writing its frames on the socket (``duplexrt.wire.native``);
 anything else is answered as plain HTTP (health, readiness, metrics).  Whatever one connection
 does, the handler catches it: a misbehaving client never takes the server down.
 """
@@ -18,16 +19,14 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 
 import trio
-import trio_websocket
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
 
 from duplexrt.backends import Backend, SlotChoice
 from duplexrt.config import Config
-from duplexrt.core.resume import ResumableTransport, ResumeError, new_token, split_token
-from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.wire.resume import ResumableTransport, ResumeError, new_token, split_token
+from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import ProtocolError
-from duplexrt.readhub import ReadHub
 from duplexrt.reasons import CloseCode
 from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
@@ -35,12 +34,10 @@ from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
-from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.web import readyz_answer, static_answer, stats_json
-from duplexrt.transport import Transport, TransportClosed
-from duplexrt.websocket import WebSocketTransport
-from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import Transport, TransportClosed
+from duplexrt.wire.handshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
+from duplexrt.wire.native import NativeWebSocket
 
 log = logging.getLogger("duplexrt.server")
 #: The start-up line: printed whatever the log level (even --log-level warning or error).
@@ -76,7 +73,7 @@ class Server:
         self._overflow = 0
         #: Every open socket and WebSocket, so a second signal can drop them all at once.
         self._streams: set[trio.SocketStream] = set()
-        self._transports: set[WebSocketTransport | NativeWebSocket] = set()
+        self._transports: set[NativeWebSocket] = set()
         self._all_closed = trio.lowlevel.ParkingLot()
         self._draining = False
         self._drain_requested = trio.Event()
@@ -85,9 +82,6 @@ class Server:
         self.replica_id = config.server.replica_id
         #: Sessions a client may resume, by their token's secret: (transport, translator, path).
         self._resumable: dict[str, tuple[ResumableTransport, Translator, str]] = {}
-        #: Reads every native session's socket (``server.read_hub``; Linux), for the life of ``run``.
-        self._hub = (ReadHub() if config.server.websocket_impl == "native" and config.server.read_hub
-                     and ReadHub.available() else None)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(lambda: self.statistics() if self.runtime is not None else None))
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
@@ -109,9 +103,7 @@ class Server:
         return ServerStatistics(replica_id=self.replica_id or "", draining=self._draining,
                                 admitted=self._admitted, pending_handshakes=self.pending_handshakes,
                                 refused=dict(sorted(self.refused.items())), runtime=self.runtime.statistics(),
-                                detached=sum(entry[0].detached for entry in self._resumable.values()),
-                                read_hub_wakeups=self._hub.wakeups if self._hub is not None else 0,
-                                read_hub_callbacks=self._hub.callbacks if self._hub is not None else 0)
+                                detached=sum(entry[0].detached for entry in self._resumable.values()))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -123,11 +115,7 @@ class Server:
             listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
             self.ports = sorted({listener.socket.getsockname()[1] for listener in listeners})
             self.replica_id = self.replica_id or f"{socket.gethostname()}:{self.ports[0]}"
-            async with trio.open_nursery() as hubs:
-                if self._hub is not None:
-                    hubs.start_soon(self._hub.run)
-                await self._serve(runtime, listeners, task_status)
-                hubs.cancel_scope.cancel()  # every connection it read is closed by now
+            await self._serve(runtime, listeners, task_status)
 
     async def _serve(self, runtime: Runtime, listeners: list[trio.SocketListener],
                      task_status: trio.TaskStatus[Server]) -> None:
@@ -258,7 +246,7 @@ class Server:
                                 [("www-authenticate", "Bearer")])
             return
         if "resume" in head.query:  # a session that lives here already: no admission
-            await self._serve_resume(stream, received, head, deadline)
+            await self._serve_resume(stream, received, head)
             return
         if self._draining:
             self.refused["shutting_down"] += 1
@@ -291,8 +279,7 @@ class Server:
         self._admitted += 1  # no await since the check above: admission cannot be raced
         try:
             await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config),
-                                        partial(self._run_session, translator=translator, path=head.path),
-                                        deadline)
+                                        partial(self._run_session, translator=translator, path=head.path))
         finally:
             self._admitted -= 1
             if not self._admitted:
@@ -304,51 +291,8 @@ class Server:
                                          "are waiting to be served; try again later", [("retry-after", "1")])
 
     async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
-                               serve: Callable[[Transport], Awaitable[None]], deadline: float,
-                               *, resuming: bool = False) -> None:
-        assert self.runtime is not None
-        settings = self.config.server
-        if settings.websocket_impl == "native":
-            await self._serve_native(stream, head, received, max_message, serve, resuming=resuming)
-            return
-        async with trio.open_nursery() as nursery:
-            transport: WebSocketTransport | None = None
-            try:
-                # A request wsproto refuses (no Sec-WebSocket-Key...) would otherwise wait forever.
-                with trio.move_on_at(deadline):
-                    request = await trio_websocket.wrap_server_stream(
-                        nursery, PrefixedStream(stream, received), message_queue_size=4,
-                        max_message_size=max_message, receive_buffer_size=None)
-                    # The subprotocol the client really asked for (never a key's), and which
-                    # replica took the session, for a client behind a balancer.
-                    ws = await request.accept(
-                        subprotocol=_companion_subprotocol(request.proposed_subprotocols),
-                        extra_headers=[(b"x-duplexrt-replica", self.replica_id.encode())])
-                    # A resuming client may have nothing left to send (it waits for output): the
-                    # first-message limit is for new sessions only.
-                    first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
-                    transport = WebSocketTransport(ws, first_message_timeout,
-                                                   close_timeout=settings.close_timeout_s, stream=stream)
-                if transport is None:
-                    self.refused["bad_handshake"] += 1
-                    return
-                self._transports.add(transport)
-                try:
-                    if self._draining:  # shutdown began while this client's handshake was under way
-                        return
-                    nursery.start_soon(transport.watch, settings.ping_interval_s, settings.ping_timeout_s,
-                                       settings.idle_timeout_s)
-                    await serve(transport)
-                finally:
-                    with trio.CancelScope(shield=True):  # bounded by close_timeout_s
-                        await transport.close(CloseCode.GOING_AWAY if self._draining else CloseCode.NORMAL_CLOSURE)
-                    self._transports.discard(transport)
-            finally:
-                nursery.cancel_scope.cancel()
-
-    async def _serve_native(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
-                            serve: Callable[[Transport], Awaitable[None]], *, resuming: bool = False) -> None:
-        """The fast path: answer the upgrade here and let the session drive its frames (wsnative)."""
+                               serve: Callable[[Transport], Awaitable[None]], *, resuming: bool = False) -> None:
+        """Answer the upgrade here and let the session drive its frames (``duplexrt.wire.native``)."""
         assert self.runtime is not None
         settings = self.config.server
         try:
@@ -365,7 +309,7 @@ class Server:
         first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
         transport = NativeWebSocket(stream, max_message=max_message, first_message_timeout=first_message_timeout,
                                     close_timeout=settings.close_timeout_s, received=after_head(received),
-                                    subprotocol=subprotocol, hub=self._hub)
+                                    subprotocol=subprotocol)
         self._transports.add(transport)
         try:
             if self._draining:  # shutdown began while this client's handshake was under way
@@ -422,8 +366,7 @@ class Server:
         resumable.check(count)
         return resumable, translator, count
 
-    async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead,
-                            deadline: float) -> None:
+    async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead) -> None:
         try:
             resumable, translator, count = self._find_resumable(head)
         except ResumeError as exc:
@@ -433,7 +376,7 @@ class Server:
         max_message = ROUTES[head.path].max_message_bytes(self.config)
         await self._serve_websocket(stream, head, received, max_message,
                                     partial(self._rejoin, resumable=resumable, translator=translator, count=count),
-                                    deadline, resuming=True)
+                                    resuming=True)
 
     async def _rejoin(self, transport: Transport, *, resumable: ResumableTransport,
                       translator: Translator, count: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from http.client import responses
 from urllib.parse import parse_qs, urlsplit
 
@@ -11,6 +12,9 @@ import trio
 
 #: A request head larger than this is refused (431): nothing legitimate needs more.
 MAX_HEAD_BYTES = 64 * 1024
+#: A header name (RFC 9110 5.1, a token), and what a header value must never hold.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 @attrs.frozen
@@ -54,7 +58,7 @@ async def read_request_head(stream: trio.abc.Stream) -> tuple[RequestHead, bytes
             if not data:
                 raise BadRequest(400, "connection closed before a whole request head arrived")
             received += data
-            parser.receive_data(data)
+            parser.receive_data(bytes(data))
             continue
         raise BadRequest(400, "expected an HTTP request")
 
@@ -73,13 +77,14 @@ def _head_of(request: h11.Request) -> RequestHead:
 
 def response_bytes(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
                    extra_headers: list[tuple[str, str]] | None = None) -> bytes:
-    """A complete HTTP/1.1 response that closes the connection."""
-    writer = h11.Connection(h11.SERVER)
-    # h11 needs to have seen a request before it will write a response.
-    writer.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    writer.next_event()
+    """A complete HTTP/1.1 response that closes the connection.  Written here rather than by
+    h11, whose writer answers only a request it has parsed itself; every header is checked as
+    h11 would, so a value can never break the head."""
     headers = [("content-type", content_type), ("content-length", str(len(body))), ("connection", "close"),
                *(extra_headers or [])]
-    phrase = responses.get(status, "").encode()
-    return (writer.send(h11.Response(status_code=status, headers=headers, reason=phrase))
-            + writer.send(h11.Data(data=body)) + writer.send(h11.EndOfMessage()))
+    lines = [f"HTTP/1.1 {status} {responses.get(status, '')}".rstrip()]
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value):
+            raise ValueError(f"not a valid HTTP header: {name!r}: {value!r}")
+        lines.append(f"{name}: {value}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -83,13 +83,6 @@ class RuntimeCollector:
         for kind, count in sorted(stats.handoffs.by_kind.items()):
             by_kind.add_metric([kind], count)
         yield by_kind
-        yield CounterMetricFamily("duplexrt_messages_taken_inline",
-                                  "Client messages handled where the read hub read them, with no reader task woken.",
-                                  frames.messages_taken_inline)
-        yield CounterMetricFamily("duplexrt_read_hub_wakeups", "Wake-ups of the read hub (server.read_hub).",
-                                  server.read_hub_wakeups)
-        yield CounterMetricFamily("duplexrt_read_hub_callbacks", "Ready sockets the read hub called back.",
-                                  server.read_hub_callbacks)
         yield CounterMetricFamily("duplexrt_output_batches_direct",
                                   "Batches of output sent from the step delivery itself, with no writer task woken.",
                                   frames.direct_batches)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from duplexrt.core.runtime import RuntimeStatistics
+from duplexrt.runtime import RuntimeStatistics
 
 
 @attrs.frozen
@@ -30,10 +30,6 @@ class ServerStatistics:
     runtime: RuntimeStatistics
     #: Sessions whose connection dropped, holding their slots while they wait for a resume.
     detached: int = 0
-    #: Wake-ups of the read hub (``server.read_hub``).
-    read_hub_wakeups: int = 0
-    #: Ready sockets the read hub called back: per wake-up, how many connections each served.
-    read_hub_callbacks: int = 0
 
     @property
     def free_slots(self) -> int:

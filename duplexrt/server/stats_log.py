@@ -10,7 +10,7 @@ import logging
 
 import trio
 
-from duplexrt.core.runtime import Runtime
+from duplexrt.runtime import Runtime
 
 log = logging.getLogger("duplexrt.stats")
 

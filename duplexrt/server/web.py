@@ -128,12 +128,9 @@ def stats_json(stats: ServerStatistics, config: Config) -> bytes:
         "lag_histogram": {"edges_ms": LAG_EDGES_MS, "cumulative": lag_counts, "count": lag.count},
         "handoffs": dict(sorted(runtime.handoffs.by_kind.items())),
         "refused": stats.refused,
-        # Where the per-message work ran: in the read hub or the session's reader, from the step
-        # delivery or the session's writer (docs/architecture.md, "The hot path").
+        # Where the output went from: the step delivery or the session's writer
+        # (docs/architecture.md, "The hot path").
         "hot_path": {
-            "messages_taken_inline": frames.messages_taken_inline,
-            "read_hub_wakeups": stats.read_hub_wakeups,
-            "read_hub_callbacks": stats.read_hub_callbacks,
             "direct_batches": frames.direct_batches,
             "writer_wakeups": frames.writer_wakeups,
             "scheduler_thread_cpu_s": steps.thread_cpu_seconds,

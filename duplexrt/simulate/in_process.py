@@ -16,7 +16,7 @@ from duplexrt.client.pacer import Pacer
 from duplexrt.client.protocols import DuplexClient
 from duplexrt.config import Config
 from duplexrt.core.histogram import Summary
-from duplexrt.core.runtime import Runtime, open_runtime
+from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.progress import show_progress
 from duplexrt.reasons import CloseCode
 from duplexrt.simulate.checker import Checker
@@ -32,7 +32,7 @@ from duplexrt.simulate.virtual_client import (
     stream_real_time_factor,
 )
 from duplexrt.simulate.workload import Workload
-from duplexrt.transport import MemoryTransport, memory_transport_pair
+from duplexrt.wire.transport import MemoryTransport, memory_transport_pair
 
 
 async def run_simulation(config: Config, options: SimulateOptions, *, backend: Backend | None = None,

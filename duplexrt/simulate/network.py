@@ -49,7 +49,7 @@ from duplexrt.simulate.virtual_client import (
     stream_real_time_factor,
 )
 from duplexrt.simulate.workload import Workload
-from duplexrt.transport import Message, Transport, poller
+from duplexrt.wire.transport import Message, Transport, poller
 
 
 def default_format(url: str) -> str:

@@ -19,7 +19,7 @@ from duplexrt.core.histogram import Histogram, Summary
 from duplexrt.reasons import FinishReason
 from duplexrt.simulate.checker import OutputRecord
 from duplexrt.simulate.workload import Workload
-from duplexrt.transport import Transport
+from duplexrt.wire.transport import Transport
 
 #: Paced virtual clients share one ``Pacer`` that wakes at most once per this many seconds: a
 #: message goes out at most this much after its time (its lag is counted from when it went, so

@@ -33,7 +33,7 @@ from typing import Protocol
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Sink, Taken, Transport, TransportClosed, poller
+from duplexrt.wire.transport import DirectSend, Message, Transport, TransportClosed, direct_send, poller
 
 #: Random bytes in a token's secret: 144 bits, far past guessing; urlsafe base64 has no ``.``.
 TOKEN_BYTES = 18
@@ -112,9 +112,10 @@ class ResumableTransport:
         self._closed = False
         self._changed = trio.lowlevel.ParkingLot()
         self._clock = trio.lowlevel.current_clock().current_time
-        #: ``send_nowait`` can succeed: the connection under it has one (and so will a resumed one,
-        #: made by the same server).
-        self.offers_send_nowait = bool(getattr(transport, "offers_send_nowait", False))
+        #: The connection's own direct send, if it has one (a resumed one, made by the same
+        #: server, has one too): ``send_nowait`` can succeed only then.
+        self._direct: DirectSend | None = direct_send(transport)
+        self.offers_send_nowait = self._direct is not None
 
     @property
     def detached(self) -> bool:
@@ -133,27 +134,13 @@ class ResumableTransport:
     # -- the session's side ----------------------------------------------------------------------
 
     async def receive(self) -> Message:
-        message = await self._next(None)
-        assert message is not None  # only a sink holds messages
-        return message
-
-    async def serve_messages(self, sink: Sink) -> Message | None:
-        """``receive``, handing messages to ``sink`` where the connection in use can (its
-        ``serve_messages``); each one the sink takes is counted as taken, as a received one is."""
-        return await self._next(sink)
-
-    async def _next(self, sink: Sink | None) -> Message | None:
         while True:
             transport = self._current
             if transport is None:
                 await self._wait_for_client()
                 continue
-            serve = getattr(transport, "serve_messages", None) if sink is not None else None
             try:
-                if serve is None:
-                    message = await transport.receive()
-                else:
-                    message = await serve(self._counting(transport, sink))
+                message = await transport.receive()
             except TransportClosed as closed:
                 if transport is not self._current:
                     continue  # that connection was already given up
@@ -161,23 +148,10 @@ class ResumableTransport:
                     self._drop(transport)
                     continue
                 raise
-            if message is None:
-                return None  # held by the sink: taken and counted, whatever became of its connection
             if transport is not self._current:
                 continue  # arrived on a connection given up: the client sends it again
             self.taken += 1
             return message
-
-    def _counting(self, transport: Transport, sink: Sink) -> Sink:
-        def counted(message: Message) -> Taken:
-            if transport is not self._current:
-                return Taken.LEFT  # read on a connection given up: the client sends it again
-            taken = sink(message)
-            if taken is not Taken.LEFT:
-                self.taken += 1
-            return taken
-
-        return counted
 
     def receive_nowait(self) -> Message:
         transport = self._current
@@ -229,10 +203,11 @@ class ResumableTransport:
         if transport is None:
             self._record(message)
             return True  # kept in the journal for the client's return
-        if not self.offers_send_nowait:
+        direct = self._direct
+        if direct is None:
             raise trio.WouldBlock
         try:
-            whole = transport.send_nowait(message)  # type: ignore[attr-defined]
+            whole = direct.send_nowait(message)
         except TransportClosed as closed:
             self._record(message)
             if self._window > 0 and is_drop(closed):
@@ -246,11 +221,11 @@ class ResumableTransport:
         """Return once what the connection in use holds of earlier messages is out; a drop on
         the way is noticed as ``send`` notices it (the journal has the messages)."""
         transport = self._current
-        flush = getattr(transport, "flush", None)
-        if flush is None:
-            return
+        direct = self._direct
+        if transport is None or direct is None:
+            return  # detached, or a connection whose every send is awaited whole
         try:
-            await flush()
+            await direct.flush()
         except TransportClosed as closed:
             if transport is not self._current:
                 return  # given up meanwhile
@@ -317,7 +292,8 @@ class ResumableTransport:
             self._attaching = False
         self._current = transport
         self._poll_current = poller(transport)
-        self.offers_send_nowait = bool(getattr(transport, "offers_send_nowait", False))
+        self._direct = direct_send(transport)
+        self.offers_send_nowait = self._direct is not None
         self.token = token
         self.resumes += 1
         self._attached.set()

@@ -1,25 +1,22 @@
-"""A WebSocket ``Transport`` that drives the socket itself, once the handshake is done.
+"""A WebSocket ``Transport`` that drives the socket itself, once the handshake is done: the thin
+trio driver of a sans-IO ``connection.Connection``, which holds what the connection may still do
+and why it ended; this module holds only the I/O (reads, writes, waits and deadlines).
 
 Why not trio-websocket on the hot path: it runs a background reader task per connection that
 parses each message with wsproto and hands it to the session through a memory channel, so every
 input message costs a task wake-up, a channel hop and a per-byte Python unmask before the session
 sees it.  Here whoever needs bytes reads them: the session's own reader task calls ``receive``,
-which reads a chunk from the socket and parses every whole frame in it (``wsframes``); messages
+which reads a chunk from the socket and parses every whole frame in it (``frames``); messages
 already parsed are taken with ``poll`` (or ``receive_nowait``) in the same wake-up.  A message goes out as one
 ``send_all`` of header and payload.
 
 What keeps working when the session is not reading (its input ended, or it waits for the client
 to read): the keepalive reads by itself while it waits for a pong, and a close reads until the
 peer's Close; both stop reading ahead once ``queue_limit`` messages wait unread, as trio-websocket
-does.  The limits (first message, pings, idle, close handshake) and their finish reasons are the
-same as ``WebSocketTransport``'s.
-
-With a server's ``ReadHub``, ``serve_messages`` goes further: the socket is watched by the hub,
-which reads it and hands each message to the session's sink where it was read, so a paced
-session's reader task sleeps through the whole conversation.  Whatever the sink cannot finish
-(a control frame to answer, a message that must wait) wakes the reader, which goes on exactly as
-``receive`` would, and the hub reads nothing for it until it serves again: a session that stops
-taking input stops its socket being read, as before.
+does.  On a server it also bounds how long a connection may hold its slot without doing its part:
+a first message that never comes, a peer that stops answering pings or sends nothing for too long,
+and a closing handshake the peer never finishes all end the connection, each with a finish reason
+of its own (``TransportClosed.finish_reason``) so that the log tells a limit from a hang-up.
 """
 
 from __future__ import annotations
@@ -32,15 +29,13 @@ from collections import deque
 
 import trio
 
-from duplexrt.readhub import ReadHub
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Message, Sink, Taken, TransportClosed, wait_for_silence
-from duplexrt.wsframes import (MIN_ROOM, Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
-                               frame, frame_header, masked_frame_parts)
+from duplexrt.wire.connection import Connection
+from duplexrt.wire.frames import MIN_ROOM, Close, FrameError, Ping
+from duplexrt.wire.transport import DEFAULT_CLOSE_TIMEOUT, Message, wait_for_silence
 
-log = logging.getLogger("duplexrt.wsnative")
+log = logging.getLogger("duplexrt.wire.native")
 
-DEFAULT_CLOSE_TIMEOUT = 3.0
 #: A read that filled all the room it had asks for this much next: a backlog (a session that fell
 #: behind, a burst) is taken several messages a read, not one.
 _BACKLOG_READ = 1 << 16
@@ -54,12 +49,12 @@ class NativeWebSocket:
 
     def __init__(self, stream: trio.SocketStream, *, client: bool = False, max_message: int = 1 << 20,
                  first_message_timeout: float = math.inf, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-                 received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None,
-                 hub: ReadHub | None = None) -> None:
+                 received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None) -> None:
         self._stream = stream
         self._client = client
-        self._mask_keys = MaskKeys() if client else None
-        self._parser = FrameParser(masked=not client, max_message=max_message)
+        #: The connection's state, sans-IO: what this driver may still do, and why it ended.
+        self._connection = connection = Connection(client=client, max_message=max_message)
+        self._parser = connection.parser
         if received:
             self._parser.feed(received)
         self._unparsed = bool(received)
@@ -70,45 +65,26 @@ class NativeWebSocket:
         self._reading = False
         self._read_lot = trio.lowlevel.ParkingLot()
         self._sock = stream.socket
-        self._fd = self._sock.fileno()  # what the hub knows it by, even once the socket is closed
         self._reads_without_wait = 0
         #: The last read took less than it asked for: the socket was empty after it.
         self._drained = False
-        #: The idle watch shut the read side: the end of the stream is no hang-up then.
-        self._read_shut = False
-        self._eof = False
         self._sending = False
         self._send_lot = trio.lowlevel.ParkingLot()
         self._first_deadline = trio.current_time() + first_message_timeout
         #: Messages taken so far (the idle watch reads it).
         self.received = 0
-        self._pongs = 0
         self._close_timeout = close_timeout
-        #: This end ended the connection itself (a limit, a broken frame): what everything raises.
-        self._ended: TransportClosed | None = None
-        #: The peer closed or the connection dropped: what receive raises once the queue is empty.
-        self._gone: TransportClosed | None = None
-        self._peer_close: Close | None = None
-        self._close_sent = False
-        self._parser_failed = False
         self._closing: trio.Event | None = None
         self._close_deadline = math.inf
         self._close_scope: trio.CancelScope | None = None
-        #: The server's read hub, if it has one (``serve_messages``).
-        self._hub = hub
-        #: Who takes messages as the hub reads them: set only while ``serve_messages`` waits.
-        self._sink: Sink | None = None
-        #: A frame the hub read that the serving task must answer (a ping, a close, a broken frame).
-        self._for_server: Ping | Close | FrameError | None = None
-        #: The sink held a message for the serving task: ``serve_messages`` returns None.
-        self._held = False
 
     # -- Transport -------------------------------------------------------------------------------
 
     async def receive(self) -> Message:
         messages = self._messages
-        if self._ended is not None:
-            raise self._ended
+        ended = self._connection.ended
+        if ended is not None:
+            raise ended
         if not messages:
             if self.received:
                 await self._fill()
@@ -117,132 +93,40 @@ class NativeWebSocket:
                     await self._fill()
                 if not messages:
                     reason = "no message arrived in time after the connection opened"
-                    ended = self._end(FinishReason.FIRST_MESSAGE_TIMEOUT, CloseCode.POLICY_VIOLATION, reason)
+                    ended = self._connection.end(FinishReason.FIRST_MESSAGE_TIMEOUT, CloseCode.POLICY_VIOLATION, reason)
                     await self.close(CloseCode.POLICY_VIOLATION, reason)
                     raise ended
         self.received += 1
         return messages.popleft()
 
     def receive_nowait(self) -> Message:
-        if self._ended is not None:
-            raise self._ended
+        connection = self._connection
+        if connection.ended is not None:
+            raise connection.ended
         if not self._messages:
-            if self._gone is not None:
-                raise self._gone
+            if connection.gone is not None:
+                raise connection.gone
             raise trio.WouldBlock
         self.received += 1
         return self._messages.popleft()
 
     def poll(self) -> Message | None:
-        if self._ended is not None:
-            raise self._ended
+        connection = self._connection
+        if connection.ended is not None:
+            raise connection.ended
         messages = self._messages
         if not messages:
-            if self._gone is not None:
-                raise self._gone
+            if connection.gone is not None:
+                raise connection.gone
             return None
         self.received += 1
         return messages.popleft()
 
-    async def serve_messages(self, sink: Sink) -> Message | None:
-        """Hand each message to ``sink`` where the read hub reads it (see ``Transport``); without
-        a hub, before the first message (its deadline is ``receive``'s), or with anything already
-        waiting, this is ``receive``."""
-        hub = self._hub
-        self._held = False
-        while True:
-            if self._for_server is not None:
-                await self._answer_for_server()
-                continue
-            fd = self._sock.fileno()
-            if (hub is None or fd < 0 or not self.received or self._messages or self._unparsed or self._reading
-                    or self._ended is not None or self._gone is not None or self._eof):
-                return await self.receive()
-            self._sink = sink
-            hub.watch(fd, self._on_readable)
-            try:
-                await self._read_lot.park()  # the hub wakes this for what the sink did not finish
-            finally:
-                self._sink = None
-            if self._held:
-                self._held = False
-                return None
-
-    def _on_readable(self) -> None:
-        """The hub's callback (never raises, never yields): read once, and hand every whole
-        message to the sink until it leaves or holds one; anything else wakes the serving task."""
-        sink = self._sink
-        fd = self._sock.fileno()
-        if sink is None or fd < 0:  # nobody serves now: the socket waits for whoever reads next
-            self._hub.forget(self._fd, self._on_readable)
-            return
-        parser = self._parser
-        try:
-            count = os.readv(fd, (parser.room(MIN_ROOM),))
-        except BlockingIOError:
-            return
-        except OSError:  # reset by the peer
-            count = 0
-        if not count:
-            self._stream_ended()
-            self._stop_serving()
-            return
-        parser.received(count)
-        messages = self._messages
-        while True:
-            try:
-                event = parser.next()
-            except FrameError as error:
-                self._for_server = error
-                self._stop_serving()
-                return
-            if event is None:
-                return
-            kind = type(event)
-            if kind is bytes or kind is str:
-                try:
-                    taken = sink(event)
-                except Exception:  # noqa: BLE001 - the sink's own guard failed: end this connection only
-                    log.exception("a message sink failed")
-                    self._end(FinishReason.ERROR, CloseCode.INTERNAL_ERROR, "internal error")
-                    self._stop_serving()
-                    return
-                if taken is Taken.DONE:
-                    self.received += 1
-                    continue
-                if taken is Taken.HELD:
-                    self.received += 1
-                    self._held = True
-                else:
-                    messages.append(event)
-            elif kind is Pong:
-                self._pongs += 1
-                self._read_lot.unpark_all()  # for the keepalive (the serving task parks again)
-                continue
-            else:
-                self._for_server = event
-            self._unparsed = bool(parser.buffered)  # what follows waits for the serving task
-            self._stop_serving()
-            return
-
-    def _stop_serving(self) -> None:
-        # The socket stays in the hub's set: a task that serves again soon (after a held message)
-        # costs no registration, and a callback that finds no sink takes it out.
-        self._sink = None
-        self._read_lot.unpark_all()
-
-    async def _answer_for_server(self) -> None:
-        """Answer the frame the hub read for this end (before anything parsed after it)."""
-        event = self._for_server
-        self._for_server = None
-        if event is not None:
-            await self._handle(event)
-
     async def send(self, message: Message) -> None:
         self._check_open()
-        data, tail = self._frame(message)
+        data, tail = self._connection.frame(message)
         if not await self._write(data, tail):
-            raise self._closed()
+            raise self._connection.closed_error()
 
     #: ``send_nowait`` and ``flush`` are here: a session may send straight from a step's delivery.
     offers_send_nowait = True
@@ -256,14 +140,14 @@ class NativeWebSocket:
         self._check_open()
         if self._sending:
             raise trio.WouldBlock
-        data, tail = self._frame(message)
+        data, tail = self._connection.frame(message)
         rest = self._write_now(data, tail)
         if rest is None:
-            raise self._closed()
+            raise self._connection.closed_error()
         if not rest:
             return True
         self._sending = True  # held by the drain until the rest is out
-        trio.lowlevel.spawn_system_task(self._drain, rest, name="duplexrt.wsnative.drain")
+        trio.lowlevel.spawn_system_task(self._drain, rest, name="duplexrt.wire.native.drain")
         return False
 
     async def flush(self) -> None:
@@ -277,27 +161,9 @@ class NativeWebSocket:
         self._check_open()
 
     def _check_open(self) -> None:
-        # An ended input (idle) still lets the session send its end: only a closed connection stops it.
-        if self._close_sent or self._gone is not None:
-            raise self._ended or self._gone or TransportClosed(CloseCode.GOING_AWAY, "the connection is closing")
-
-    def _closed(self) -> TransportClosed:
-        return self._ended or self._gone or TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
-
-    def _frame(self, message: Message) -> tuple[bytes, bytes]:
-        """A message as one frame, header and payload apart for one writev: a server's payload
-        not copied, a client's masked in one copy (``masked_frame_parts``)."""
-        if type(message) is str:
-            payload = message.encode()
-            opcode = Opcode.TEXT
-        elif self._client:  # masked into a buffer of its own anyway: no copy of a view first
-            return masked_frame_parts(Opcode.BINARY, message, self._mask_keys.next())
-        else:
-            payload = message if type(message) is bytes else bytes(message)
-            opcode = Opcode.BINARY
-        if self._client:
-            return masked_frame_parts(opcode, payload, self._mask_keys.next())
-        return frame_header(opcode, len(payload)), payload
+        error = self._connection.send_error()
+        if error is not None:
+            raise error
 
     async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
         """Send Close (unless one was sent) and wait for the peer's, at most ``close_timeout``
@@ -312,7 +178,7 @@ class NativeWebSocket:
             with trio.move_on_at(self._close_deadline) as self._close_scope:
                 await self._send_close(code, reason)
                 # After a broken frame no Close of the peer's can be found: hang up at once.
-                while self._peer_close is None and self._gone is None and not (self._parser_failed or self._eof):
+                while self._connection.reading:
                     await self._read_more(limit=False)
         finally:
             self._drop_stream()
@@ -327,7 +193,10 @@ class NativeWebSocket:
     # -- keeping the peer honest -------------------------------------------------------------------
 
     async def watch(self, ping_interval: float, ping_timeout: float, idle_timeout: float) -> None:
-        """As ``WebSocketTransport.watch``: pings with a pong deadline, and an idle limit."""
+        """Run beside the session until cancelled: a WebSocket ping every ``ping_interval``
+        seconds, and the connection dropped when no pong comes within ``ping_timeout``; and the
+        session's input ended when no message comes for ``idle_timeout``.  A 0 turns that part
+        off (``ping_timeout`` 0: pings keep middleboxes awake but a missing pong ends nothing)."""
         async with trio.open_nursery() as nursery:
             if ping_interval > 0:
                 nursery.start_soon(self._keep_alive, ping_interval, ping_timeout)
@@ -337,16 +206,18 @@ class NativeWebSocket:
     async def _keep_alive(self, interval: float, timeout: float) -> None:
         while True:
             await trio.sleep(interval)
-            pongs = self._pongs
+            connection = self._connection
+            pongs = connection.pongs
             with trio.move_on_after(timeout if timeout > 0 else interval) as waited:
-                if not await self._write(frame(Opcode.PING, b"duplexrt", masked=self._client)):
+                if not await self._write(connection.ping()):
                     return
-                while self._pongs == pongs:
-                    if self._gone is not None or self._ended is not None or self._close_sent or self._eof:
+                while connection.pongs == pongs:
+                    if (connection.gone is not None or connection.ended is not None or connection.close_sent
+                            or connection.eof):
                         return
                     await self._read_more(limit=True)
             if waited.cancelled_caught and timeout > 0:
-                self._end(FinishReason.PING_TIMEOUT, CloseCode.GOING_AWAY, f"no pong within {timeout:g} s")
+                connection.end(FinishReason.PING_TIMEOUT, CloseCode.GOING_AWAY, f"no pong within {timeout:g} s")
                 self.abort()
                 return
 
@@ -361,12 +232,13 @@ class NativeWebSocket:
             return fresh
 
         await wait_for_silence(limit, heard)
-        self._end(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION, f"no message from the client for {limit:g} s")
+        self._connection.end(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION,
+                             f"no message from the client for {limit:g} s")
         # The session's input ends with that reason; the connection stays open so the session
         # can still send its end and close with its usage.  Shutting the read side wakes a
         # waiting read with the end of the stream (no cancel scope around every read for this
         # rare case); sends still go out.
-        self._read_shut = True
+        self._connection.shut_reading()
         try:
             self._sock.shutdown(socket.SHUT_RD)
         except OSError:
@@ -377,17 +249,12 @@ class NativeWebSocket:
 
     async def _fill(self) -> None:
         messages = self._messages
+        connection = self._connection
         while not messages:
-            if self._for_server is not None:  # a frame the hub read, before what follows it
-                await self._answer_for_server()
-                continue
-            if self._ended is not None:
-                raise self._ended
-            if self._gone is not None:
-                raise self._gone
-            if self._eof:
-                raise TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
-            if self._unparsed:  # frames that came with the handshake, or that the hub left
+            error = connection.receive_error()
+            if error is not None:
+                raise error
+            if self._unparsed:  # frames that came with the handshake
                 self._unparsed = False
                 await self._parse()
                 continue
@@ -396,11 +263,8 @@ class NativeWebSocket:
     async def _read_more(self, *, limit: bool) -> None:
         """Read once and parse what came, or, while another task reads (or, with ``limit``, while
         ``queue_limit`` messages wait unread), wait until that changes."""
-        if self._for_server is not None:
-            await self._answer_for_server()
-            return
-        if self._reading or self._sink is not None or (limit and len(self._messages) >= self._queue_limit):
-            await self._read_lot.park()  # the other reader (the hub, for a served session) wakes this
+        if self._reading or (limit and len(self._messages) >= self._queue_limit):
+            await self._read_lot.park()  # the other reader wakes this
             return
         self._reading = True
         try:
@@ -412,9 +276,9 @@ class NativeWebSocket:
         if not count:
             self._stream_ended()
             return
-        if self._parser_failed:
+        if self._connection.failed:
             return  # after a broken frame, only the end of the connection matters
-        event = self._take_messages()
+        event = self._connection.receive_into(self._messages)
         if event is not None:  # rare: a ping, a close, a broken frame
             await self._handle(event)
 
@@ -430,7 +294,7 @@ class NativeWebSocket:
             # The last read emptied the socket: at a paced 12.5 messages a second the next one
             # is not there yet, and trying first would only cost a failed syscall.
             if sock.fileno() < 0:
-                return 0  # closed while the hub served this connection: no wait to wake it
+                return 0  # closed already: no wait to wake it
             try:
                 await trio.lowlevel.wait_readable(sock)
             except (trio.ClosedResourceError, trio.BusyResourceError):
@@ -453,7 +317,7 @@ class NativeWebSocket:
                 return 0
             self._drained = count < len(room)
             # Taken at once, before any yield; after a broken frame the bytes are only overwritten.
-            if not self._parser_failed:
+            if not self._connection.failed:
                 parser.received(count)
             self._reads_without_wait += 1
             if self._reads_without_wait >= _YIELD_EVERY:
@@ -462,80 +326,44 @@ class NativeWebSocket:
             return count
 
     async def _parse(self) -> None:
-        event = self._take_messages()
+        event = self._connection.receive_into(self._messages)
         if event is not None:
             await self._handle(event)
 
-    async def _handle(self, event: Ping | Close | FrameError) -> None:
-        """Answer ``event`` (from ``_take_messages``), then go on parsing."""
+    async def _handle(self, event: Ping | Close | FrameError | None) -> None:
+        """Answer ``event`` (from ``Connection.receive_into``, which recorded what it means), then
+        go on parsing."""
+        connection = self._connection
         while event is not None:
-            if type(event) is FrameError:
-                await self._fail(event)
-                return
             if type(event) is Ping:
-                if not self._close_sent:
-                    await self._write(frame(Opcode.PONG, event, masked=self._client))
-            else:
-                assert isinstance(event, Close)
-                await self._peer_closed(event)
+                pong = connection.pong(event)
+                if pong is not None:
+                    await self._write(pong)
+            elif type(event) is FrameError:  # close with its code; nothing more is read into messages
+                with trio.move_on_after(self._close_timeout):
+                    await self._send_close(event.code, event.reason)
                 return
-            event = self._take_messages()
-
-    def _take_messages(self) -> Ping | Close | FrameError | None:
-        """Queue every whole message parsed so far and count pongs, without a coroutine (a read
-        that brings audio needs no other work); stop at the first event that needs a write (a
-        ping, a close) or a broken frame, and return it."""
-        parser = self._parser
-        messages = self._messages
-        while True:
-            try:
-                event = parser.next()
-            except FrameError as error:
-                return error
-            if event is None:
-                return None
-            kind = type(event)
-            if kind is bytes or kind is str:
-                messages.append(event)
-            elif kind is Pong:
-                self._pongs += 1
-            else:
-                return event
-
-    async def _peer_closed(self, close: Close) -> None:
-        self._peer_close = close
-        if self._gone is None:
-            self._gone = TransportClosed(close.code, close.reason)
-        if not self._close_sent:  # answer with the same code, then (a server) hang up
-            code = close.code if close.code != 1005 else CloseCode.NORMAL_CLOSURE
-            with trio.move_on_after(self._close_timeout):
-                await self._send_close(code, "")
-        if not self._client:
-            self._drop_stream()
-
-    async def _fail(self, error: FrameError) -> None:
-        """A broken frame: close with its code, and read nothing more into messages."""
-        self._parser_failed = True
-        finish = FinishReason.MESSAGE_TOO_BIG if error.code == CloseCode.MESSAGE_TOO_BIG else FinishReason.PROTOCOL_ERROR
-        self._end(finish, error.code, error.reason)
-        with trio.move_on_after(self._close_timeout):
-            await self._send_close(error.code, error.reason)
+            else:  # the peer's Close: answer with the same code, then (a server) hang up
+                assert isinstance(event, Close)
+                with trio.move_on_after(self._close_timeout):
+                    await self._send_close(event.code if event.code != 1005 else CloseCode.NORMAL_CLOSURE, "")
+                if not self._client:
+                    self._drop_stream()
+                return
+            event = connection.receive_into(self._messages)
 
     def _stream_ended(self) -> None:
-        """A read found the end of the stream (whoever read: the hub or a task)."""
-        if self._read_shut:
-            self._eof = True  # this end stopped reading (idle): sending still works
-        else:
-            self._lost()
+        """A read found the end of the stream."""
+        self._connection.stream_ended()
+        self._read_lot.unpark_all()
 
     def _lost(self) -> None:
-        if self._gone is None:
-            self._gone = TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+        self._connection.lost()
         self._read_lot.unpark_all()
 
     # -- writing ---------------------------------------------------------------------------------
 
-    async def _write(self, data: bytes, tail: bytes = b"") -> bool:
+    async def _write(self, data: bytes | bytearray, tail: bytes = b"") -> bool:
         """Send ``data`` and then ``tail`` whole, one writer at a time; False once the connection
         is gone.  The write is tried at once: it waits (and yields) only when the socket's buffer
         is full."""
@@ -550,7 +378,7 @@ class NativeWebSocket:
         finally:
             self._release_send()
 
-    def _write_now(self, data: bytes, tail: bytes) -> bytes | memoryview | None:
+    def _write_now(self, data: bytes | bytearray, tail: bytes) -> bytes | memoryview | None:
         """Write what the socket takes now, without waiting: what is left of ``data + tail``
         (empty once all of it went), or None once the connection is gone."""
         fd = self._sock.fileno()
@@ -595,7 +423,7 @@ class NativeWebSocket:
             self._lost()
             return False
 
-    async def _drain(self, rest: memoryview) -> None:
+    async def _drain(self, rest: bytes | memoryview) -> None:
         """The rest of a ``send_nowait`` (a system task: it must not raise, and ends when the
         connection does, since a dropped socket wakes its wait)."""
         try:
@@ -611,23 +439,12 @@ class NativeWebSocket:
             self._send_lot.unpark()
 
     async def _send_close(self, code: int, reason: str) -> None:
-        if self._close_sent or (self._gone is not None and self._peer_close is None):  # sent, or no one to tell
-            return
-        self._close_sent = True
-        await self._write(frame(Opcode.CLOSE, close_payload(code, reason), masked=self._client))
+        data = self._connection.close(code, reason)
+        if data is not None:
+            await self._write(data)
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _end(self, finish_reason: FinishReason, code: int, reason: str) -> TransportClosed:
-        if self._ended is None:
-            self._ended = TransportClosed(code, reason, finish_reason)
-        return self._ended
-
     def _drop_stream(self) -> None:
-        # A synchronous close: whatever waits on the socket wakes with ClosedResourceError, and
-        # a task the hub serves is woken here (the hub forgets the socket before it closes).
-        if self._hub is not None:
-            self._hub.forget(self._fd, self._on_readable)
-            self._sink = None
-            self._read_lot.unpark_all()
+        # A synchronous close: whatever waits on the socket wakes with ClosedResourceError.
         self._stream.socket.close()

@@ -1,4 +1,4 @@
-"""The native WebSocket transport (duplexrt.wsnative) over a real socket pair: both ends are
+"""The native WebSocket transport (duplexrt.wire.native) over a real socket pair: both ends are
 ``NativeWebSocket``s, or one is a hand-driven peer writing frames laid out by hand."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ import pytest
 import trio
 import trio.testing
 
-from duplexrt.readhub import ReadHub
 from duplexrt.reasons import CloseCode, FinishReason
-from duplexrt.transport import Taken, TransportClosed
-from duplexrt.wsframes import Close, FrameParser, Opcode, Pong, frame
-from duplexrt.wsnative import NativeWebSocket
+from duplexrt.wire.transport import TransportClosed
+from duplexrt.wire.frames import Close, FrameParser, Opcode, Pong, frame
+from duplexrt.wire.native import NativeWebSocket
 
 
 def _pair(client_max_message: int = 1 << 20) -> tuple[NativeWebSocket, NativeWebSocket]:
@@ -236,168 +235,80 @@ async def test_flush_raises_as_send_would_once_the_peer_is_gone_with_the_rest_un
         server.send_nowait(b"late")
 
 
-# -- serving through a read hub (serve_messages) -----------------------------------------------------
+# -- a reader waiting in receive, and what ends its wait ----------------------------------------------
 
 
-class Sink:
-    """Takes messages as the hub reads them, answering each from ``answers`` (then DONE)."""
-
-    def __init__(self, *answers: Taken) -> None:
-        self.answers = list(answers)
-        self.taken: list[object] = []
-
-    def __call__(self, message) -> Taken:
-        answer = self.answers.pop(0) if self.answers else Taken.DONE
-        if answer is not Taken.LEFT:
-            self.taken.append(message)
-        return answer
-
-
-@contextlib.asynccontextmanager
-async def _served(**server_options):
-    """A hub running, a server end on it and a hand-driven peer; the first message (which
-    ``serve_messages`` takes as ``receive`` does, for its deadline) already taken."""
-    hub = ReadHub()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(hub.run)
-        server, peer = _hand_pair(hub=hub, **server_options)
-        await peer.send(Opcode.BINARY, b"first")
-        assert await server.serve_messages(Sink()) == b"first"
-        yield hub, server, peer, nursery
-        nursery.cancel_scope.cancel()
-
-
-async def _serve_in_background(nursery: trio.Nursery, server: NativeWebSocket, sink: Sink) -> list:
-    """Start ``serve_messages(sink)``; the list gets what it returned (or the TransportClosed)."""
+async def _receive_in_background(nursery: trio.Nursery, server: NativeWebSocket) -> list:
+    """Start ``receive()``; the list gets what it returned (or the TransportClosed)."""
     outcome: list = []
 
-    async def serve() -> None:
+    async def receive() -> None:
         try:
-            outcome.append(await server.serve_messages(sink))
+            outcome.append(await server.receive())
         except TransportClosed as closed:
             outcome.append(closed)
 
-    nursery.start_soon(serve)
+    nursery.start_soon(receive)
     await trio.testing.wait_all_tasks_blocked()
     return outcome
 
 
-@pytest.mark.skipif(not ReadHub.available(), reason="the read hub needs epoll (Linux)")
-class TestServing:
-    async def test_the_sink_takes_every_message_in_order_and_the_serving_task_is_not_handed_any(self):
-        async with _served() as (hub, server, peer, nursery):
-            sink = Sink()
-            outcome = await _serve_in_background(nursery, server, sink)
-            await peer.stream.send_all(b"".join(frame(Opcode.BINARY, bytes([i]) * 3, masked=True) for i in range(4)))
-            await peer.send(Opcode.TEXT, b"five")
-            await trio.testing.wait_all_tasks_blocked()
-            assert sink.taken == [b"\x00" * 3, b"\x01" * 3, b"\x02" * 3, b"\x03" * 3, "five"]
-            assert outcome == [] and server.received == 6
-            assert hub.watching(server._fd)
+@contextlib.asynccontextmanager
+async def _receiving(**server_options):
+    """A server end and a hand-driven peer, the first message (with its deadline) already taken."""
+    async with trio.open_nursery() as nursery:
+        server, peer = _hand_pair(**server_options)
+        await peer.send(Opcode.BINARY, b"first")
+        assert await server.receive() == b"first"
+        yield server, peer, nursery
+        nursery.cancel_scope.cancel()
 
-    async def test_a_left_message_is_returned_and_what_came_after_it_waits_for_the_next_serve(self):
-        async with _served() as (hub, server, peer, nursery):
-            sink = Sink(Taken.DONE, Taken.LEFT)
-            outcome = await _serve_in_background(nursery, server, sink)
-            await peer.stream.send_all(b"".join(frame(Opcode.BINARY, m, masked=True) for m in (b"a", b"b", b"c")))
-            await trio.testing.wait_all_tasks_blocked()
-            assert outcome == [b"b"] and sink.taken == [b"a"]  # c was not offered
-            assert server.received == 3  # first, a, and b (returned): c waits in the parser
-            later = Sink()
-            assert await server.serve_messages(later) == b"c"  # what waits goes first, as receive
-            assert later.taken == []
 
-    async def test_a_held_message_counts_as_received_and_serving_returns_none(self):
-        async with _served() as (hub, server, peer, nursery):
-            sink = Sink(Taken.HELD)
-            outcome = await _serve_in_background(nursery, server, sink)
-            await peer.send(Opcode.TEXT, b"needs the task")
-            await trio.testing.wait_all_tasks_blocked()
-            assert outcome == [None] and sink.taken == ["needs the task"] and server.received == 2
+async def test_a_message_read_with_a_ping_is_received_after_the_pong():
+    async with _receiving() as (server, peer, nursery):
+        outcome = await _receive_in_background(nursery, server)
+        await peer.stream.send_all(frame(Opcode.PING, b"there?", masked=True)
+                                   + frame(Opcode.BINARY, b"after the ping", masked=True))
+        assert await peer.next_event() == Pong(b"there?")
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome == [b"after the ping"] and server.received == 2
 
-    async def test_a_ping_is_answered_by_the_serving_task_and_serving_goes_on(self):
-        async with _served() as (hub, server, peer, nursery):
-            sink = Sink()
-            outcome = await _serve_in_background(nursery, server, sink)
-            await peer.send(Opcode.PING, b"there?")
-            assert await peer.next_event() == Pong(b"there?")
-            await peer.send(Opcode.BINARY, b"later")
-            await trio.testing.wait_all_tasks_blocked()
-            assert outcome == [] and sink.taken == [b"later"]
 
-    async def test_a_message_read_with_a_ping_goes_to_the_serving_task_after_the_pong(self):
-        async with _served() as (hub, server, peer, nursery):
-            sink = Sink()
-            outcome = await _serve_in_background(nursery, server, sink)
-            await peer.stream.send_all(frame(Opcode.PING, b"there?", masked=True)
-                                       + frame(Opcode.BINARY, b"after the ping", masked=True))
-            assert await peer.next_event() == Pong(b"there?")
-            await trio.testing.wait_all_tasks_blocked()
-            assert outcome == [b"after the ping"] and sink.taken == []
+async def test_a_vanished_peer_wakes_a_waiting_receive_with_a_drop():
+    async with _receiving() as (server, peer, nursery):
+        outcome = await _receive_in_background(nursery, server)
+        peer.stream.socket.close()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(outcome) == 1 and outcome[0].code == CloseCode.ABNORMAL_CLOSURE
 
-    async def test_a_peer_close_ends_serving_and_is_answered(self):
-        async with _served() as (hub, server, peer, nursery):
-            outcome = await _serve_in_background(nursery, server, Sink())
-            await peer.send(Opcode.CLOSE, struct.pack("!H", 1000) + b"bye")
-            answer = await peer.next_event()
-            await trio.testing.wait_all_tasks_blocked()
-            assert isinstance(answer, Close) and answer.code == 1000
-            assert len(outcome) == 1 and (outcome[0].code, outcome[0].reason) == (1000, "bye")
 
-    async def test_a_vanished_peer_ends_serving_as_a_drop(self):
-        async with _served() as (hub, server, peer, nursery):
-            outcome = await _serve_in_background(nursery, server, Sink())
-            peer.stream.socket.close()
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(outcome) == 1 and outcome[0].code == CloseCode.ABNORMAL_CLOSURE
+async def test_an_abort_wakes_a_waiting_receive_with_a_drop():
+    async with _receiving() as (server, peer, nursery):
+        outcome = await _receive_in_background(nursery, server)
+        server.abort()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(outcome) == 1 and outcome[0].code == CloseCode.ABNORMAL_CLOSURE
 
-    async def test_an_abort_while_serving_wakes_the_task_with_a_drop_and_the_hub_forgets_the_socket(self):
-        async with _served() as (hub, server, peer, nursery):
-            outcome = await _serve_in_background(nursery, server, Sink())
-            server.abort()
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(outcome) == 1 and outcome[0].code == CloseCode.ABNORMAL_CLOSURE
-            assert len(hub) == 0
 
-    async def test_a_broken_frame_while_serving_closes_with_its_code(self):
-        async with _served(max_message=1024) as (hub, server, peer, nursery):
-            sink = Sink()
-            outcome = await _serve_in_background(nursery, server, sink)
-            await peer.send(Opcode.BINARY, b"x" * 2000)
-            answer = await peer.next_event()
-            await trio.testing.wait_all_tasks_blocked()
-            assert isinstance(answer, Close) and answer.code == CloseCode.MESSAGE_TOO_BIG
-            assert outcome[0].finish_reason == FinishReason.MESSAGE_TOO_BIG and sink.taken == []
+@pytest.mark.parametrize(("limits", "after", "finish"), [
+    ((0, 0, 5.0), 6, FinishReason.IDLE_TIMEOUT),  # silent: the idle limit
+    ((1.0, 1.0, 0), 3, FinishReason.PING_TIMEOUT),  # never answers pings
+], ids=["idle", "no-pong"])
+async def test_a_waiting_receive_ends_with_the_limit_a_silent_peer_ran_into(autojump_clock, limits, after, finish):
+    async with _receiving() as (server, peer, nursery):
+        nursery.start_soon(server.watch, *limits)
+        outcome = await _receive_in_background(nursery, server)
+        await trio.sleep(after)
+        assert outcome[0].finish_reason == finish
 
-    async def test_a_sink_that_raises_ends_only_its_connection_with_an_internal_error(self):
-        async with _served() as (hub, server, peer, nursery):
-            def broken(message) -> Taken:
-                raise RuntimeError("a bug in the session")
 
-            outcome = await _serve_in_background(nursery, server, broken)
-            await peer.send(Opcode.BINARY, b"boom")
-            await trio.testing.wait_all_tasks_blocked()
-            assert outcome[0].code == CloseCode.INTERNAL_ERROR and outcome[0].finish_reason == FinishReason.ERROR
-
-    @pytest.mark.parametrize(("limits", "after", "finish"), [
-        ((0, 0, 5.0), 6, FinishReason.IDLE_TIMEOUT),  # silent: the idle limit
-        ((1.0, 1.0, 0), 3, FinishReason.PING_TIMEOUT),  # never answers pings
-    ], ids=["idle", "no-pong"])
-    async def test_a_served_peer_is_held_to_the_same_limits(self, autojump_clock, limits, after, finish):
-        async with _served() as (hub, server, peer, nursery):
-            nursery.start_soon(server.watch, *limits)
-            outcome = await _serve_in_background(nursery, server, Sink())
-            await trio.sleep(after)
-            assert outcome[0].finish_reason == finish
-
-    async def test_pongs_read_by_the_hub_reach_the_keepalive(self, autojump_clock):
-        async with _served() as (hub, server, peer, nursery):
-            nursery.start_soon(server.watch, 1.0, 1.0, 0)
-            sink = Sink()
-            outcome = await _serve_in_background(nursery, server, sink)
-            for _ in range(4):  # answer four pings, each within its deadline
-                ping = await peer.next_event()
-                await peer.send(Opcode.PONG, bytes(ping))
-            await peer.send(Opcode.BINARY, b"alive")
-            await trio.testing.wait_all_tasks_blocked()
-            assert outcome == [] and sink.taken == [b"alive"]
+async def test_pongs_read_while_the_reader_waits_reach_the_keepalive(autojump_clock):
+    async with _receiving() as (server, peer, nursery):
+        nursery.start_soon(server.watch, 1.0, 1.0, 0)
+        outcome = await _receive_in_background(nursery, server)
+        for _ in range(4):  # answer four pings, each within its deadline
+            ping = await peer.next_event()
+            await peer.send(Opcode.PONG, bytes(ping))
+        await peer.send(Opcode.BINARY, b"alive")
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome == [b"alive"]

@@ -22,11 +22,11 @@ from duplexrt.core.handoffs import HandoffStatistics, Handoffs
 from duplexrt.core.histogram import Histogram
 from duplexrt.core.metrics import FrameMetrics, FrameStatistics
 from duplexrt.core.scheduler import BackendLoadError, Scheduler, SchedulerStatistics
-from duplexrt.core.session import Session, SessionServices
+from duplexrt.session.session import Session, SessionServices
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawTranslator
-from duplexrt.transport import Transport
+from duplexrt.wire.transport import Transport
 
 log = logging.getLogger("duplexrt.runtime")
 

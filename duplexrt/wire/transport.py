@@ -8,9 +8,8 @@ same session code a network connection will.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 import trio
@@ -19,21 +18,8 @@ from duplexrt.reasons import CloseCode, FinishReason
 
 Message = bytes | str
 
-
-class Taken(enum.Enum):
-    """What a ``serve_messages`` sink answers for a message handed to it."""
-
-    #: Taken and dealt with: serving goes on.
-    DONE = "done"
-    #: Taken (it counts as received), but what it asks for has to wait: ``serve_messages``
-    #: returns None so that the caller's task can do it.
-    HELD = "held"
-    #: Not taken, nothing done with it: ``serve_messages`` returns it to the caller.
-    LEFT = "left"
-
-
-#: Takes one message where it is read, without yielding; must not raise.
-Sink = Callable[[Message], Taken]
+#: How long a WebSocket close may wait for the peer's Close frame unless told otherwise.
+DEFAULT_CLOSE_TIMEOUT = 3.0
 
 
 class TransportClosed(Exception):
@@ -50,21 +36,7 @@ class TransportClosed(Exception):
 
 
 class Transport(Protocol):
-    """What a session talks through.  A transport may also offer a send that never yields, for
-    a session to send a step's output from the step's delivery without waking its writer task:
-    it says so with ``offers_send_nowait = True`` and has ``send_nowait(message) -> bool`` (True
-    once written whole; False when it holds the rest of the message itself, writes it as soon as
-    it can, and sends everything later after it; raises ``trio.WouldBlock``, taking nothing,
-    when it cannot take the message now) and ``async flush()`` (returns once everything taken is
-    out; raises TransportClosed where ``send`` would).  ``NativeWebSocket``, ``ResumableTransport``
-    over it and ``MemoryTransport`` do.
-
-    A transport may also offer ``async serve_messages(sink) -> Message | None``: each message as
-    it is read is handed to ``sink`` right where it was read (a server's read hub), so that the
-    waiting task is not woken for the ones the sink deals with (``Taken.DONE``); it returns the
-    first one the sink leaves (``Taken.LEFT``), or None after one the sink holds for the caller
-    (``Taken.HELD``).  Without a hub it is ``receive``.  ``NativeWebSocket`` and
-    ``ResumableTransport`` over it do."""
+    """What a session talks through (``DirectSend`` is what a transport may offer besides)."""
 
     async def receive(self) -> Message:
         """The next whole message; raises TransportClosed once the peer has closed."""
@@ -89,6 +61,36 @@ class Transport(Protocol):
     async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
         """Close both directions, telling the peer why.  Idempotent."""
         ...
+
+
+@runtime_checkable
+class DirectSend(Protocol):
+    """A transport that can send without yielding, so that a session sends a step's output
+    from the step's delivery instead of waking its writer task for it.  A session checks for it
+    once, when it is built (``direct_send``).  ``NativeWebSocket``, ``ResumableTransport`` over
+    it and ``MemoryTransport`` offer it."""
+
+    #: False where the class has the methods but the connection under it cannot use them (a
+    #: ``ResumableTransport`` over a transport without a direct send).
+    offers_send_nowait: bool
+
+    def send_nowait(self, message: Message) -> bool:
+        """True once ``message`` is written whole; False when the transport holds the rest of
+        it, writes it as soon as it can, and sends everything later after it.  Raises
+        ``trio.WouldBlock``, taking nothing, when it cannot take the message now, and
+        TransportClosed where ``send`` would."""
+        ...
+
+    async def flush(self) -> None:
+        """Return once everything taken is out; raises TransportClosed where ``send`` would."""
+        ...
+
+
+def direct_send(transport: object) -> DirectSend | None:
+    """``transport`` as a ``DirectSend`` where it offers one, else None."""
+    if isinstance(transport, DirectSend) and transport.offers_send_nowait:
+        return transport
+    return None
 
 
 @attrs.define
@@ -212,8 +214,8 @@ IDLE_CHECKS = 8
 async def wait_for_silence(limit: float, heard: Callable[[], bool]) -> None:
     """Return once ``heard()`` has answered False at every look for ``limit`` seconds.
 
-    The one idle clock of both WebSocket transports; each says what counts as hearing from its
-    peer (a message taken since the last look, or one read and not yet taken)."""
+    The server's idle clock (``NativeWebSocket.watch``); the caller says what counts as hearing
+    from its peer (a message taken since the last look, or one read and not yet taken)."""
     last_heard = trio.current_time()
     while True:
         await trio.sleep(limit / IDLE_CHECKS)

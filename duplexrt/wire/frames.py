@@ -16,19 +16,23 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
 from duplexrt.reasons import CloseCode
 
+#: websockets' C ``apply_mask``: one call that XORs and copies in one pass, where a numpy XOR in
+#: place and a copy out cost about twice as much in a loaded server, whose numpy calls run cold
+#: between messages (what each costs there: ``benchmarks/profile_server.py``).  None without
+#: websockets' C extension: numpy does it then.  It takes any buffer, whatever its stub says.
+_apply_mask: Callable[[Any, Any], bytes] | None
 try:
-    # One C call that XORs and copies in one pass.  In a loaded server a numpy XOR in place and
-    # a copy out cost 33.8-37.8 µs of the trio thread's CPU per 15 KB message, this 17.2-20.5
-    # (benchmarks/timed_serve.py, 96 paced sessions: docs/benchmarks.md, "Hot path, seventh
-    # pass"): what a numpy call costs there is its dispatch, run cold between messages.
-    from websockets.speedups import apply_mask as _apply_mask
-except ImportError:  # websockets built without its C extension: numpy does it
+    from websockets.speedups import apply_mask
+    _apply_mask = apply_mask
+except ImportError:  # websockets built without its C extension
     _apply_mask = None
 #: What ``apply_mask`` takes as it is; any other buffer (a numpy array) goes in as a memoryview.
 _MASKABLE = (bytes, bytearray, memoryview)
@@ -219,8 +223,8 @@ class FrameParser:
 
     def _allocate(self, size: int, unparsed: bytes | bytearray | memoryview) -> None:
         # The buffer is replaced, never resized: the views below stay valid for its whole life,
-        # and slicing one costs less than making a view per frame (measured in a loaded server,
-        # where each numpy call costs several times what a tight loop says).
+        # and slicing one costs less than making a view per frame in a loaded server, where each
+        # numpy call costs several times what a tight loop says (``benchmarks/profile_server.py``).
         buffer = bytearray((size + 63) & ~63)  # whole 32-bit words, for the word view
         buffer[:len(unparsed)] = unparsed
         self._buffer = buffer
@@ -275,7 +279,8 @@ class FrameParser:
             pos = self._pos
             available = self._end - pos
             if available < 2:
-                return self._wait(0)
+                self._wait(0)
+                return None
             first = buffer[pos]
             second = buffer[pos + 1]
             if first & 0x70:
@@ -290,12 +295,14 @@ class FrameParser:
             start = pos + 2
             if size == 126:
                 if available < 4:
-                    return self._wait(0)
+                    self._wait(0)
+                    return None
                 size = (buffer[pos + 2] << 8) | buffer[pos + 3]
                 start = pos + 4
             elif size == 127:
                 if available < 10:
-                    return self._wait(0)
+                    self._wait(0)
+                    return None
                 size = int.from_bytes(buffer[pos + 2:pos + 10], "big")
                 if size >> 63:
                     raise FrameError(CloseCode.PROTOCOL_ERROR, "frame length has its top bit set")
@@ -318,12 +325,14 @@ class FrameParser:
                 start += 4
                 end = start + size
                 if self._end < end:
-                    return self._wait(end - pos)
+                    self._wait(end - pos)
+                    return None
                 payload = self._unmask(start, size)
             else:
                 end = start + size
                 if self._end < end:
-                    return self._wait(end - pos)
+                    self._wait(end - pos)
+                    return None
                 payload = bytes(self._view[start:end])
             self._need = 0
             # All parsed: the next read starts at the front again (and 4-byte aligned).
@@ -338,7 +347,7 @@ class FrameParser:
                 self._size += size
                 if not fin:
                     continue
-                opcode = self._opcode
+                opcode = self._opcode  # type: ignore[assignment]  # set: a continuation needs one (checked above)
                 payload = b"".join(self._fragments)
                 self._opcode = None
                 self._fragments = []

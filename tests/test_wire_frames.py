@@ -1,4 +1,4 @@
-"""The RFC 6455 frame parser and framing helpers (duplexrt.wsframes), without sockets.
+"""The RFC 6455 frame parser and framing helpers (duplexrt.wire.frames), without sockets.
 
 Frames are built here by hand from the RFC's layout (and cross-checked against wsproto where a
 library's framing is the reference), so a parser bug cannot hide behind a matching serializer bug.
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from wsproto.frame_protocol import FrameProtocol, Opcode as WsOpcode
 
-from duplexrt import wsframes
-from duplexrt.wsframes import (BUFFER_SIZE, Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload,
+from duplexrt.wire import frames as wsframes
+from duplexrt.wire.frames import (BUFFER_SIZE, Close, FrameError, FrameParser, Opcode, Ping, Pong, close_payload,
                                frame, frame_header, masked_frame, masked_frame_parts, MaskKeys, unmask)
 
 MASK = b"\x11\x22\x33\x44"
@@ -294,7 +294,7 @@ def test_mask_keys_are_drawn_from_the_system_s_random_source_a_batch_at_a_time(m
         draws.append(n)
         return real(n)
 
-    monkeypatch.setattr("duplexrt.wsframes.os.urandom", counting)
+    monkeypatch.setattr("duplexrt.wire.frames.os.urandom", counting)
     keys = MaskKeys(batch=64)
     taken = [keys.next() for _ in range(150)]
     assert all(len(key) == 4 for key in taken)

@@ -1,0 +1,208 @@
+"""One WebSocket connection's state, without I/O: bytes in, events out; messages in, bytes out.
+
+``native.NativeWebSocket`` drives a ``Connection`` over a trio socket; everything it must know to
+decide what the connection may still do lives here, in one place, as h11 and wsproto keep it:
+
+- ``state`` (``ConnectionState``): the closing handshake, as each side's Close has gone or come;
+- ``ended``: why THIS end ended the connection (a broken frame, a limit the driver enforces),
+  the one thing every later receive and send raises;
+- ``gone``: how the PEER ended it (its Close, or a connection that dropped), what a receive
+  raises once the messages already read have been taken;
+- the read side: the frame parser (the socket reads straight into its buffer: ``room`` and
+  ``received``), whether a broken frame spent it, and whether this end shut its reading.
+
+Input: ``receive_into(messages)`` queues every whole message parsed so far and counts pongs, and
+hands back the first event that needs an answer (a ``Ping``, the peer's ``Close``, a
+``FrameError``), having already recorded what it means for the state.  Output: ``frame``,
+``pong``, ``ping`` and ``close`` give the bytes to write, and ``close`` moves the state.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.wire.frames import (Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
+                                  frame, frame_header, masked_frame_parts)
+from duplexrt.wire.transport import Message, TransportClosed
+
+
+class ConnectionState(enum.Enum):
+    """Where the closing handshake stands (RFC 6455 7.1)."""
+
+    #: Messages may go both ways.
+    OPEN = "open"
+    #: This end sent its Close and waits for the peer's; nothing more is sent.
+    CLOSE_SENT = "close sent"
+    #: The peer sent its Close; this end answers with its own, and reads nothing more.
+    CLOSE_RECEIVED = "close received"
+    #: Both Closes went: nothing more either way.  (A connection that drops is ``gone``, in
+    #: whichever state it was.)
+    CLOSED = "closed"
+
+
+_CLOSE_SENT = ConnectionState.CLOSE_SENT
+_CLOSED = ConnectionState.CLOSED
+
+
+def dropped() -> TransportClosed:
+    """What a receive raises once the peer has hung up without a Close."""
+    return TransportClosed(CloseCode.ABNORMAL_CLOSURE, "the connection dropped without a Close frame")
+
+
+class Connection:
+    """One end of a WebSocket (see the module docstring).  ``client``: this end masks what it
+    sends and the peer must not; ``max_message``: the largest message the peer may send."""
+
+    def __init__(self, *, client: bool, max_message: int) -> None:
+        self.client = client
+        self.state = ConnectionState.OPEN
+        #: Why this end ended the connection: what every later receive and send raises.
+        self.ended: TransportClosed | None = None
+        #: How the peer ended it (its Close, or a drop): what a receive raises once the
+        #: messages already read are taken.
+        self.gone: TransportClosed | None = None
+        #: The peer's Close, once it came.
+        self.peer_close: Close | None = None
+        #: A broken frame spent the parser: what the socket still brings is only read past.
+        self.failed = False
+        #: This end shut its reading (the idle limit): the end of the stream is no hang-up then.
+        self.read_shut = False
+        #: The stream ended after this end shut its reading: nothing more will be read.
+        self.eof = False
+        #: Pongs received so far (the keepalive reads it).
+        self.pongs = 0
+        self.parser = FrameParser(masked=not client, max_message=max_message)
+        self._mask_keys = MaskKeys() if client else None
+
+    # -- the state, as the driver asks about it ----------------------------------------------------
+
+    @property
+    def close_sent(self) -> bool:
+        state = self.state
+        return state is ConnectionState.CLOSE_SENT or state is ConnectionState.CLOSED
+
+    @property
+    def reading(self) -> bool:
+        """Something may still come in: no Close from the peer, no drop, no broken frame, no end
+        of the stream after this end stopped reading."""
+        return self.peer_close is None and self.gone is None and not (self.failed or self.eof)
+
+    def send_error(self) -> TransportClosed | None:
+        """What a send raises now, or None while sending is allowed.  An ended input (the idle
+        limit) still lets a session send its end: only a closing or closed connection stops it."""
+        state = self.state  # once per message sent: the states by identity, no property call
+        if state is _CLOSE_SENT or state is _CLOSED or self.gone is not None:
+            return self.ended or self.gone or TransportClosed(CloseCode.GOING_AWAY, "the connection is closing")
+        return None
+
+    def closed_error(self) -> TransportClosed:
+        """What a write that found the connection gone raises."""
+        return self.ended or self.gone or dropped()
+
+    def receive_error(self) -> TransportClosed | None:
+        """What a receive raises once no message waits, or None while one may still come."""
+        if self.ended is not None:
+            return self.ended
+        if self.gone is not None:
+            return self.gone
+        if self.eof:
+            return dropped()
+        return None
+
+    # -- input ---------------------------------------------------------------------------------------
+
+    def receive_into(self, messages: deque[Message]) -> Ping | Close | FrameError | None:
+        """Append every whole message parsed so far to ``messages``
+        and count pongs; stop at the first event that needs an answer and return it, its meaning
+        already recorded: a ``Close`` (the peer's end), a ``FrameError`` (this end's), a ``Ping``.
+        A plain call, no coroutine: a read that brings audio needs no other work."""
+        parser = self.parser
+        append = messages.append
+        while True:
+            try:
+                event = parser.next()
+            except FrameError as error:
+                self._broken(error)
+                return error
+            if event is None:
+                return None
+            kind = type(event)
+            if kind is bytes or kind is str:  # exactly: a Ping and a Pong are bytes too
+                append(event)  # type: ignore[arg-type]
+            elif kind is Pong:
+                self.pongs += 1
+            elif isinstance(event, Close):
+                self._peer_closed(event)
+                return event
+            else:
+                return event  # type: ignore[return-value]  # a Ping, by elimination
+
+    def _broken(self, error: FrameError) -> None:
+        self.failed = True
+        finish = FinishReason.MESSAGE_TOO_BIG if error.code == CloseCode.MESSAGE_TOO_BIG else FinishReason.PROTOCOL_ERROR
+        self.end(finish, error.code, error.reason)
+
+    def _peer_closed(self, close: Close) -> None:
+        self.peer_close = close
+        if self.gone is None:
+            self.gone = TransportClosed(close.code, close.reason)
+        self.state = ConnectionState.CLOSED if self.state is ConnectionState.CLOSE_SENT else ConnectionState.CLOSE_RECEIVED
+
+    def stream_ended(self) -> None:
+        """A read found the end of the stream."""
+        if self.read_shut:
+            self.eof = True  # this end stopped reading (idle): sending still works
+        else:
+            self.lost()
+
+    def lost(self) -> None:
+        """The connection is gone under both directions (a reset, a broken pipe, no more bytes)."""
+        if self.gone is None:
+            self.gone = dropped()
+
+    def shut_reading(self) -> None:
+        """This end stops reading (the idle limit): the stream's end that follows is no drop."""
+        self.read_shut = True
+
+    def end(self, finish_reason: FinishReason, code: int, reason: str) -> TransportClosed:
+        """This end ends the connection with ``code`` and ``reason`` (the first reason wins)."""
+        if self.ended is None:
+            self.ended = TransportClosed(code, reason, finish_reason)
+        return self.ended
+
+    # -- output --------------------------------------------------------------------------------------
+
+    def frame(self, message: Message) -> tuple[bytes | bytearray, bytes]:
+        """A message as one frame, header and payload apart for one writev: a server's payload
+        not copied, a client's masked in one copy (``masked_frame_parts``)."""
+        keys = self._mask_keys
+        if isinstance(message, str):
+            payload: bytes | bytearray | memoryview = message.encode()
+            opcode = Opcode.TEXT
+        else:
+            opcode = Opcode.BINARY
+            if keys is not None:  # masked into a buffer of its own anyway: no copy of a view first
+                return masked_frame_parts(opcode, message, keys.next())
+            payload = message if type(message) is bytes else bytes(message)
+        if keys is not None:
+            return masked_frame_parts(opcode, payload, keys.next())
+        return frame_header(opcode, len(payload)), payload  # type: ignore[return-value]  # bytes, from above
+
+    def ping(self) -> bytes:
+        return frame(Opcode.PING, b"duplexrt", masked=self.client)
+
+    def pong(self, ping: Ping) -> bytes | None:
+        """The answer to ``ping``, or None once this end's Close went (nothing more is sent)."""
+        if self.close_sent:
+            return None
+        return frame(Opcode.PONG, ping, masked=self.client)
+
+    def close(self, code: int, reason: str) -> bytes | None:
+        """This end's Close frame, or None when there is none to send: one went already, or the
+        connection dropped with no Close of the peer's to answer."""
+        if self.close_sent or (self.gone is not None and self.peer_close is None):
+            return None
+        self.state = ConnectionState.CLOSED if self.state is ConnectionState.CLOSE_RECEIVED else ConnectionState.CLOSE_SENT
+        return frame(Opcode.CLOSE, close_payload(code, reason), masked=self.client)
