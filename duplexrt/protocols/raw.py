@@ -48,7 +48,7 @@ class RawProtocol(Translator):
             return AudioIn(message)
         try:
             data = json.loads(message)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the stack
             return ProtocolError("invalid_json", "text messages must be JSON objects")
         if not isinstance(data, dict) or not isinstance(data.get("type"), str):
             return ProtocolError("invalid_event", 'control messages must be objects with a string "type"')
