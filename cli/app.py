@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ from duplexrt.routes import client_paths, routes_help
 
 if TYPE_CHECKING:
     from duplexrt.simulate.report import SimulationReport
+
+log = logging.getLogger("duplexrt.cli")
 
 app = typer.Typer(
     name="duplexrt",
@@ -168,7 +171,24 @@ def _metrics_overrides(collect: bool | None, log_stats: bool | None) -> list[str
 
 
 def _quoted(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """``text`` as a TOML string for an override; JSON's escapes are TOML's (a newline too)."""
+    return json.dumps(text)
+
+
+def _server_key(given: str) -> str:
+    """The key ``serve`` requires, from --api-key or DUPLEXRT_API_KEY.  A secret read from a file
+    or a Kubernetes ``secretKeyRef`` ends in a newline nobody typed: surrounding whitespace is
+    removed, and the log says so.  An empty key is refused: an operator who gave one meant a key,
+    and it would silently mean no authentication at all."""
+    key = given.strip()
+    if not key:
+        raise ConfigError("--api-key (or DUPLEXRT_API_KEY) is empty: give the key clients must send, "
+                          "or leave both out to serve without a key")
+    if key != given:
+        log.info("--api-key/DUPLEXRT_API_KEY: %d surrounding whitespace characters removed (a secret "
+                 "file or a Kubernetes secret ends in a newline); clients send the key without them",
+                 len(given) - len(key))
+    return key
 
 
 def _fail(message: str) -> typer.Exit:
@@ -482,7 +502,7 @@ def serve(
         if port is not None:
             overrides.append(f"server.port={port}")
         if api_key is not None:
-            overrides.append(f"server.api_key={_quoted(api_key)}")
+            overrides.append(f"server.api_key={_quoted(_server_key(api_key))}")
         if replica_id is not None:
             overrides.append(f"server.replica_id={_quoted(replica_id)}")
         cfg = load_config(presets.resolve(config), overrides)
