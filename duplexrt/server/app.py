@@ -32,6 +32,7 @@ from duplexrt.reasons import CloseCode
 from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
+from duplexrt.server.origin import origin_refusal
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
@@ -251,6 +252,9 @@ class Server:
             self.refused["not_found"] += 1
             await self._respond(stream, 404, f"no WebSocket route {head.path}; try {', '.join(ROUTES)}")
             return
+        if (foreign := origin_refusal(head.headers, self.config.server)) is not None:
+            self.refused["foreign_origin"] += 1
+            return await self._respond(stream, 403, foreign)
         if not self._authorized(head):
             self.refused["unauthorized"] += 1
             await self._respond(stream, 401, "a valid API key is required (Authorization: Bearer KEY, "
