@@ -9,8 +9,7 @@ import attrs
 import h11
 import trio
 
-#: A request head larger than this is refused (431): nothing legitimate needs more.
-MAX_HEAD_BYTES = 64 * 1024
+from duplexrt.server.head_limits import MAX_HEAD_BYTES, head_limit_error
 
 
 @attrs.frozen
@@ -54,6 +53,8 @@ async def read_request_head(stream: trio.abc.Stream) -> tuple[RequestHead, bytes
             if not data:
                 raise BadRequest(400, "connection closed before a whole request head arrived")
             received += data
+            if (refused := head_limit_error(received)) is not None:  # before h11 parses it
+                raise BadRequest(431, refused)
             parser.receive_data(data)
             continue
         raise BadRequest(400, "expected an HTTP request")
