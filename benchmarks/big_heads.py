@@ -7,7 +7,7 @@ In this process one victim session on ``/v1/duplex`` sends one 80 ms frame of PC
 and times each echo; beside it, ``--attackers`` processes each open connection after connection
 and send one big upgrade head without the key (``--heads many``: about 60 KiB of thousands of tiny header fields; ``one``:
 one 60 KiB field; ``none``: no attackers), read the answer (431, or 401 once parsed) and close.  Each round prints the
-victim's echo time (p50, p99, max, in ms) and how many heads the server answered.
+victim's echo time (p50, p99, max, in ms) and how many heads the attackers sent.
 
 Usage: python benchmarks/big_heads.py [--tree DIR ...] [--heads many|one|none] [--rounds 3]
                                       [--seconds 8] [--attackers 4]
@@ -74,10 +74,10 @@ def attack(port: int, heads: str, seconds: float, counter) -> None:
                 conn.sendall(request)
                 while conn.recv(65536):
                     pass
-            with counter.get_lock():
-                counter.value += 1
-        except OSError:
+        except OSError:  # refused mid-head, the rest unread: the server resets the connection
             pass
+        with counter.get_lock():
+            counter.value += 1
 
 
 async def victim(port: int, seconds: float) -> list[float]:
@@ -137,7 +137,7 @@ def main() -> None:
             ordered = sorted(lags)
             print(f"round {round_ + 1} {tree}: victim echo ms p50 {statistics.median(lags):.1f} "
                   f"p99 {ordered[int(len(ordered) * 0.99)]:.1f} max {ordered[-1]:.1f} "
-                  f"({len(lags)} frames); heads answered {answered}", flush=True)
+                  f"({len(lags)} frames); heads sent {answered}", flush=True)
     for tree, lags in results.items():
         ordered = sorted(lags)
         late = sum(lag > PERIOD * 1e3 for lag in lags)
