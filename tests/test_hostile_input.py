@@ -15,7 +15,7 @@ from duplexrt.server import Server
 
 
 async def _start(nursery: trio.Nursery, *overrides: str) -> int:
-    server = Server(load_config(None, ["server.port=0", "runtime.slots=2", *overrides]))
+    server = Server(load_config(None, ["server.port=0", "runtime.slots=8", "runtime.resume_window_s=0", *overrides]))
     await nursery.start(server.run)
     return server.ports[0]
 
@@ -68,3 +68,51 @@ def test_an_empty_api_key_is_refused_rather_than_meaning_no_auth():
         result = CliRunner().invoke(app, ["serve", "--port", "0", "--api-key", key])
         assert result.exit_code == 2, result.output
         assert "--api-key" in result.output and "empty" in result.output
+
+
+# -- upgrades that are not what they say -------------------------------------------------------
+
+_KEY = "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nConnection: Upgrade\r\n"
+
+
+async def _status(port: int, request: bytes) -> int:
+    with trio.fail_after(PATIENCE):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(request)
+            answer = b""
+            while b"\r\n" not in answer and (chunk := await stream.receive_some(4096)):
+                answer += chunk
+    return int(answer.split(b" ")[1])
+
+
+async def test_only_an_http_1_1_request_naming_websocket_upgrades(nursery):
+    """RFC 6455 4.2.1: a GET of HTTP/1.1 or later (so with a Host, which h11 requires of 1.1),
+    whose Upgrade header holds the token ``websocket``, not merely those letters."""
+    port = await _start(nursery)
+    ok = f"GET /v1/duplex HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n{_KEY}\r\n".encode()
+    assert await _status(port, ok) == 101
+    assert await _status(port, f"GET /v1/duplex HTTP/1.1\r\nHost: x\r\nUpgrade: foo, WebSocket\r\n{_KEY}\r\n"
+                         .encode()) == 101
+    for bad in (f"GET /v1/duplex HTTP/1.0\r\nUpgrade: websocket\r\n{_KEY}\r\n",  # no Host either
+                f"GET /v1/duplex HTTP/1.0\r\nHost: x\r\nUpgrade: websocket\r\n{_KEY}\r\n",
+                f"GET /v1/duplex HTTP/1.1\r\nHost: x\r\nUpgrade: xwebsocketx\r\n{_KEY}\r\n"):
+        assert await _status(port, bad.encode()) == 426, bad
+
+
+async def test_frames_sent_with_the_head_are_taken_from_where_the_head_really_ends(nursery):
+    """A head may end in a bare LF blank line (h11 reads it so); the frames behind it start
+    there, even when they hold a CRLF CRLF themselves."""
+    port = await _start(nursery, "backend.options.delay_frames=0")
+    payload = b"\r\n\r\n" * 960  # 3840 bytes of pcm_s16le: 80 ms
+    frame = bytes((0x82, 0x80 | 126)) + len(payload).to_bytes(2, "big") + b"\x00\x00\x00\x00" + payload
+    with trio.fail_after(PATIENCE):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(f"GET /v1/duplex?format=pcm_s16le HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                                  f"{_KEY}\n".encode() + frame)
+            answer = b""
+            while payload not in answer:  # the audio echoed back: the frame was read whole
+                chunk = await stream.receive_some(65536)
+                assert chunk, answer[-200:]
+                answer += chunk

@@ -40,7 +40,7 @@ from duplexrt.server.streams import PrefixedStream
 from duplexrt.server.web import readyz_answer, static_answer, stats_json
 from duplexrt.transport import Transport, TransportClosed
 from duplexrt.websocket import WebSocketTransport
-from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
+from duplexrt.wshandshake import HandshakeRefused, accept_response, check_request, proposed_subprotocols
 from duplexrt.wsnative import NativeWebSocket
 
 log = logging.getLogger("duplexrt.server")
@@ -368,7 +368,7 @@ class Server:
         # limit is for new sessions only.
         first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
         transport = NativeWebSocket(stream, max_message=max_message, first_message_timeout=first_message_timeout,
-                                    close_timeout=settings.close_timeout_s, received=after_head(received),
+                                    close_timeout=settings.close_timeout_s, received=head.rest,
                                     subprotocol=subprotocol, hub=self._hub)
         self._transports.add(transport)
         try:
