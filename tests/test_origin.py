@@ -105,3 +105,27 @@ def test_allowed_origins_must_be_origins():
 ])
 def test_origins_are_compared_as_browsers_write_them(text, normal):
     assert normalized_origin(text) == normal
+
+
+async def test_a_foreign_page_cannot_drain_a_server_without_a_key(nursery):
+    """A plain HTML form on any site may POST to 127.0.0.1: with no key, its Origin decides."""
+    server = await _start(nursery)
+    port = server.ports[0]
+
+    async def post_drain(*headers: str) -> bytes:
+        with trio.fail_after(PATIENCE):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                extra = "".join(f"{line}\r\n" for line in headers)
+                await stream.send_all(f"POST /drain HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}"
+                                      "Content-Length: 0\r\n\r\n".encode())
+                answer = b""
+                while chunk := await stream.receive_some(65536):
+                    answer += chunk
+        return answer
+
+    refused = await post_drain("Origin: https://evil.example")
+    assert refused.startswith(b"HTTP/1.1 403") and b"drain" in refused
+    assert not server.draining
+    assert (await post_drain()).startswith(b"HTTP/1.1 202")  # curl, a preStop hook: no Origin
+    assert server.draining

@@ -479,6 +479,8 @@ class Server:
 
     async def _plain_http(self, stream: trio.SocketStream, head: RequestHead) -> None:
         if head.path == DRAIN_PATH:  # POST, with the key: what a preStop hook calls
+            if (foreign := origin_refusal(head.headers, self.config.server)) is not None:
+                return await self._respond(stream, 403, foreign)  # a web page's form may POST here
             status, body, headers = drain_answer(head.method, self._authorized(head), self._draining,
                                                  self._calls_left(), self.config.server.shutdown_grace_s)
             if status == 202:

@@ -1,9 +1,10 @@
-"""Which web pages may open a WebSocket session when the server has no API key.
+"""Which web pages may open a WebSocket session (or POST /drain) when the server has no API key.
 
 A browser lets any page it shows open a WebSocket to any address, the developer's own
 ``127.0.0.1:8000`` included, and says which page asked in the ``Origin`` header.  Without a key
 nothing else stands between a page on some other site and the model, so an upgrade whose Origin
-is a foreign page is refused (403), unless ``server.allowed_origins`` names it.  What passes:
+is a foreign page is refused (403), unless ``server.allowed_origins`` names it.  So is a foreign
+page's ``POST /drain``: a plain form may send one, no script needed.  What passes:
 
 * no Origin header: not a browser (SDKs, ``duplexrt client``, curl); a browser always sends one;
 * the server's own pages (the talk page, the dashboard): the Origin's host and port are the
@@ -68,8 +69,8 @@ def origin_refusal(headers: Mapping[str, str], settings: ServerConfig) -> str | 
         return None
     shown = origin if len(origin) <= 100 else origin[:100] + "..."
     return (f"Origin {shown!r} is not this server's, and the server has no API key: a web page on "
-            "another site may not open a session; list the page's origin in server.allowed_origins, "
-            "or set an API key")
+            "another site may not open a session or drain the server; list the page's origin in "
+            "server.allowed_origins, or set an API key")
 
 
 @functools.lru_cache(maxsize=8)
