@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,7 +48,6 @@ trio.run(serve, load_config(None, ["server.port=0", "runtime.slots=4", "backend.
 
 
 def start_server(tree: Path) -> tuple[subprocess.Popen, int]:
-    import logging  # noqa: F401  (the server logs its port at info)
     code = "import logging; logging.basicConfig(level=logging.INFO)\n" + _SERVER
     proc = subprocess.Popen([sys.executable, "-c", code, str(tree)], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
@@ -58,7 +58,6 @@ def start_server(tree: Path) -> tuple[subprocess.Popen, int]:
     else:
         raise SystemExit(f"the server from {tree} did not start")
     # Keep its log drained so that it never blocks on a full pipe.
-    import threading
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
     return proc, port
 
