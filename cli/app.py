@@ -175,6 +175,13 @@ def _quoted(text: str) -> str:
     return json.dumps(text)
 
 
+def _sent_key(given: str | None) -> str | None:
+    """The key ``client`` and ``simulate --url`` send: as ``serve`` reads it, without the
+    surrounding whitespace a secret keeps (a newline in a header would end the request head)."""
+    key = given.strip() if given is not None else ""
+    return key or None
+
+
 def _server_key(given: str) -> str:
     """The key ``serve`` requires, from --api-key or DUPLEXRT_API_KEY.  A secret read from a file
     or a Kubernetes ``secretKeyRef`` ends in a newline nobody typed: surrounding whitespace is
@@ -307,6 +314,7 @@ def simulate(
     except (ConfigError, AudioFormatError) as exc:
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress
+    api_key = _sent_key(api_key)
     if find_capacity:
         _find_capacity(cfg, options, url, api_key, show, backend is None, json_path, plot, probe_seconds,
                        probe_retries)
@@ -445,7 +453,7 @@ def client(
     if not idle_timeout > 0:
         raise _fail(f"--idle-timeout must be positive, got {idle_timeout}")
     request = ClientRequest(input_path=input_path, url=url, output_path=out, realtime=realtime,
-                            api_key=api_key, protocol=protocol.value if protocol else None,
+                            api_key=_sent_key(api_key), protocol=protocol.value if protocol else None,
                             idle_timeout=idle_timeout)
     show = sys.stderr.isatty() if progress is None else progress
     code = trio.run(lambda: run_client(request, progress=show))

@@ -116,3 +116,26 @@ async def test_frames_sent_with_the_head_are_taken_from_where_the_head_really_en
                 chunk = await stream.receive_some(65536)
                 assert chunk, answer[-200:]
                 answer += chunk
+
+
+def test_the_client_sends_a_key_from_a_secret_without_its_newline(monkeypatch, tmp_path):
+    """The same secret may feed ``serve`` and ``client`` (DUPLEXRT_API_KEY with a newline)."""
+    import wave
+
+    from typer.testing import CliRunner
+
+    from conftest import ServeProcess
+    from duplexrt_cli.app import app
+
+    source = tmp_path / "in.wav"
+    with wave.open(str(source), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(24000)
+        out.writeframes(b"\x10\x00" * 12000)  # half a second
+    monkeypatch.setenv("DUPLEXRT_API_KEY", "s3cret\n")
+    with ServeProcess() as served:
+        result = CliRunner().invoke(app, ["client", str(source), "--url", f"ws://127.0.0.1:{served.port}/v1/duplex",
+                                          "--out", str(tmp_path / "out.wav"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out.wav").stat().st_size > 44
