@@ -209,6 +209,14 @@ def _stripped(value: object) -> object:
     return value.strip() if isinstance(value, str) else value
 
 
+def _stripped_key(value: object) -> object:
+    """``server.api_key`` without surrounding whitespace; one of whitespace only is refused, not
+    read as "no key" (which an operator who wrote a key never meant)."""
+    if isinstance(value, str) and value and not value.strip():
+        raise ConfigError("server.api_key is only whitespace: give the key, or leave it empty for no key")
+    return _stripped(value)
+
+
 def _is_replica_id(key: str):
     # It lands in log lines, a Prometheus label and balancer configs: a plain name only.
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
@@ -272,7 +280,7 @@ class ServerConfig:
     port: int = attrs.field(default=8000, validator=_int_range("server.port", 0, 65535))
     #: Empty: no key needed.  Otherwise clients send it as a Bearer token or ``?api_key=``.
     #: Surrounding whitespace is removed (a secret read from a file ends in a newline).
-    api_key: str = attrs.field(default="", converter=_stripped, validator=_is_api_key("server.api_key"))
+    api_key: str = attrs.field(default="", converter=_stripped_key, validator=_is_api_key("server.api_key"))
     #: With no api_key: the web pages (origins) that may open sessions besides the server's own
     #: and loopback ones; "*": any.  A browser's upgrade from any other is refused (403).
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)

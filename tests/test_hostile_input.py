@@ -5,13 +5,18 @@ goes on serving.  Real servers on loopback sockets."""
 from __future__ import annotations
 
 import json
+import socket
+import wave
 
+import pytest
 import trio
 import trio_websocket
+from typer.testing import CliRunner
 
-from conftest import PATIENCE, INPUT_END
-from duplexrt.config import load_config
+from conftest import INPUT_END, PATIENCE, ServeProcess
+from duplexrt.config import ConfigError, load_config
 from duplexrt.server import Server
+from duplexrt_cli.app import app
 
 
 async def _start(nursery: trio.Nursery, *overrides: str) -> int:
@@ -44,10 +49,6 @@ async def test_deeply_nested_json_on_the_duplex_route_is_a_protocol_error(nurser
 def test_a_key_from_a_kubernetes_secret_keeps_working_with_its_trailing_newline(monkeypatch):
     """A ``secretKeyRef`` env keeps the newline a secret file ends with: the key is the text
     without its surrounding whitespace, and the log says that it was removed."""
-    import socket
-
-    from conftest import ServeProcess
-
     monkeypatch.setenv("DUPLEXRT_API_KEY", "s3cret\n")
     with ServeProcess() as served:
         served.wait_for_line("surrounding whitespace")
@@ -60,10 +61,6 @@ def test_a_key_from_a_kubernetes_secret_keeps_working_with_its_trailing_newline(
 
 
 def test_an_empty_api_key_is_refused_rather_than_meaning_no_auth():
-    from typer.testing import CliRunner
-
-    from duplexrt_cli.app import app
-
     for key in ("", "  \n"):
         result = CliRunner().invoke(app, ["serve", "--port", "0", "--api-key", key])
         assert result.exit_code == 2, result.output
@@ -120,13 +117,6 @@ async def test_frames_sent_with_the_head_are_taken_from_where_the_head_really_en
 
 def test_the_client_sends_a_key_from_a_secret_without_its_newline(monkeypatch, tmp_path):
     """The same secret may feed ``serve`` and ``client`` (DUPLEXRT_API_KEY with a newline)."""
-    import wave
-
-    from typer.testing import CliRunner
-
-    from conftest import ServeProcess
-    from duplexrt_cli.app import app
-
     source = tmp_path / "in.wav"
     with wave.open(str(source), "wb") as out:
         out.setnchannels(1)
@@ -139,3 +129,10 @@ def test_the_client_sends_a_key_from_a_secret_without_its_newline(monkeypatch, t
                                           "--out", str(tmp_path / "out.wav"), "--no-progress"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "out.wav").stat().st_size > 44
+
+
+def test_a_config_key_of_whitespace_only_is_refused():
+    assert load_config(None, ['server.api_key=" k3y\\n"']).server.api_key == "k3y"
+    assert load_config(None, ['server.api_key=""']).server.api_key == ""  # the default: no key
+    with pytest.raises(ConfigError, match="only whitespace"):
+        load_config(None, ['server.api_key=" \\n"'])
