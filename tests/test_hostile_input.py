@@ -136,3 +136,36 @@ def test_a_config_key_of_whitespace_only_is_refused():
     assert load_config(None, ['server.api_key=""']).server.api_key == ""  # the default: no key
     with pytest.raises(ConfigError, match="only whitespace"):
         load_config(None, ['server.api_key=" \\n"'])
+
+
+# -- JSON that costs more to parse than its size says --------------------------------------------
+
+MANY_VALUES = json.dumps({"type": "session.update", "session": {"x": [0] * 700_000}})  # 2 MiB
+
+
+@pytest.mark.parametrize("path", ["/v1/duplex", "/v1/realtime", "/v1/live/sessions"])
+def test_an_event_of_too_many_values_is_refused_unparsed(path, monkeypatch):
+    """2 MiB of tiny values cost ``json.loads`` many times what 2 MiB of audio text does, on the
+    thread every session shares: refused from a count of separators, never parsed."""
+    from duplexrt.protocols import events, raw
+    from duplexrt.server.http import RequestHead
+    from duplexrt.server.routes import ROUTES
+
+    translator = ROUTES[path].translator(RequestHead("GET", path, {}, {"host": "x"}), load_config(None, []))
+    translator.start()
+    parsed: list[int] = []
+    loads = json.loads
+
+    def counted(text, *args, **kwargs):
+        parsed.append(len(text))
+        return loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(events.json, "loads", counted)
+    monkeypatch.setattr(raw.json, "loads", counted)
+    event = translator.parse(MANY_VALUES)
+    assert isinstance(event, events.ProtocolError) and event.code == "invalid_event", event
+    assert "at most 32768 JSON values" in event.message
+    assert parsed == []
+    # An event of many values, but not too many, is parsed as before.
+    translator.parse(json.dumps({"type": "session.update", "session": {"x": [0] * 10_000}}))
+    assert parsed

@@ -16,7 +16,8 @@ import attrs
 
 from duplexrt.audio import AudioSpec
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.events import AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd, quote
+from duplexrt.protocols.events import (AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd, quote,
+                                      too_many_values)
 from duplexrt.transport import Message
 
 _PONG = json.dumps({"type": "pong"})
@@ -46,6 +47,8 @@ class RawProtocol(Translator):
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):
             return AudioIn(message)
+        if (refused := too_many_values(message)) is not None:
+            return refused
         try:
             data = json.loads(message)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the stack
