@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import PATIENCE
 from duplexrt.config import ConfigError, load_config
 from duplexrt.server import Server
-from duplexrt.server.origin import normalized_origin
+from duplexrt.server.origin import normalized_origin, origin_refusal
 
 
 async def _start(nursery: trio.Nursery, *overrides: str) -> Server:
@@ -129,3 +131,18 @@ async def test_a_foreign_page_cannot_drain_a_server_without_a_key(nursery):
     assert not server.draining
     assert (await post_drain()).startswith(b"HTTP/1.1 202")  # curl, a preStop hook: no Origin
     assert server.draining
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=300)
+@given(st.text(max_size=60) | st.sampled_from(["http://[::1", "http://[", "https://a:b", "http://:80", "ws://[::1]:x"]),
+       st.text(max_size=30))
+def test_any_origin_and_host_get_an_answer_never_an_exception(origin, host):
+    settings_ = load_config(None, ['server.allowed_origins=["https://a.example"]']).server
+    answer = origin_refusal({"origin": origin, "host": host}, settings_)
+    assert answer is None or "server.allowed_origins" in answer
+    assert normalized_origin(origin) is None or normalized_origin(origin).startswith(("http", "ws", "null"))
+
+
+async def test_a_broken_origin_is_refused_with_403_not_dropped(nursery):
+    server = await _start(nursery)
+    assert (await _upgrade(server.ports[0], "Origin: http://[::1"))[0] == 403

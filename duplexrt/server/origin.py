@@ -40,13 +40,13 @@ def normalized_origin(text: str) -> str | None:
     text = text.strip().lower()
     if text == "null":
         return text
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:  # "http://[::1" (a bracket left open), a port that is no number
+        return None
     if parts.scheme not in _DEFAULT_PORTS or not parts.hostname or parts.path not in ("", "/") \
             or parts.query or parts.fragment or parts.username is not None or parts.password is not None:
-        return None
-    try:
-        port = parts.port
-    except ValueError:
         return None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     if port is None or port == _DEFAULT_PORTS[parts.scheme]:
