@@ -3,7 +3,7 @@
 The suite's fuzzing client (autobahntestsuite 25.10.1, tests/autobahn.py) connects to an echo
 server made of the server's own pieces, in the order ``Server`` uses them: the request head read
 by ``read_request_head``, the upgrade checked by ``check_request`` and answered by
-``accept_response``, the bytes behind the head handed on (``after_head``), then a
+``accept_response``, the bytes behind the head handed on (``RequestHead.rest``), then a
 ``NativeWebSocket`` that echoes every message.  No route or config key of the real server
 echoes: this harness exists only here.
 
@@ -33,7 +33,7 @@ import autobahn
 # The pieces of the native stack, as the server imports them (one place to repoint them).
 from duplexrt.server.http import BadRequest, read_request_head
 from duplexrt.transport import TransportClosed
-from duplexrt.wshandshake import HandshakeRefused, accept_response, after_head, check_request
+from duplexrt.wshandshake import HandshakeRefused, accept_response, check_request
 from duplexrt.wsnative import NativeWebSocket
 
 pytestmark = pytest.mark.autobahn
@@ -66,14 +66,14 @@ LENIENT = {"OK", "NON-STRICT", "INFORMATIONAL"}
 async def _echo(stream: trio.SocketStream) -> None:
     """One connection: the server's handshake, then every message back as it came."""
     try:
-        head, received = await read_request_head(stream)
+        head, _ = await read_request_head(stream)
         key = check_request(head.method, head.headers)
     except (BadRequest, HandshakeRefused, trio.BrokenResourceError):
         await stream.aclose()
         return
     await stream.send_all(accept_response(key, None))
     ws = NativeWebSocket(stream, max_message=16 << 20, first_message_timeout=math.inf, close_timeout=3.0,
-                         received=after_head(received))
+                         received=head.rest)
     try:
         while True:
             await ws.send(await ws.receive())
