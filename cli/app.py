@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from duplexrt.simulate.find_capacity import CapacitySearch, Verdict
     from duplexrt.simulate.options import SimulateOptions
     from duplexrt.simulate.report import SimulationReport
+
+log = logging.getLogger("duplexrt.cli")
 
 app = typer.Typer(
     name="duplexrt",
@@ -173,7 +176,31 @@ def _metrics_overrides(collect: bool | None, log_stats: bool | None) -> list[str
 
 
 def _quoted(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """``text`` as a TOML string for an override; JSON's escapes are TOML's (a newline too)."""
+    return json.dumps(text)
+
+
+def _sent_key(given: str | None) -> str | None:
+    """The key ``client`` and ``simulate --url`` send: as ``serve`` reads it, without the
+    surrounding whitespace a secret keeps (a newline in a header would end the request head)."""
+    key = given.strip() if given is not None else ""
+    return key or None
+
+
+def _server_key(given: str) -> str:
+    """The key ``serve`` requires, from --api-key or DUPLEXRT_API_KEY.  A secret read from a file
+    or a Kubernetes ``secretKeyRef`` ends in a newline nobody typed: surrounding whitespace is
+    removed, and the log says so.  An empty key is refused: an operator who gave one meant a key,
+    and it would silently mean no authentication at all."""
+    key = given.strip()
+    if not key:
+        raise ConfigError("--api-key (or DUPLEXRT_API_KEY) is empty: give the key clients must send, "
+                          "or leave both out to serve without a key")
+    if key != given:
+        log.info("--api-key/DUPLEXRT_API_KEY: %d surrounding whitespace characters removed (a secret "
+                 "file or a Kubernetes secret ends in a newline); clients send the key without them",
+                 len(given) - len(key))
+    return key
 
 
 def _fail(message: str) -> typer.Exit:
@@ -292,6 +319,7 @@ def simulate(
     except (ConfigError, AudioFormatError) as exc:
         raise _fail(str(exc)) from None
     show = sys.stderr.isatty() if progress is None else progress
+    api_key = _sent_key(api_key)
     if find_capacity:
         _find_capacity(cfg, options, url, api_key, show, backend is None, json_path, plot, probe_seconds,
                        probe_retries)
@@ -430,7 +458,7 @@ def client(
     if not idle_timeout > 0:
         raise _fail(f"--idle-timeout must be positive, got {idle_timeout}")
     request = ClientRequest(input_path=input_path, url=url, output_path=out, realtime=realtime,
-                            api_key=api_key, protocol=protocol.value if protocol else None,
+                            api_key=_sent_key(api_key), protocol=protocol.value if protocol else None,
                             idle_timeout=idle_timeout)
     show = sys.stderr.isatty() if progress is None else progress
     code = trio.run(lambda: run_client(request, progress=show))
@@ -487,7 +515,7 @@ def serve(
         if port is not None:
             overrides.append(f"server.port={port}")
         if api_key is not None:
-            overrides.append(f"server.api_key={_quoted(api_key)}")
+            overrides.append(f"server.api_key={_quoted(_server_key(api_key))}")
         if replica_id is not None:
             overrides.append(f"server.replica_id={_quoted(replica_id)}")
         cfg = load_config(presets.resolve(config), overrides)

@@ -207,6 +207,14 @@ def _stripped(value: object) -> object:
     return value.strip() if isinstance(value, str) else value
 
 
+def _stripped_key(value: object) -> object:
+    """``server.api_key`` without surrounding whitespace; one of whitespace only is refused, not
+    read as "no key" (which an operator who wrote a key never meant)."""
+    if isinstance(value, str) and value and not value.strip():
+        raise ConfigError("server.api_key is only whitespace: give the key, or leave it empty for no key")
+    return _stripped(value)
+
+
 def _is_replica_id(key: str) -> Validator:
     # It lands in log lines, a Prometheus label and balancer configs: a plain name only.
     def check(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
@@ -232,6 +240,22 @@ def _is_api_key(key: str) -> Validator:
     return check
 
 
+def _origins(value: object) -> tuple[str, ...]:
+    """``server.allowed_origins``: a list of ``scheme://host[:port]`` (a page's origin, as its
+    browser sends it), ``"null"`` or ``"*"``."""
+    if not isinstance(value, list | tuple) or not all(isinstance(item, str) for item in value):
+        raise ConfigError(f"server.allowed_origins must be a list of origins, got {value!r}")
+    for item in value:
+        if item.strip() not in ("*", "null") and not _ORIGIN.fullmatch(item.strip()):
+            raise ConfigError(f"server.allowed_origins: {item!r} is not an origin: write it as the browser "
+                              'sends it, scheme://host[:port] with no path ("https://app.example.com"), '
+                              'or "*" for any page')
+    return tuple(item.strip() for item in value)
+
+
+_ORIGIN = re.compile(r"(?i)(https?|wss?)://[^/\s?#@]+/?")
+
+
 def _as_table(value: object) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"backend.options must be a table of option = value, got {value!r}")
@@ -254,7 +278,10 @@ class ServerConfig:
     port: int = attrs.field(default=8000, validator=_int_range("server.port", 0, 65535))
     #: Empty: no key needed.  Otherwise clients send it as a Bearer token or ``?api_key=``.
     #: Surrounding whitespace is removed (a secret read from a file ends in a newline).
-    api_key: str = attrs.field(default="", converter=_stripped, validator=_is_api_key("server.api_key"))
+    api_key: str = attrs.field(default="", converter=_stripped_key, validator=_is_api_key("server.api_key"))
+    #: With no api_key: the web pages (origins) that may open sessions besides the server's own
+    #: and loopback ones; "*": any.  A browser's upgrade from any other is refused (403).
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)
     #: Largest WebSocket message on /v1/duplex and /api/chat (1 MiB: 5 s of f32 audio).
     max_message_bytes: int = attrs.field(
         default=1 << 20, validator=_int_range("server.max_message_bytes", 1024, 1 << 30))

@@ -119,3 +119,28 @@ def test_live_appends_before_session_start_are_refused_either_way():
     protocol = LiveTranslator()
     event = protocol.parse(json.dumps({"type": "session.input_audio.append", "audio": AUDIO}))
     assert event.code == "session_not_started"
+
+
+@pytest.mark.parametrize(("make", "kind"), [(realtime, APPEND), (live, "session.input_audio.append")])
+def test_huge_heads_before_the_audio_are_not_kept(make, kind):
+    """The text before the audio is remembered only while it is short (the SDKs' few bytes): a
+    client that sends appends with a large, ever-different member before ``"audio"`` must not
+    leave its texts alive in the process after its session is gone (defect 7 of issue 32)."""
+    import gc
+    import tracemalloc
+
+    protocol = make()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(40):
+            message = '{"type":"%s","pad":"%s%d","audio":"%s"}' % (kind, "x" * 200_000, n, AUDIO)
+            event = protocol.parse(message)
+            assert isinstance(event, AudioIn) and event.payload == PCM
+            del message, event
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 1 << 20, f"{kept} bytes still held after 40 appends with 200 kB heads"

@@ -30,8 +30,12 @@ __all__ = ["Base64Audio"]
 
 #: ``(event, text before the audio)`` pairs already read as that event with its audio last: the
 #: SDKs write the same few bytes before every append's audio, parsed as JSON once per process.
+#: Shared by every session, so both the entries and each text are bounded: a client's long or
+#: ever-different heads must not stay alive after its session (at most 256 x 256 characters).
+#: What it saves is the JSON parse of the head on every append of the usual shape.
 _APPEND_HEADS: set[tuple[str, str]] = set()
 _MAX_HEADS = 256
+_MAX_HEAD_CHARS = 256
 
 
 @attrs.frozen
@@ -100,9 +104,10 @@ class Base64Audio:
             data = json_object(head + '""}')
             if type(data) is not dict or data.get("type") != self.event or data.get("audio") != "":
                 return None
-            if len(_APPEND_HEADS) >= _MAX_HEADS:  # heads with an event id each never repeat
-                _APPEND_HEADS.clear()
-            _APPEND_HEADS.add((self.event, head))
+            if len(head) <= _MAX_HEAD_CHARS:  # a longer one is parsed each time, never kept
+                if len(_APPEND_HEADS) >= _MAX_HEADS:  # heads with an event id each never repeat
+                    _APPEND_HEADS.clear()
+                _APPEND_HEADS.add((self.event, head))
         try:
             raw = decode_strict(text)  # only base64 letters: the text is the same JSON string
         except ValueError:

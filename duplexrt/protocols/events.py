@@ -148,9 +148,27 @@ __all__ = [
 ]
 
 
+#: More separators (``,`` and ``:``) than this in one client event, and it is refused unparsed.
+#: ``json.loads`` holds the thread every session shares for a time that grows with the number of
+#: values, far more per byte for many small values than for one long string; no client event
+#: needs this many (audio travels as one string), and counting them costs next to nothing.
+MAX_JSON_SEPARATORS = 32_768
+
+
+def too_many_values(message: str) -> ProtocolError | None:
+    """The error for a JSON text with more than ``MAX_JSON_SEPARATORS`` separators, else None."""
+    if message.count(",") + message.count(":") <= MAX_JSON_SEPARATORS:
+        return None
+    return ProtocolError("invalid_event", f"a client event may hold at most {MAX_JSON_SEPARATORS} JSON values "
+                                          "(counted by their commas and colons)")
+
+
 def json_object(message: str) -> dict[str, Any] | ProtocolError:
     """A JSON route's client event as an object, or the error both JSON routes (Realtime, Live)
-    answer a malformed one with.  Deeply nested JSON is refused like any other bad JSON."""
+    answer a malformed one with.  Deeply nested JSON is refused like any other bad JSON, and JSON
+    of too many values before it is parsed."""
+    if (refused := too_many_values(message)) is not None:
+        return refused
     try:
         data = json.loads(message)
     except (ValueError, RecursionError):

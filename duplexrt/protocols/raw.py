@@ -16,7 +16,8 @@ import attrs
 
 from duplexrt.audio import AudioSpec
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.events import AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd, quote
+from duplexrt.protocols.events import (AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd, quote,
+                                      too_many_values)
 from duplexrt.wire.transport import Message
 
 _PONG = json.dumps({"type": "pong"})
@@ -46,9 +47,11 @@ class RawTranslator(Translator):
     def parse(self, message: Message) -> Event:
         if not isinstance(message, str):
             return AudioIn(message)
+        if (refused := too_many_values(message)) is not None:
+            return refused
         try:
             data = json.loads(message)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the stack
             return ProtocolError("invalid_json", "text messages must be JSON objects")
         if not isinstance(data, dict) or not isinstance(data.get("type"), str):
             return ProtocolError("invalid_event", 'control messages must be objects with a string "type"')

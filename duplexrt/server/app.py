@@ -31,12 +31,13 @@ from duplexrt.reasons import CloseCode
 from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
+from duplexrt.server.origin import origin_refusal
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
 from duplexrt.server.web import readyz_answer, static_answer, stats_json
 from duplexrt.wire.transport import Transport, TransportClosed
-from duplexrt.wire.handshake import HandshakeRefused, accept_response, after_head, check_request, proposed_subprotocols
+from duplexrt.wire.handshake import HandshakeRefused, accept_response, check_request, proposed_subprotocols
 from duplexrt.wire.native import NativeWebSocket
 
 log = logging.getLogger("duplexrt.server")
@@ -239,6 +240,9 @@ class Server:
             self.refused["not_found"] += 1
             await self._respond(stream, 404, f"no WebSocket route {head.path}; try {', '.join(ROUTES)}")
             return
+        if (foreign := origin_refusal(head.headers, self.config.server)) is not None:
+            self.refused["foreign_origin"] += 1
+            return await self._respond(stream, 403, foreign)
         if not self._authorized(head):
             self.refused["unauthorized"] += 1
             await self._respond(stream, 401, "a valid API key is required (Authorization: Bearer KEY, "
@@ -308,7 +312,7 @@ class Server:
         # limit is for new sessions only.
         first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
         transport = NativeWebSocket(stream, max_message=max_message, first_message_timeout=first_message_timeout,
-                                    close_timeout=settings.close_timeout_s, received=after_head(received),
+                                    close_timeout=settings.close_timeout_s, received=head.rest,
                                     subprotocol=subprotocol)
         self._transports.add(transport)
         try:
@@ -418,6 +422,8 @@ class Server:
 
     async def _plain_http(self, stream: trio.SocketStream, head: RequestHead) -> None:
         if head.path == DRAIN_PATH:  # POST, with the key: what a preStop hook calls
+            if (foreign := origin_refusal(head.headers, self.config.server)) is not None:
+                return await self._respond(stream, 403, foreign)  # a web page's form may POST here
             status, body, headers = drain_answer(head.method, self._authorized(head), self._draining,
                                                  self._calls_left(), self.config.server.shutdown_grace_s)
             if status == 202:

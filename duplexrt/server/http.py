@@ -10,8 +10,8 @@ import attrs
 import h11
 import trio
 
-#: A request head larger than this is refused (431): nothing legitimate needs more.
-MAX_HEAD_BYTES = 64 * 1024
+from duplexrt.server.head_limits import MAX_HEAD_BYTES, head_limit_error
+
 #: A header name (RFC 9110 5.1, a token), and what a header value must never hold.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -23,10 +23,15 @@ class RequestHead:
     path: str
     query: dict[str, str]
     headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
+    http_version: str = "1.1"
+    #: What the client sent right behind the head, as h11 split it (a WebSocket's first frames).
+    rest: bytes = b""
 
     @property
     def wants_websocket(self) -> bool:
-        return "websocket" in self.headers.get("upgrade", "").lower()
+        """An upgrade to WebSocket: HTTP/1.1 (RFC 6455 4.2.1) and the token in Upgrade."""
+        tokens = {token.strip().lower() for token in self.headers.get("upgrade", "").split(",")}
+        return self.http_version == "1.1" and "websocket" in tokens
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name.lower(), default)
@@ -52,18 +57,20 @@ async def read_request_head(stream: trio.abc.Stream) -> tuple[RequestHead, bytes
             raise BadRequest(status, "request head too large" if status == 431 else
                              f"malformed HTTP request: {exc}") from None
         if isinstance(event, h11.Request):
-            return _head_of(event), bytes(received)
+            return _head_of(event, parser.trailing_data[0]), bytes(received)
         if event is h11.NEED_DATA:
             data = await stream.receive_some(16384)
             if not data:
                 raise BadRequest(400, "connection closed before a whole request head arrived")
             received += data
+            if (refused := head_limit_error(received)) is not None:  # before h11 parses it
+                raise BadRequest(431, refused)
             parser.receive_data(bytes(data))
             continue
         raise BadRequest(400, "expected an HTTP request")
 
 
-def _head_of(request: h11.Request) -> RequestHead:
+def _head_of(request: h11.Request, rest: bytes) -> RequestHead:
     target = request.target.decode("latin-1")
     parts = urlsplit(target)
     query = {key: values[-1] for key, values in parse_qs(parts.query, keep_blank_values=True).items()}
@@ -72,7 +79,8 @@ def _head_of(request: h11.Request) -> RequestHead:
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         headers[key] = f"{headers[key]}, {text}" if key in headers else text
-    return RequestHead(request.method.decode("ascii"), parts.path or "/", query, headers)
+    return RequestHead(request.method.decode("ascii"), parts.path or "/", query, headers,
+                       request.http_version.decode("ascii"), rest)
 
 
 def response_bytes(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8",

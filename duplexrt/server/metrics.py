@@ -2,10 +2,18 @@
 
 Nothing is recorded for Prometheus on the hot path: the runtime already keeps counters and
 fixed-size histograms, and this collector turns them into Prometheus families when scraped.
+
+A page costs about a millisecond of the trio thread to render, the thread every session runs on,
+so scrapes may not take as much of it as they ask for (``MetricsPage``): a scraper that comes now
+and then (Prometheus every few seconds, ``simulate --url`` before and after a round) always gets
+a fresh page; a client that scrapes in a loop gets the last page again, never more than a second
+old, once renders have taken 1 % of the thread's time.
 """
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -119,5 +127,50 @@ class RuntimeCollector:
         yield stages
 
 
+class MetricsPage:
+    """The rendered ``/metrics`` page of one registry, rendered again only while renders stay
+    within their share of the thread.
+
+    A credit of thread time fills at ``share`` of the clock (1 %: 10 ms a second), up to
+    ``burst_s``; each render spends what it took.  With credit left, or with the last page older
+    than ``max_age_s``, a scrape renders; otherwise it gets the last page.  So renders cost at
+    most ``share`` of the thread plus one page per ``max_age_s``, and a page is at most
+    ``max_age_s`` old."""
+
+    def __init__(self, registry: CollectorRegistry, *, max_age_s: float = 1.0, share: float = 0.01,
+                 burst_s: float = 0.01, clock: Callable[[], float] = time.monotonic) -> None:
+        self._registry = registry
+        self._max_age_s = max_age_s
+        self._share = share
+        self._burst_s = burst_s
+        self._clock = clock
+        self._credit = burst_s
+        self._filled_at = clock()
+        self._page = b""
+        self._rendered_at = -float("inf")
+        #: Pages rendered (the rest of the scrapes got the last one again).
+        self.renders = 0
+
+    def text(self) -> bytes:
+        now = self._clock()
+        self._credit = min(self._burst_s, self._credit + (now - self._filled_at) * self._share)
+        self._filled_at = now
+        if self._credit <= 0 and now - self._rendered_at < self._max_age_s:
+            return self._page
+        started = time.perf_counter()
+        self._page = generate_latest(self._registry)
+        self._credit -= time.perf_counter() - started
+        self._rendered_at = now
+        self.renders += 1
+        return self._page
+
+
+_PAGES: weakref.WeakKeyDictionary[CollectorRegistry, MetricsPage] = weakref.WeakKeyDictionary()
+
+
 def metrics_text(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
+    """The ``/metrics`` page of ``registry`` (a server's): its ``MetricsPage``, made on first use."""
+    page = _PAGES.get(registry)
+    if page is None:
+        page = _PAGES[registry] = MetricsPage(registry)
+    return page.text()
