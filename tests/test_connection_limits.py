@@ -27,12 +27,11 @@ import trio_websocket
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Message, Request, TextMessage
 
+from conftest import INPUT_END, PATIENCE, http_get
 from duplexrt.config import ConfigError, load_config
 from duplexrt.server import Server
 
 FRAME = 1920
-PATIENCE = 10.0
-INPUT_END = json.dumps({"type": "input.end"})
 
 
 def _url(server: Server, path: str = "/v1/duplex") -> str:
@@ -120,7 +119,7 @@ async def test_peers_that_never_answer_close_give_their_slots_back(start_server)
 
 async def test_first_message_timeout_frees_the_slot(caplog, start_server):
     caplog.set_level(logging.INFO, logger="duplexrt.session")
-    server = (await start_server("runtime.slots=2", "runtime.slots=1", "server.first_message_timeout_s=0.2",
+    server = (await start_server("runtime.slots=1", "server.first_message_timeout_s=0.2",
                           "server.close_timeout_s=0.3")).server
     peer = await RawPeer.connect(server.ports[0])
     await peer.read_until_dropped()  # it never sends, and never answers the Close
@@ -266,7 +265,7 @@ async def test_pending_handshakes_are_capped_while_metrics_and_sessions_go_on(st
             async with trio_websocket.open_websocket_url(_url(server)):
                 pass
         assert refused.value.status_code == 503 and b"waiting to be served" in refused.value.body
-        status, body = await _http_get(port, "/metrics")
+        status, _, body = await http_get(port, "/metrics")
         assert status == 200 and b'duplexrt_connections_refused_total{reason="too_many_pending"} 1.0' in body
         assert b"duplexrt_pending_handshakes 2.0" in body
         # A connection that sends nothing at all gets its 503 too, without waiting for a head.
@@ -279,20 +278,8 @@ async def test_pending_handshakes_are_capped_while_metrics_and_sessions_go_on(st
             await stream.aclose()
 
 
-async def _http_get(port: int, path: str) -> tuple[int, bytes]:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
-        data = b""
-        with trio.fail_after(PATIENCE):
-            while chunk := await stream.receive_some(65536):
-                data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
-
-
 async def test_websocket_request_wsproto_refuses_does_not_hold_a_slot(start_server):
-    server = (await start_server("runtime.slots=2", "runtime.slots=1", "server.handshake_timeout_s=0.3")).server
+    server = (await start_server("runtime.slots=1", "server.handshake_timeout_s=0.3")).server
     stream = await trio.open_tcp_stream("127.0.0.1", server.ports[0])
     await stream.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
                           b"connection: upgrade\r\n\r\n")  # no Sec-WebSocket-Key
@@ -305,7 +292,7 @@ async def test_websocket_request_wsproto_refuses_does_not_hold_a_slot(start_serv
 
 
 async def test_an_upgrade_in_a_version_the_server_does_not_speak_is_refused_and_holds_no_slot(start_server):
-    server = (await start_server("runtime.slots=2", "runtime.slots=1", "server.handshake_timeout_s=0.3")).server
+    server = (await start_server("runtime.slots=1", "server.handshake_timeout_s=0.3")).server
     stream = await trio.open_tcp_stream("127.0.0.1", server.ports[0])
     async with stream:
         await stream.send_all(b"GET /v1/duplex HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
