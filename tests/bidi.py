@@ -2,7 +2,9 @@
 
 Only what the tests need: open a page and evaluate JavaScript in it (what this shares with the
 Chromium driver is in tests/browsers.py).  Firefox's fake microphone is a tone it makes itself,
-granted to every page without a prompt; both come from prefs in the profile's user.js.
+granted to every page without a prompt; both come from prefs in the profile's user.js.  Its
+speaker is the null sink of a private PulseAudio daemon (tests/pulse.py): unlike headless
+Chromium, headless Firefox has no audio output of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from browsers import Connection, JavaScriptError, Page, launch
+from pulse import audio_server
 
 FIREFOX = next((path for name in ("firefox-esr", "firefox") if (path := shutil.which(name))), None)
 
@@ -22,10 +25,6 @@ PREFS = {
     # The microphone: a fake device playing a tone, and no permission prompt for it.
     "media.navigator.streams.fake": True,
     "media.navigator.permission.disabled": True,
-    # No sound card here (nor a PulseAudio server): an AudioContext would stay "suspended" and its
-    # resume() never settle.  Firefox's mock audio backend (made for its own tests) plays into
-    # nothing at the real-time pace, as Chromium's headless audio does.
-    "media.cubeb.force_mock_context": True,
     # A fresh profile would otherwise open first-run and update pages, and phone home.
     "browser.shell.checkDefaultBrowser": False,
     "browser.startup.homepage_override.mstone": "ignore",
@@ -61,9 +60,14 @@ class Browser(Connection):
 
 
 @asynccontextmanager
-async def open_browser(**prefs: Any) -> AsyncIterator[Browser]:
+async def open_browser(audio_output: bool = True, **prefs: Any) -> AsyncIterator[Browser]:
     """Headless Firefox with its fake microphone, a BiDi session open; ``prefs`` (dots spelt as
-    double underscores) change or add to PREFS."""
+    double underscores) change or add to PREFS.
+
+    Its audio goes to a private PulseAudio null sink for as long as it runs (needs
+    tests/pulse.py's PULSEAUDIO, which says why no pref of Firefox's can do instead).  With
+    ``audio_output`` False it has no audio output at all.
+    """
     assert FIREFOX is not None
     chosen = PREFS | {name.replace("__", "."): value for name, value in prefs.items()}
 
@@ -73,7 +77,8 @@ async def open_browser(**prefs: Any) -> AsyncIterator[Browser]:
         return [FIREFOX, "-headless", "-no-remote", "-profile", str(profile), "--remote-debugging-port=0",
                 "about:blank"]
 
-    async with launch("firefox", args, _bidi_url, {"id": 0, "method": "browser.close", "params": {}}) as ws:
+    quit_command = {"id": 0, "method": "browser.close", "params": {}}
+    async with audio_server(running=audio_output) as env, launch("firefox", args, _bidi_url, quit_command, env) as ws:
         browser = Browser(ws)
         await browser.command("session.new", {"capabilities": {}})
         yield browser

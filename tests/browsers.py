@@ -67,8 +67,10 @@ class Page:
 
 @asynccontextmanager
 async def launch(name: str, args: Callable[[Path], list[str]], endpoint: Callable[[Path], str | None],
-                 quit_command: dict[str, Any]) -> AsyncIterator[trio_websocket.WebSocketConnection]:
-    """Browser ``name`` started with ``args(profile)`` in a fresh profile, and a WebSocket to it.
+                 quit_command: dict[str, Any], env: dict[str, str] | None = None,
+                 ) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """Browser ``name`` started with ``args(profile)`` in a fresh profile, ``env`` added to its
+    environment, and a WebSocket to it.
 
     ``endpoint(profile)`` is its WebSocket URL once the browser has written it, else None.  At
     the end ``quit_command`` asks it to close; whatever is left of it is killed.
@@ -78,7 +80,8 @@ async def launch(name: str, args: Callable[[Path], list[str]], endpoint: Callabl
         log = profile / f"{name}.log"
         with log.open("wb") as stderr:
             # Its own process group: the content processes and helpers go with it.
-            process = await trio.lowlevel.open_process(args(profile), stdout=subprocess.DEVNULL, stderr=stderr,
+            process = await trio.lowlevel.open_process(args(profile), env=os.environ | (env or {}),
+                                                       stdout=subprocess.DEVNULL, stderr=stderr,
                                                        start_new_session=True)
         try:
             url = None

@@ -24,9 +24,12 @@ from conftest import backend_info, wait_until
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
+from pulse import PULSEAUDIO
 
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (CI installs Debian's)")
 needs_firefox = pytest.mark.skipif(FIREFOX is None, reason="no Firefox on this machine (CI installs Debian's firefox-esr)")
+needs_pulseaudio = pytest.mark.skipif(PULSEAUDIO is None, reason="no PulseAudio on this machine, for headless Firefox's"
+                                      " audio output (CI installs Debian's pulseaudio)")
 
 
 class SpeakingEcho(EchoBackend):
@@ -177,7 +180,11 @@ async def test_talk_page_with_an_api_key_a_full_server_and_a_denied_microphone(n
 
 
 @needs_firefox
+@needs_pulseaudio
 async def test_talk_page_in_firefox_echoes_the_microphone_and_shows_text(nursery):
+    """Firefox plays the echo through a private PulseAudio null sink (tests/pulse.py): headless,
+    with no audio server to reach, it never starts an AudioContext, and Debian's firefox-esr has
+    no mock audio backend to stand in (the test below is that case)."""
     server = await _server(nursery, backend=SpeakingEcho)
     rate = server.config.audio.sample_rate
     async with open_firefox() as browser:
@@ -203,11 +210,11 @@ async def test_talk_page_in_firefox_echoes_the_microphone_and_shows_text(nursery
 
 @needs_firefox
 async def test_talk_page_says_so_when_the_browser_cannot_start_audio(nursery):
-    # Without its mock audio backend, headless Firefox on a machine with no sound device never
-    # starts an AudioContext: resume() neither resolves nor rejects.  The page must say so and let
-    # go of the microphone, not sit in "starting".
+    # With no audio server to reach (and no sound card), headless Firefox never starts an
+    # AudioContext: resume() neither resolves nor rejects.  The page must say so and let go of
+    # the microphone, not sit in "starting".
     server = await _server(nursery)
-    async with open_firefox(media__cubeb__force_mock_context=False) as browser:
+    async with open_firefox(audio_output=False) as browser:
         talk = await browser.open(f"http://127.0.0.1:{server.ports[0]}/")
         await talk.wait_for("window.duplexrt.server", "the page to read /stats")
         await talk.evaluate("document.getElementById('start').click()")
