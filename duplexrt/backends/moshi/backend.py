@@ -15,7 +15,11 @@ load and streams for the life of the process; each slot is one row.
   the batch buffer in place, and their outputs and text gathered back; no per-row state is ever
   copied.  Compacting the active rows into a smaller batch instead would copy every KV cache in and
   out each step (gigabytes per row for the 7B model) and break the fixed shapes CUDA graphs need,
-  so the masked full batch is the cheapest correct step the package offers.
+  so the masked full batch is the cheapest correct step the package offers.  A step over only the
+  first rows (a view of every per-row tensor, rows kept dense with ``move_row``) would copy
+  nothing, but it would change a session's audio with its neighbours: the kernels round a row
+  differently by batch size, and on some thread counts by its place in the batch
+  (``benchmarks/moshi_tiny.py --exactness``).
 * **Warming rows**: with ``support_out_of_sync``, a row's first ``max_delay`` steps yield -2
   ("not generated yet") tokens.  Those rows are masked out of Mimi's decoder (its state does not
   advance) and hear silence; the decoder is fed a valid token in their place.

@@ -1,4 +1,6 @@
-"""Per-row buffers that the ``moshi`` package's own reset leaves behind, wiped row by row.
+"""The rows of the ``moshi`` package's streaming state: what a reset leaves behind (wiped row by
+row), every field the state holds (walked, so a field a later package adds is named, not silently
+left behind), and moving one row's whole state into another.
 
 ``reset_streaming(mask)`` rewinds offsets and zeroes the convolution buffers of the masked rows,
 but two per-row buffers keep what the previous session left in them:
@@ -15,6 +17,14 @@ but two per-row buffers keep what the previous session left in them:
 A fresh streaming state holds zeros (KV caches) and ``ungenerated_token_id`` (the token cache), so
 writing exactly those values back makes a reset row what a new backend's row is.  Only the given
 rows are written (``index_fill_``), never the whole batch: a 7B model's KV caches are gigabytes.
+
+``streaming_fields`` walks every attribute of every streaming state (and of the K/V rings they
+hold), and ``uncovered`` names each one the tables below do not place: per row (on which
+dimension), shared, a plain value of the batch's, or the package's machinery.  The backend logs
+what it names at load.  ``RowMover`` copies every per-row field of one row into another: what a
+step sized to the active rows would need to keep them dense.  Such a step is not built: it would
+make a session's output depend on its neighbours wherever the kernels round a row differently by
+batch size or by its place in the batch (``benchmarks/moshi_tiny.py --exactness`` shows where).
 """
 
 from __future__ import annotations
