@@ -192,7 +192,7 @@ def uncovered(fields: list[StateField], rows: int, *, row_fields: dict[str, int]
     row_fields = ROW_FIELDS if row_fields is None else row_fields
     problems = []
     for item in fields:
-        value = item.value() if item.kind in ("tensor", "scalar") else None
+        value: Any = item.value() if item.kind in ("tensor", "scalar") else None
         if item.kind == "none":
             if item.field not in row_fields and item.field not in MACHINERY_FIELDS \
                     and item.field not in SCALAR_FIELDS and item.field not in NESTED_FIELDS:
