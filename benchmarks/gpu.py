@@ -18,7 +18,10 @@ Phases, each under its own time limit, the JSON (``DIR/gpu.json``) rewritten aft
 3. ``steps``: for each batch size (1, 8, 16, 32, 48, 64, 80; sizes that cannot fit are skipped),
    the backend sized to it (CUDA graphs captured, torch.compile as served) and a full batch
    stepped: step time p50/p99, per stage, this thread's CPU per step (the wait is the backend's
-   blocking one), and the GPU memory allocated.
+   blocking one), and the GPU memory allocated.  Then one seeded session alone, in row 0 and in
+   the last row, for a few frames: ``exact`` says whether its audio is bit for bit the largest
+   batch's row 0 (what a step over only the rows in use would change) and the same in both rows
+   (what moving a session between rows would change).
 4. ``wait``: the CPU one thread spends waiting for 50 ms of GPU work, with a spinning event
    (CUDA's default) and with a blocking one (what the backend uses).
 5. ``ring``: each row's K/V ring (``backend.options.context_seconds``) at 750 positions (a call
@@ -68,6 +71,8 @@ CPU_RING = ((2, 4), (16, 64))
 LIMITS = {"build": (120, 120), "steps": (150, 120), "wait": (20, 10), "ring": (90, 60), "masked": (40, 60),
           "serve": (90, 120)}
 FRAME = 1920
+#: Frames of the one session the steps phase hears alone at each batch size.
+PROBE_FRAMES = 8
 FRAME_MS = 80.0
 
 
@@ -160,6 +165,39 @@ def _timed_steps(backend, active: int, steps: int, cuda: bool) -> dict:
             "thread_cpu_share": round(sum(cpus) / sum(walls), 3)}
 
 
+def _hear(backend, row: int, frames):
+    """One seeded session alone in ``row``: its audio, frame by frame."""
+    import numpy as np
+
+    from duplexrt.backends.base import SlotSession
+
+    backend.open_slot(row, SlotSession(999_999))
+    rows = np.array([row], dtype=np.int64)
+    heard = np.empty((len(frames), FRAME), dtype=np.float32)
+    for k, frame in enumerate(frames):
+        backend.step(rows, frame[None], heard[k:k + 1])
+    backend.close_slot(row)
+    return heard
+
+
+def _exactness(rows: list[dict], heard: dict) -> None:
+    """Each measured size's ``exact``: its row 0 against the largest size's, its last row against
+    its row 0, bit for bit."""
+    import numpy as np
+
+    if not heard:
+        return
+    reference = heard[max(heard)][0]
+    for row in rows:
+        size = row["rows"]
+        if size not in heard:
+            continue
+        first, last = heard[size]
+        row["exact"] = {"row_0_as_largest_batch": bool(np.array_equal(first, reference)),
+                        "max_abs_diff": float(np.abs(first - reference).max()),
+                        "last_row_as_row_0": bool(np.array_equal(last, first))}
+
+
 def _memory_now(cuda: bool) -> dict:
     if not cuda:
         return {}
@@ -171,9 +209,12 @@ def _memory_now(cuda: bool) -> dict:
 
 def steps_phase(backend, sizes: tuple[int, ...], fit: int | None, steps: int, cuda: bool, deadline: float,
                 budget_ms: float, on_row) -> dict:
+    import numpy as np
     import torch
 
     rows = []
+    heard: dict[int, tuple] = {}
+    probe = (np.random.default_rng(1).standard_normal((PROBE_FRAMES, FRAME)) * 0.3).astype(np.float32)
     for size in sizes:
         if fit is not None and size > fit:
             rows.append({"rows": size, "skipped": f"does not fit: {fit} slots fit the memory"})
@@ -190,6 +231,7 @@ def steps_phase(backend, sizes: tuple[int, ...], fit: int | None, steps: int, cu
             backend.resize(size)
             row = {"rows": size, "resize_s": round(time.perf_counter() - started, 2)}
             row.update(_timed_steps(backend, size, steps, cuda))
+            heard[size] = (_hear(backend, 0, probe), _hear(backend, size - 1, probe))
         except torch.OutOfMemoryError as exc:  # the arithmetic's reserve was too small: say so, stop here
             rows.append({"rows": size, "error": f"out of memory: {exc}"[:500], **_memory_now(cuda)})
             on_row(rows)
@@ -198,6 +240,7 @@ def steps_phase(backend, sizes: tuple[int, ...], fit: int | None, steps: int, cu
         row["within_budget"] = row["step_ms"]["p50"] <= budget_ms
         rows.append(row)
         on_row(rows)
+    _exactness(rows, heard)
     return {"budget_ms": budget_ms, "steps_per_size": steps, "rows": rows}
 
 

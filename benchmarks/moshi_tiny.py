@@ -11,10 +11,16 @@ Each cell is the mean over ``--steps`` steps after the backend's own warm-up, pe
 scatter + Mimi encoder; lm: LMGen step; decode: Mimi decoder + gather + text), from the backend's
 ``last_stages``.  The 80 ms column says whether a step fits one frame period (real time).
 
+3. with ``--exactness``: does a session hear the same, bit for bit, in a batch of B rows as in
+   row 0 of the fixed batch (what a step sized to the active rows would change: the kernels may
+   round a row differently by batch size), and in other rows of the fixed batch (what moving a
+   session between rows would change)?  ``--frames`` frames of one sampled session, alone.
+
 Usage: python benchmarks/moshi_tiny.py [--steps 20] [--sizes 1,2,4,8,16,32,64]
        [--fixed-slots 64] [--greedy] [--device cpu] [--threads N] [--json out.json]
        [--random moshi-7b --dtype bfloat16]   (the full-size architecture, random weights: a GPU)
        [--rings model,1.28 --rounds 3]        (each row's K/V ring, backend.options.context_seconds)
+       [--exactness --frames 16]              (table 3)
 
 ``--rings`` gives K/V ring lengths in seconds (``model``: the model's own context); with more than
 one, each cell is measured for every ring in turn, ``--rounds`` times (A B A B ...: a drift of the
@@ -78,6 +84,64 @@ def measure(slots: int, active: int, steps: int, options: dict) -> dict:
     return result
 
 
+def hear(backend: MoshiBackend, row: int, frames: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """One session alone in ``row``, frame by frame: its audio and text."""
+    backend.open_slot(row, SlotSession(1))
+    rows = np.array([row], dtype=np.int64)
+    audio, texts = [], []
+    for frame in frames:
+        out = np.empty((1, FRAME), dtype=np.float32)
+        texts += backend.step(rows, frame[None], out)
+        audio.append(out[0])
+    backend.close_slot(row)
+    return np.stack(audio), texts
+
+
+def compare(got: tuple[np.ndarray, list[str]], want: tuple[np.ndarray, list[str]]) -> dict:
+    audio, texts = got
+    differs = np.flatnonzero([not np.array_equal(a, b) for a, b in zip(audio, want[0])])
+    return {"identical": not len(differs) and texts == want[1],
+            "max_abs_diff": float(np.abs(audio - want[0]).max()),
+            "first_frame_differing": int(differs[0]) if len(differs) else None,
+            "text_identical": texts == want[1]}
+
+
+def exactness(sizes: list[int], fixed: int, frames: int, options: dict) -> list[dict]:
+    """Table 3: one session in batches of each size, and in several rows of the fixed batch,
+    against row 0 of the fixed batch."""
+    signal = (np.random.default_rng(1).standard_normal((frames, FRAME)) * 0.3).astype(np.float32)
+
+    def loaded(slots: int) -> MoshiBackend:
+        backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots), {"tiny": True, **options})
+        backend.load()
+        return backend
+
+    reference = loaded(fixed)
+    want = hear(reference, 0, signal)
+    results = []
+    for row in sorted({1, fixed // 2, fixed - 1} - {0}):
+        results.append({"batch": fixed, "row": row, **compare(hear(reference, row, signal), want)})
+    reference.close()
+    for size in sizes:
+        if size == fixed or size > fixed:
+            continue
+        backend = loaded(size)
+        results.append({"batch": size, "row": 0, **compare(hear(backend, 0, signal), want)})
+        backend.close()
+    return results
+
+
+def exactness_table(fixed: int, results: list[dict]) -> str:
+    head = f"{'B':>4} {'row':>4} {'identical':>9} {'max |diff|':>11} {'from frame':>10} {'text':>5}"
+    lines = [f"3. one session, alone: in row R of a batch of B against row 0 of the fixed batch of {fixed}",
+             head, "-" * len(head)]
+    for r in results:
+        first = "" if r["first_frame_differing"] is None else str(r["first_frame_differing"])
+        lines.append(f"{r['batch']:>4} {r['row']:>4} {'yes' if r['identical'] else 'no':>9} "
+                     f"{r['max_abs_diff']:>11.3g} {first:>10} {'same' if r['text_identical'] else 'diff':>5}")
+    return "\n".join(lines)
+
+
 def table(title: str, results: list[dict]) -> str:
     head = f"{'B':>4} {'slots':>5} {'ring':>5} " + " ".join(f"{name + ' ms':>10}" for name in STAGES)
     head += f" {'step ms':>9} {'p50':>8} {'max':>8} {'ms/session':>10} {'<=80ms':>6} {'vs 1st ring':>11}"
@@ -128,6 +192,8 @@ def main() -> None:
     parser.add_argument("--rings", default="model", help="K/V ring lengths in seconds, comma separated "
                                                           "(model: the model's own context)")
     parser.add_argument("--rounds", type=int, default=1, help="alternated rounds per cell (with several rings)")
+    parser.add_argument("--exactness", action="store_true", help="table 3: bit-exactness by batch size and row")
+    parser.add_argument("--frames", type=int, default=16, help="frames of the session table 3 compares")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     rings = [None if s == "model" else float(s) for s in args.rings.split(",") if s]
@@ -174,9 +240,15 @@ def main() -> None:
     if fixed:
         print()
         print(table(f"2. B active rows of a fixed batch of {args.fixed_slots} slots (the rest masked)", fixed))
+    exact = []
+    if args.exactness:
+        exact = exactness(sizes, args.fixed_slots or max(sizes), args.frames,
+                          {**options, "context_seconds": rings[0]})
+        print()
+        print(exactness_table(args.fixed_slots or max(sizes), exact))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"machine": machine, "scaled": scaled, "fixed": fixed}, handle, indent=1)
+            json.dump({"machine": machine, "scaled": scaled, "fixed": fixed, "exactness": exact}, handle, indent=1)
 
 
 if __name__ == "__main__":

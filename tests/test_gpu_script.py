@@ -74,6 +74,10 @@ def test_the_script_runs_every_phase_in_the_bare_layout(bare):
     for row in rows:
         assert set(row["stage_ms"]) == {"encode", "lm", "decode"} and row["step_ms"]["p50"] > 0
         assert 0 < row["thread_cpu_ms_per_step"] and "within_budget" in row
+        exact = row["exact"]
+        assert isinstance(exact["row_0_as_largest_batch"], bool) and isinstance(exact["last_row_as_row_0"], bool)
+        assert exact["row_0_as_largest_batch"] == (exact["max_abs_diff"] == 0.0)
+    assert rows[-1]["exact"]["row_0_as_largest_batch"] and rows[0]["exact"]["last_row_as_row_0"]  # itself; one row
     assert "skipped" in phases["wait"]  # no GPU to wait for
     cells = phases["ring"]["cells"]
     assert [(c["rows"], c["ring_positions"]) for c in cells] == [(2, 16), (2, 64), (4, 16), (4, 64)]

@@ -15,7 +15,11 @@ load and streams for the life of the process; each slot is one row.
   the batch buffer in place, and their outputs and text gathered back; no per-row state is ever
   copied.  Compacting the active rows into a smaller batch instead would copy every KV cache in and
   out each step (gigabytes per row for the 7B model) and break the fixed shapes CUDA graphs need,
-  so the masked full batch is the cheapest correct step the package offers.
+  so the masked full batch is the cheapest correct step the package offers.  A step over only the
+  first rows (a view of every per-row tensor, rows kept dense with ``move_row``) would copy
+  nothing, but it would change a session's audio with its neighbours: the kernels round a row
+  differently by batch size, and on some thread counts by its place in the batch
+  (``benchmarks/moshi_tiny.py --exactness``).
 * **Warming rows**: with ``support_out_of_sync``, a row's first ``max_delay`` steps yield -2
   ("not generated yet") tokens.  Those rows are masked out of Mimi's decoder (its state does not
   advance) and hear silence; the decoder is fed a valid token in their place.
@@ -54,7 +58,7 @@ from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, SlotCh
 from duplexrt.backends.moshi import auto_slots, loading, memory, ring, sampling
 from duplexrt.backends.moshi.cuda import StepClock, select_device
 from duplexrt.backends.moshi.env import import_moshi
-from duplexrt.backends.moshi.rows import RowWiper
+from duplexrt.backends.moshi.rows import RowMover, RowWiper, uncovered
 from duplexrt.config import MAX_SLOTS, ConfigError
 
 log = logging.getLogger("duplexrt.backends.moshi")
@@ -502,7 +506,7 @@ class MoshiBackend(Backend):
             return
         self._loaded_rows = False
         self._rows_stack.close()  # every module's streaming state (and its CUDA graphs) goes
-        for name in ("_lm_gen", "_sampler", "_pcm_dev", "_exec", "_clock", "_wiper", "_encoder_wiper"):
+        for name in ("_lm_gen", "_sampler", "_pcm_dev", "_exec", "_clock", "_wiper", "_encoder_wiper", "_mover"):
             setattr(self, name, None)
         import gc
 
@@ -534,6 +538,11 @@ class MoshiBackend(Backend):
         # with it: a reused slot must be exactly a fresh one, whatever its last session sent.
         self._wiper = RowWiper([mimi, lm_gen], slots)
         self._encoder_wiper = RowWiper(self._encoder_side, slots)
+        # Every field of every streaming state, walked: one the package adds is named here, not
+        # silently left behind by a row move or reset.
+        self._mover = RowMover({"mimi": mimi, "lm_gen": lm_gen}, slots)
+        for problem in uncovered(self._mover.fields, slots):
+            log.warning("moshi streaming state %s: a row moved or reset may differ from a fresh one", problem)
 
         def host(shape: tuple[int, ...], dtype: Any) -> Any:
             return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
@@ -622,6 +631,22 @@ class MoshiBackend(Backend):
     def close_slot(self, slot: int) -> None:
         self._frames[slot] = 0
         self._ending[slot] = False
+
+    def move_row(self, src: int, dst: int) -> None:
+        """The whole state of row ``src`` (streaming state, sampling stream, frame count, end mark)
+        into row ``dst``: the session there goes on as it would have in ``src``, where the kernels
+        round a row alike wherever it sits (see ``RowMover``).  ``src`` is left to nobody.  Not used
+        by the fixed batch, whose sessions never change rows."""
+        torch = self._torch
+        with torch.no_grad():
+            if self._pending_reset:  # a row opened since the last step is reset before it moves
+                self._apply_resets()
+            self._mover.move(src, dst)
+            for tensor in (self._sampler.keys, self._sampler.counters):
+                tensor[dst] = tensor[src]
+        for array in (self._frames, self._keys, self._ending):
+            array[dst] = array[src]
+        self._ending[src] = False
 
     def end_input(self, slot: int) -> None:
         self._ending[slot] = True

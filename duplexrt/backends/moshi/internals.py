@@ -2,8 +2,9 @@
 
 moshi 0.2.13 offers no public way to do these, and the backend needs them:
 
-* a row reset must restore each streaming module's state for that row only, which means walking
-  the modules' ``_streaming_state`` (``rows.RowWiper``);
+* a row reset must restore each streaming module's state for that row only, and a row move copy
+  all of it, which means walking the modules' ``_streaming_state`` and every attribute of it,
+  the base ``State``'s private ``_set_exec_mask_graphed`` included (``rows``);
 * a tiny random model must look like a trained one to Mimi's quantizer: its codebooks are marked
   initialised (``_initialized``) and their cached ``_embedding`` dropped so it is recomputed from
   the random centroids (``tiny``).
@@ -21,6 +22,13 @@ def streaming_state(module: Any) -> Any | None:
     """A ``StreamingModule``'s state dataclass while it streams (``module._streaming_state``),
     or None when it is not streaming."""
     return getattr(module, "_streaming_state", None)
+
+
+def attributes(obj: Any) -> dict[str, Any]:
+    """Every attribute a state object (or an object it holds, a ``RingKVCache``) has, private
+    ones included (``vars``): the walk must see what the package adds, not only its dataclass
+    fields."""
+    return dict(vars(obj))
 
 
 def mark_codebook_initialised(codebook: Any) -> None:
