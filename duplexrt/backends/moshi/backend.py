@@ -401,26 +401,49 @@ class MoshiBackend(Backend):
     # -- sizing ------------------------------------------------------------------------------------
 
     def _memory_details(self, fit: int | None, device_memory: memory.DeviceMemory | None) -> dict[str, Any]:
-        details: dict[str, Any] = {"bytes_per_slot": self.slot_bytes.as_dict(), "fit_memory": fit,
-                                   "ring": self.ring.as_dict()}
+        details: dict[str, Any] = {"bytes_per_slot": self._sized().as_dict(), "fit_memory": fit,
+                                   "ring": self._ring().as_dict()}
         if device_memory is not None:
             details.update(free_bytes=device_memory.free, total_bytes=device_memory.total,
                            reserve_bytes=device_memory.reserve, memory_source=device_memory.source)
         return details
 
-    def _does_not_fit(self, slots: int, fit: int, device_memory: memory.DeviceMemory) -> str:
-        per = self.slot_bytes
+    def _sized(self) -> memory.SlotBytes:
+        """What one slot holds: known from the first load on, before anything is allocated."""
+        if self.slot_bytes is None:
+            raise RuntimeError("the moshi backend has not sized its slots: load it first")
+        return self.slot_bytes
+
+    def _ring(self) -> ring.Ring:
+        """The K/V ring chosen at load."""
+        if self.ring is None:
+            raise RuntimeError("the moshi backend has not chosen its K/V ring: load it first")
+        return self.ring
+
+    def _built_model(self) -> _Model:
+        """The built model (built once, at the first load; a resize reuses it)."""
+        if self._model is None:
+            raise RuntimeError("the moshi backend has no model: load it first")
+        return self._model
+
+    def _does_not_fit(self, slots: int, fit: int, device_memory: memory.DeviceMemory | None) -> str:
+        per = self._sized()
+        held = self._ring()
         gb = memory.gigabytes
         parts = (f"LM K/V {gb(per.lm_kv)}, depformer {gb(per.depformer_kv)}, Mimi K/V {gb(per.mimi_kv)}, "
                  f"Mimi convolutions {gb(per.mimi_conv)}, the rest {gb(per.bookkeeping)}")
         advice = f"set runtime.slots = {fit} (--slots {fit}) or \"auto\"" if fit else \
             "not even one slot fits: free memory on the device, or a device with more"
         advice += (f", or cap calls with a shorter K/V ring (backend.options.context_seconds; now "
-                   f"{self.ring.seconds:g} s, {self.ring.positions} positions)")
+                   f"{held.seconds:g} s, {held.positions} positions)")
+        if device_memory is None:  # only a known free memory yields a fit to refuse by
+            free = f"{self.settings.device}'s free memory is unknown"
+        else:
+            free = (f"{self.settings.device} has {gb(device_memory.free)} free after the weights "
+                    f"({device_memory.source}), less {gb(device_memory.reserve)} kept for activations and CUDA graphs")
         return (f"runtime.slots = {slots} does not fit: each slot holds {gb(per.total)} of state ({parts}), "
-                f"{gb(slots * per.total)} for {slots}, and {self.settings.device} has {gb(device_memory.free)} "
-                f"free after the weights ({device_memory.source}), less {gb(device_memory.reserve)} kept for "
-                f"activations and CUDA graphs: at most {fit} slot{'s' if fit != 1 else ''} fit; {advice}")
+                f"{gb(slots * per.total)} for {slots}, and {free}: at most {fit} slot{'s' if fit != 1 else ''} "
+                f"fit; {advice}")
 
     def _choose_slots(self, fit: int | None, device_memory: memory.DeviceMemory | None) -> SlotChoice:
         """``runtime.slots = "auto"``: time full batches of a few sizes up to what fits the memory
@@ -451,7 +474,7 @@ class MoshiBackend(Backend):
             cost = self._warm_up(self._unsettled_steps + steady)
             timings.setdefault(found.slots, cost * 1e3)
         step = timings[found.slots]  # what the choice was made on
-        memory_note = (f"{fit} fit the memory ({memory.gigabytes(self.slot_bytes.total)} a slot)"
+        memory_note = (f"{fit} fit the memory ({memory.gigabytes(self._sized().total)} a slot)"
                        if fit is not None else "the device's free memory is unknown")
         frame = f"{info.capacity_margin:.0%} of the {info.frame_ms:g} ms frame"
         if not found.within_budget:
@@ -479,7 +502,7 @@ class MoshiBackend(Backend):
 
     def _allocate(self, slots: int) -> None:
         """Streaming state for ``slots`` rows (whatever state there was is let go first)."""
-        model = self._model
+        model = self._built_model()
         torch = model.torch
         self._release_rows()
         self.info = attrs.evolve(self.info, slots=slots)

@@ -110,8 +110,8 @@ def _tree_bytes(root: Any, skip: Any = None) -> tuple[int, int, int]:
             conv += inner.in_channels * (effective - inner.stride[0]) * _param_dtype_size(module)
             bookkeeping += 1 + 1  # exec_mask, first
         elif isinstance(module, StreamingConvTranspose1d):
-            inner = module.convtr.convtr
-            conv += inner.out_channels * (inner.kernel_size[0] - inner.stride[0]) * _param_dtype_size(module)
+            transposed = module.convtr.convtr
+            conv += transposed.out_channels * (transposed.kernel_size[0] - transposed.stride[0]) * _param_dtype_size(module)
             bookkeeping += 1
         elif isinstance(module, StreamingTransformer):
             bookkeeping += 1 + 8  # exec_mask, offsets

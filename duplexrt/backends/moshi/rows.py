@@ -73,7 +73,8 @@ class RowWiper:
                         self._buffers.append((value.cache, 1, 0.0))
                     elif field.name == "cache" and hasattr(module, "lm_model"):
                         # LMGen's (batch, codebooks, delay) token cache, fresh: "not generated".
-                        self._buffers.append((value, 0, int(module.lm_model.ungenerated_token_id)))
+                        lm_model: Any = module.lm_model  # an LMModel; torch types a submodule as Tensor | Module
+                        self._buffers.append((value, 0, int(lm_model.ungenerated_token_id)))
                     elif field.name not in _RESTORED_BY_PACKAGE and value is not None:
                         log.warning("moshi streaming state %s.%s is not restored on a row reset: a "
                                     "reused slot may differ from a fresh one", name or "<root>", field.name)
