@@ -35,6 +35,24 @@ async def _drop(client) -> None:
     await client.close(CloseCode.ABNORMAL_CLOSURE)
 
 
+async def _take_one(client, resumable: ResumableTransport) -> None:
+    """The session takes one client message: only then is a drop a drop (see the next test)."""
+    await client.send("in 0")
+    assert await resumable.receive() == "in 0"
+
+
+async def test_a_drop_before_the_first_message_taken_ends_the_session_at_once(autojump_clock):
+    """An upgrade cut before it sent anything holds nothing: no window, no slot kept."""
+    client, server = memory_transport_pair()
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await _drop(client)
+    started = trio.current_time()
+    with pytest.raises(TransportClosed) as ended:
+        await resumable.receive()
+    assert ended.value.code == CloseCode.ABNORMAL_CLOSURE and ended.value.finish_reason is None
+    assert trio.current_time() == started and not resumable.detached and resumable.drops == 0
+
+
 def test_a_token_names_its_replica_and_carries_at_least_128_random_bits():
     token = new_token("gpu.3")
     replica, secret = split_token(token)
@@ -109,6 +127,7 @@ async def test_poll_counts_what_it_takes_and_answers_none_while_detached_or_drop
 async def test_no_resume_within_the_window_ends_the_session_with_resume_expired(autojump_clock):
     client, server = memory_transport_pair()
     resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await _take_one(client, resumable)
     await _drop(client)
     started = trio.current_time()
     with pytest.raises(Exception) as ended:
@@ -123,6 +142,7 @@ async def test_abandon_ends_a_detached_session_at_once_and_a_later_drop_too(auto
     """A second shutdown signal: no client will come back, so no window is waited out."""
     client, server = memory_transport_pair()
     detached = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await _take_one(client, detached)
     await _drop(client)
     async with trio.open_nursery() as nursery:
         ended = {}
@@ -142,6 +162,7 @@ async def test_abandon_ends_a_detached_session_at_once_and_a_later_drop_too(auto
     # Still attached when abandoned: the drop that follows ends it instead of detaching it.
     client, server = memory_transport_pair()
     attached = ResumableTransport(server, "r.b", window_s=10, journal_s=15)
+    await _take_one(client, attached)
     attached.abandon()
     await _drop(client)
     started = trio.current_time()
@@ -252,6 +273,7 @@ async def test_send_nowait_numbers_and_journals_exactly_as_send_does_also_when_d
     send = getattr(_Journaled, way)
     client, server = memory_transport_pair(capacity=2)
     resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    await _take_one(client, resumable)
     for i in range(2):
         await send(resumable, f"out {i}")
     if way == "send_nowait":
@@ -267,7 +289,7 @@ async def test_send_nowait_numbers_and_journals_exactly_as_send_does_also_when_d
     assert resumable.sent == 5
     new_client, new_server = memory_transport_pair(capacity=100)
     await resumable.attach(new_server, 2, "r.b", _notice)
-    assert [await new_client.receive() for _ in range(4)] == ["resumed r.b 0", "out 2", "out 3", "out 4"]
+    assert [await new_client.receive() for _ in range(4)] == ["resumed r.b 1", "out 2", "out 3", "out 4"]
     await send(resumable, "out 5")
     assert await new_client.receive() == "out 5" and resumable.sent == 6
 

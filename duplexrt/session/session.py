@@ -263,6 +263,11 @@ class Session:
         if end is None or timeout.cancelled_caught or self.outgoing.pending:
             end = self.summary()
         reason = end.error or end.reason
+        if isinstance(transport, ResumableTransport) and lifecycle.finish_reason is not FinishReason.SHUTDOWN:
+            # Ended while detached: the end and its usage wait in the journal for the client's
+            # return, as long as a resume may come (the slot is free already).  Not when the
+            # server is stopping: no resume will come.
+            deadline = max(deadline, transport.resume_deadline + self._close_timeout)
         with trio.move_on_at(deadline):  # past it, the transport drops the connection at once
             await transport.close(lifecycle.close_code, reason[:120])
         return end
