@@ -308,3 +308,46 @@ async def test_send_nowait_over_a_connection_without_one_is_refused_and_numbers_
     with pytest.raises(trio.WouldBlock):
         resumable.send_nowait("x")
     assert resumable.sent == 0
+
+
+async def test_a_claim_holds_the_session_for_one_connection_and_only_its_own_release_frees_it(autojump_clock):
+    client, server = memory_transport_pair(capacity=100)
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    await _take_one(client, resumable)
+    await _drop(client)
+    with trio.move_on_after(1):
+        await resumable.receive()
+    first = resumable.claim(0)
+    with pytest.raises(ResumeError) as refused:
+        resumable.claim(0)
+    assert (refused.value.status, refused.value.code) == (409, "resume_in_progress")
+    new_client, new_server = memory_transport_pair(capacity=100)
+    with pytest.raises(ResumeError, match="another connection"):
+        await resumable.attach(new_server, 0, "r.b", _notice)  # no claim of its own: refused
+    resumable.release(first)
+    second = resumable.claim(0)
+    resumable.release(first)  # a claim already over releases nothing
+    with pytest.raises(ResumeError):
+        resumable.claim(0)
+    await resumable.attach(new_server, 0, "r.b", _notice, claim=second)
+    assert await new_client.receive() == "resumed r.b 1" and not resumable.detached
+
+
+async def test_a_replay_the_client_does_not_take_is_given_up_at_its_deadline_and_the_session_waits_on(autojump_clock):
+    client, server = memory_transport_pair(capacity=100)
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    await _take_one(client, resumable)
+    await _drop(client)
+    with trio.move_on_after(1):
+        await resumable.receive()
+    for i in range(5):
+        await resumable.send(f"out {i}")
+    _stalled_client, stalled = memory_transport_pair(capacity=2)  # takes two, never read
+    started = trio.current_time()
+    with pytest.raises(TransportClosed, match="not taken within 2 s"):
+        await resumable.attach(stalled, 0, "r.b", _notice, replay_timeout=2)
+    assert trio.current_time() - started == pytest.approx(2)
+    assert resumable.detached and resumable.token == "r.a"
+    new_client, new_server = memory_transport_pair(capacity=100)
+    await resumable.attach(new_server, 0, "r.b", _notice, replay_timeout=2)
+    assert [await new_client.receive() for _ in range(6)] == ["resumed r.b 1", *(f"out {i}" for i in range(5))]

@@ -1,10 +1,9 @@
 """The server: one TCP port, WebSocket sessions on the routes of routes.py, plain HTTP for the rest.
 
 Each connection is read up to the end of its request head first (at most
-``server.max_pending_handshakes`` at once; past that the oldest is let go: see
-``_serve_connection``).  A WebSocket upgrade to a known
-route is checked (API key, free slot, route options) and answered here, the session then reading
-and writing its frames on the socket (``duplexrt.wire.native``);
+``server.max_pending_handshakes`` at once; past that the oldest is let go: see ``_read_head``).
+A WebSocket upgrade to a known route is checked (API key, free slot, route options) and answered
+here, the session then reading and writing its frames on the socket (``duplexrt.wire.native``);
 anything else is answered as plain HTTP (health, readiness, metrics).  Whatever one connection
 does, the handler catches it: a misbehaving client never takes the server down.
 """
@@ -68,8 +67,8 @@ class _PendingHead:
 
 @attrs.define(eq=False)
 class _Resumable:
-    """A session a client may resume: its transport, translator and route, and ``over``, set once
-    the session has ended and let go of its slot and admission."""
+    """A session a client may resume: its transport, translator and route; ``over``, set once the
+    session has ended and let go of its slot; ``evicted``, given up for a new caller."""
 
     transport: ResumableTransport
     translator: Translator

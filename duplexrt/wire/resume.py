@@ -51,7 +51,8 @@ from duplexrt.wire.transport import DirectSend, Message, Transport, TransportClo
 #: Random bytes in a token's secret: 144 bits, far past guessing; urlsafe base64 has no ``.``.
 TOKEN_BYTES = 18
 #: A journal never holds more than this, whatever its seconds and its format.  The server passes a
-#: tighter cap per session, from the seconds of audio its route and format take (``journal_budget``).
+#: tighter cap per session, from the seconds of audio its route and format take
+#: (``duplexrt.server.budget.journal_bytes``).
 MAX_JOURNAL_BYTES = 32 << 20
 
 
@@ -291,15 +292,16 @@ class ResumableTransport:
         window to come back for the session's last messages (the caller bounds the wait)."""
         if self._closed:
             return
-        if self._current is None and not self._expired:
-            with trio.move_on_at(self._deadline):
-                await self._attached.wait()
-        self._closed = True
-        transport = self._current
         try:
+            if self._current is None and not self._expired:
+                with trio.move_on_at(self._deadline):
+                    await self._attached.wait()
+            self._closed = True
+            transport = self._current
             if transport is not None:
                 await transport.close(code, reason)
-        finally:
+        finally:  # over, even when the caller's bound cut the wait short
+            self._closed = True
             self._release_memory()
             self._changed.unpark_all()
 
