@@ -665,27 +665,27 @@ def test_duplex_mode_has_no_boundaries():
     assert protocol.next_boundary() is None
 
 
-def test_held_audio_is_recoded_in_order_and_stays_bounded():
-    from duplexrt.protocols.realtime import MAX_HELD_BYTES
+def test_held_audio_is_recoded_in_order_and_stays_bounded_in_seconds():
+    from duplexrt.protocols.realtime import MAX_HELD_SECONDS
 
     protocol, progress = make()
-    chunk = MAX_HELD_BYTES // 3
-    for k in range(3):
-        protocol.audio_out(bytes([k]) * chunk, 1)
-        progress.frames_out += 1
+    chunk_frames = int(MAX_HELD_SECONDS / 0.08) // 3  # three chunks fill the bound
+    for k in range(4):  # the fourth pushes the oldest out, whatever the bytes
+        protocol.audio_out(bytes([k]) * 4, chunk_frames)
+        progress.frames_out += chunk_frames
     seen = []
 
     def recode(payloads):
         seen.extend(p[:1] for p in payloads)
-        return [p[:1] * (2 * len(p)) for p in payloads]  # twice the bytes: past the bound
+        return [p[:1] * (2 * len(p)) for p in payloads]  # twice the bytes: the bound is in seconds
 
     protocol.recode_held(recode)
-    assert seen == [b"\0", b"\1", b"\2"]
-    progress.frames_in = 3
+    assert seen == [b"\1", b"\2", b"\3"]
+    progress.frames_in = 4 * chunk_frames
     events = decoded(send(protocol, "response.create").messages)
     deltas = [base64.b64decode(e["delta"]) for e in events if e["type"] == names(False)["delta"]]
-    assert deltas == [b"\2" * (2 * chunk)]  # the oldest dropped to stay within MAX_HELD_BYTES
-    assert events[-1]["response"]["usage"]["output_token_details"]["audio_tokens"] == 1
+    assert deltas == [bytes([k]) * 8 for k in (1, 2, 3)]  # the oldest dropped to stay within the bound
+    assert events[-1]["response"]["usage"]["output_token_details"]["audio_tokens"] == 3 * chunk_frames
 
 
 def test_errors_quote_client_values_short():

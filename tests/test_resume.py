@@ -189,6 +189,8 @@ async def test_unknown_reused_and_other_replica_tokens_are_refused_before_the_up
         assert status == 421 and body.startswith(b"wrong_replica")
         status, body = await _refusal(running.port, f"?resume={first}&received=99")
         assert status == 400 and body.startswith(b"bad_received")
+        await peer.send(frames(1)[0])  # a session that took nothing is not resumable
+        await wait_for(lambda: next(iter(running.server.runtime.sessions)).credits.submitted == 1, "the frame")
         peer.cut()
         await peer.resume(connections)
         assert peer.token != first

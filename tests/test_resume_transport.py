@@ -35,6 +35,24 @@ async def _drop(client) -> None:
     await client.close(CloseCode.ABNORMAL_CLOSURE)
 
 
+async def _take_one(client, resumable: ResumableTransport) -> None:
+    """The session takes one client message: only then is a drop a drop (see the next test)."""
+    await client.send("in 0")
+    assert await resumable.receive() == "in 0"
+
+
+async def test_a_drop_before_the_first_message_taken_ends_the_session_at_once(autojump_clock):
+    """An upgrade cut before it sent anything holds nothing: no window, no slot kept."""
+    client, server = memory_transport_pair()
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await _drop(client)
+    started = trio.current_time()
+    with pytest.raises(TransportClosed) as ended:
+        await resumable.receive()
+    assert ended.value.code == CloseCode.ABNORMAL_CLOSURE and ended.value.finish_reason is None
+    assert trio.current_time() == started and not resumable.detached and resumable.drops == 0
+
+
 def test_a_token_names_its_replica_and_carries_at_least_128_random_bits():
     token = new_token("gpu.3")
     replica, secret = split_token(token)
@@ -109,6 +127,7 @@ async def test_poll_counts_what_it_takes_and_answers_none_while_detached_or_drop
 async def test_no_resume_within_the_window_ends_the_session_with_resume_expired(autojump_clock):
     client, server = memory_transport_pair()
     resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await _take_one(client, resumable)
     await _drop(client)
     started = trio.current_time()
     with pytest.raises(Exception) as ended:
@@ -123,6 +142,7 @@ async def test_abandon_ends_a_detached_session_at_once_and_a_later_drop_too(auto
     """A second shutdown signal: no client will come back, so no window is waited out."""
     client, server = memory_transport_pair()
     detached = ResumableTransport(server, "r.a", window_s=10, journal_s=15)
+    await _take_one(client, detached)
     await _drop(client)
     async with trio.open_nursery() as nursery:
         ended = {}
@@ -142,6 +162,7 @@ async def test_abandon_ends_a_detached_session_at_once_and_a_later_drop_too(auto
     # Still attached when abandoned: the drop that follows ends it instead of detaching it.
     client, server = memory_transport_pair()
     attached = ResumableTransport(server, "r.b", window_s=10, journal_s=15)
+    await _take_one(client, attached)
     attached.abandon()
     await _drop(client)
     started = trio.current_time()
@@ -252,6 +273,7 @@ async def test_send_nowait_numbers_and_journals_exactly_as_send_does_also_when_d
     send = getattr(_Journaled, way)
     client, server = memory_transport_pair(capacity=2)
     resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    await _take_one(client, resumable)
     for i in range(2):
         await send(resumable, f"out {i}")
     if way == "send_nowait":
@@ -267,7 +289,7 @@ async def test_send_nowait_numbers_and_journals_exactly_as_send_does_also_when_d
     assert resumable.sent == 5
     new_client, new_server = memory_transport_pair(capacity=100)
     await resumable.attach(new_server, 2, "r.b", _notice)
-    assert [await new_client.receive() for _ in range(4)] == ["resumed r.b 0", "out 2", "out 3", "out 4"]
+    assert [await new_client.receive() for _ in range(4)] == ["resumed r.b 1", "out 2", "out 3", "out 4"]
     await send(resumable, "out 5")
     assert await new_client.receive() == "out 5" and resumable.sent == 6
 
@@ -286,3 +308,46 @@ async def test_send_nowait_over_a_connection_without_one_is_refused_and_numbers_
     with pytest.raises(trio.WouldBlock):
         resumable.send_nowait("x")
     assert resumable.sent == 0
+
+
+async def test_a_claim_holds_the_session_for_one_connection_and_only_its_own_release_frees_it(autojump_clock):
+    client, server = memory_transport_pair(capacity=100)
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    await _take_one(client, resumable)
+    await _drop(client)
+    with trio.move_on_after(1):
+        await resumable.receive()
+    first = resumable.claim(0)
+    with pytest.raises(ResumeError) as refused:
+        resumable.claim(0)
+    assert (refused.value.status, refused.value.code) == (409, "resume_in_progress")
+    new_client, new_server = memory_transport_pair(capacity=100)
+    with pytest.raises(ResumeError, match="another connection"):
+        await resumable.attach(new_server, 0, "r.b", _notice)  # no claim of its own: refused
+    resumable.release(first)
+    second = resumable.claim(0)
+    resumable.release(first)  # a claim already over releases nothing
+    with pytest.raises(ResumeError):
+        resumable.claim(0)
+    await resumable.attach(new_server, 0, "r.b", _notice, claim=second)
+    assert await new_client.receive() == "resumed r.b 1" and not resumable.detached
+
+
+async def test_a_replay_the_client_does_not_take_is_given_up_at_its_deadline_and_the_session_waits_on(autojump_clock):
+    client, server = memory_transport_pair(capacity=100)
+    resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
+    await _take_one(client, resumable)
+    await _drop(client)
+    with trio.move_on_after(1):
+        await resumable.receive()
+    for i in range(5):
+        await resumable.send(f"out {i}")
+    _stalled_client, stalled = memory_transport_pair(capacity=2)  # takes two, never read
+    started = trio.current_time()
+    with pytest.raises(TransportClosed, match="not taken within 2 s"):
+        await resumable.attach(stalled, 0, "r.b", _notice, replay_timeout=2)
+    assert trio.current_time() - started == pytest.approx(2)
+    assert resumable.detached and resumable.token == "r.a"
+    new_client, new_server = memory_transport_pair(capacity=100)
+    await resumable.attach(new_server, 0, "r.b", _notice, replay_timeout=2)
+    assert [await new_client.receive() for _ in range(6)] == ["resumed r.b 1", *(f"out {i}" for i in range(5))]

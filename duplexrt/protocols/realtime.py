@@ -91,9 +91,10 @@ __all__ = ["RealtimeTranslator"]
 
 _session_ids = itertools.count(1)
 
-#: Turn mode: at most this much model audio is held while no response is active (about five
-#: minutes of pcm16 at 24 kHz); beyond it the oldest is dropped.
-MAX_HELD_BYTES = 16 << 20
+#: Turn mode: at most this many seconds of model audio are held while no response is active;
+#: beyond it the oldest is dropped.  Seconds, not bytes: a client that makes the model talk
+#: faster than real time holds no more (the README's per-session memory table).
+MAX_HELD_SECONDS = 30.0
 
 
 class _ZeroProgress:
@@ -136,6 +137,7 @@ class RealtimeTranslator(Translator):
         # a turn before the client's response.create arrives; dropping that would lose the reply.
         self._held: list[tuple[bytes, int]] = []
         self._held_bytes = 0
+        self._held_frames = 0
         # Turn mode: output below this frame count belongs to a response the client cancelled
         # (or cleared): it is dropped as it arrives, never held for the next response.
         self._discard_below = 0
@@ -149,6 +151,7 @@ class RealtimeTranslator(Translator):
         # open-ended response for the whole session.
         self._gate = OutputGate(duplex_gate_dbfs, self.output_spec) if duplex and duplex_gate_dbfs is not None else None
         self._hangover = max(1, math.ceil(duplex_hangover_ms / 1000 / frame_seconds - 1e-9))
+        self._max_held_frames = max(1, int(MAX_HELD_SECONDS / frame_seconds + 1e-9))
         self._quiet = 0  # frames under the gate since the last loud one
         self._muted = False  # duplex: the client cancelled this burst; drop it until a pause
         handlers: dict[str, Callable[[dict[str, Any]], Event]] = {
@@ -242,23 +245,21 @@ class RealtimeTranslator(Translator):
         payloads = recode([payload for payload, _ in self._held])
         self._held = [(payload, frames) for payload, (_, frames) in zip(payloads, self._held, strict=True)]
         self._held_bytes = sum(len(payload) for payload in payloads)
-        self._trim_held()  # a narrow format to a wide one grows the bytes
 
     def _hold(self, payload: bytes, frames: int) -> None:
         if not payload:
             return
         self._held.append((payload, frames))
         self._held_bytes += len(payload)
-        self._trim_held()
-
-    def _trim_held(self) -> None:
-        while self._held_bytes > MAX_HELD_BYTES and len(self._held) > 1:
-            dropped, _ = self._held.pop(0)
+        self._held_frames += frames
+        while self._held_frames > self._max_held_frames and len(self._held) > 1:
+            dropped, dropped_frames = self._held.pop(0)
             self._held_bytes -= len(dropped)
+            self._held_frames -= dropped_frames
 
     def _release_held(self) -> list[Message]:
         """The held audio as the new response's first deltas (already counted as answered)."""
-        held, self._held, self._held_bytes = self._held, [], 0
+        held, self._held, self._held_bytes, self._held_frames = self._held, [], 0, 0
         messages: list[Message] = []
         response = self._response
         for payload, frames in held:
@@ -402,7 +403,7 @@ class RealtimeTranslator(Translator):
 
     def _clear_output(self, data: dict[str, Any]) -> Event:
         response = self._response
-        self._held, self._held_bytes = [], 0
+        self._held, self._held_bytes, self._held_frames = [], 0, 0
         messages: list[Message] = []
         if response is not None and response.target is not None:
             # The frames dropped now will never be sent, so a turn-mode response could not reach

@@ -1,9 +1,9 @@
 """The server: one TCP port, WebSocket sessions on the routes of routes.py, plain HTTP for the rest.
 
 Each connection is read up to the end of its request head first (at most
-``server.max_pending_handshakes`` at once: see ``_serve_connection``).  A WebSocket upgrade to a known
-route is checked (API key, free slot, route options) and answered here, the session then reading
-and writing its frames on the socket (``duplexrt.wire.native``);
+``server.max_pending_handshakes`` at once; past that the oldest is let go: see ``_read_head``).
+A WebSocket upgrade to a known route is checked (API key, free slot, route options) and answered
+here, the session then reading and writing its frames on the socket (``duplexrt.wire.native``);
 anything else is answered as plain HTTP (health, readiness, metrics).  Whatever one connection
 does, the handler catches it: a misbehaving client never takes the server down.
 """
@@ -18,16 +18,18 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
 
+import attrs
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
 
 from duplexrt.backends import Backend, SlotChoice
 from duplexrt.config import Config
-from duplexrt.wire.resume import ResumableTransport, ResumeError, new_token, split_token
+from duplexrt.wire.resume import Claim, ResumableTransport, ResumeError, new_token, split_token
 from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import ProtocolError
 from duplexrt.reasons import CloseCode
+from duplexrt.server.budget import journal_bytes
 from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
@@ -48,12 +50,40 @@ hello = logging.getLogger("duplexrt.hello")
 #: as a subprotocol, ``openai-insecure-api-key.KEY``, next to a real one that the server answers with.
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
-#: Above the pending-handshake cap, how long a new connection gets to show a whole request head:
-#: enough for one that sent it with the connection (a metrics scraper), too short to be held.
-_OVERFLOW_READ_S = 0.1
+#: The shortest time a request head gets under pressure (pending heads near the cap): plenty for
+#: a client that sends its head with the connection, as every real one does.
+_MIN_HEAD_READ_S = 0.5
 #: TCP keepalive on accepted sockets: a peer gone without a FIN is noticed after
 #: idle + interval x count seconds even where no WebSocket ping runs (plain HTTP, pings off).
 _TCP_KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+
+
+@attrs.define(eq=False)
+class _PendingHead:
+    """A connection still sending its request head: what the oldest-first eviction cancels."""
+
+    scope: trio.CancelScope
+    evicted: bool = False
+
+
+@attrs.define(eq=False)
+class _Resumable:
+    """A session a client may resume: its transport, translator and route; ``over``, set once the
+    session has ended and let go of its slot; ``evicted``, given up for a new caller."""
+
+    transport: ResumableTransport
+    translator: Translator
+    path: str
+    over: trio.Event = attrs.Factory(trio.Event)
+    evicted: bool = False
+
+
+def head_deadline_s(timeout_s: float, pending: int, cap: int) -> float:
+    """How long a new connection gets to send its request head when ``pending`` others are still
+    sending theirs: the full ``timeout_s`` up to half the cap, then less and less, down to
+    ``_MIN_HEAD_READ_S``: a flood of half-sent heads turns over ever faster."""
+    share_left = 2 * (cap - pending) / cap
+    return max(min(timeout_s, _MIN_HEAD_READ_S), timeout_s * min(1.0, share_left))
 
 
 class Server:
@@ -69,9 +99,12 @@ class Server:
         self.refused: Counter[str] = Counter()
         self._admitted = 0
         self._open_connections = 0
-        #: Connections still reading their request head, and those over the cap being peeked at.
-        self.pending_handshakes = 0
-        self._overflow = 0
+        #: Connections still reading their request head, oldest first (see ``_serve_connection``).
+        self._pending: dict[int, _PendingHead] = {}
+        self._connection_ids = 0
+        #: Detached sessions evicted for a new caller, not yet over: their admissions are the
+        #: new callers' already (see ``_admit``).
+        self._evicting = 0
         #: Every open socket and WebSocket, so a second signal can drop them all at once.
         self._streams: set[trio.SocketStream] = set()
         self._transports: set[NativeWebSocket] = set()
@@ -81,12 +114,23 @@ class Server:
         self._accept_scope: trio.CancelScope | None = None
         #: This replica's name behind a balancer (``server.replica_id``, else host:port once bound).
         self.replica_id = config.server.replica_id
-        #: Sessions a client may resume, by their token's secret: (transport, translator, path).
-        self._resumable: dict[str, tuple[ResumableTransport, Translator, str]] = {}
+        #: Sessions a client may resume, by their token's secret.
+        self._resumable: dict[str, _Resumable] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(lambda: self.statistics() if self.runtime is not None else None))
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
         ProcessCollector(registry=self.registry)
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections still sending their request head."""
+        return len(self._pending)
+
+    @property
+    def detached(self) -> int:
+        """Sessions whose connection dropped, waiting for a resume (or for their client to collect
+        the end): a new caller that finds no free slot takes the oldest one's."""
+        return sum(entry.transport.detached for entry in self._resumable.values())
 
     @property
     def admitted(self) -> int:
@@ -102,9 +146,9 @@ class Server:
         """The runtime's record and the server's connection counters, read at one moment."""
         assert self.runtime is not None, "the server has not started"
         return ServerStatistics(replica_id=self.replica_id or "", draining=self._draining,
-                                admitted=self._admitted, pending_handshakes=self.pending_handshakes,
+                                admitted=self._admitted - self._evicting, pending_handshakes=self.pending_handshakes,
                                 refused=dict(sorted(self.refused.items())), runtime=self.runtime.statistics(),
-                                detached=sum(entry[0].detached for entry in self._resumable.values()))
+                                detached=self.detached)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -151,8 +195,8 @@ class Server:
     def abort(self) -> bool:
         """Drop every connection now, closing handshakes under way included: nothing is left for
         the shutdown to wait on.  False when none was open any more."""
-        for resumable, _, _ in self._resumable.values():
-            resumable.abandon()  # a connection dropped here must not wait for its client to resume
+        for entry in self._resumable.values():
+            entry.transport.abandon()  # a connection dropped here must not wait for its client to resume
         for transport in list(self._transports):
             transport.abort()
         for stream in list(self._streams):
@@ -164,6 +208,8 @@ class Server:
         if await wait_for_calls(self._calls_left, self.config.server.shutdown_grace_s):
             for session in list(self.runtime.sessions):
                 session.shutdown()
+            for entry in self._resumable.values():
+                entry.transport.abandon()  # no resume is waited for once the grace is over
         # Told or not, the sessions' last frames and closing handshakes, then stop listening.
         with trio.move_on_after(self.config.server.close_timeout_s):
             while self._admitted:
@@ -192,41 +238,8 @@ class Server:
                 self._all_closed.unpark_all()
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        settings = self.config.server
-        cap = settings.max_pending_handshakes
-        # Each connection still sending its head holds a task, buffers and a descriptor: at most
-        # `cap` of them wait the full handshake timeout.  One more gets a moment to show a whole
-        # head (what a client sends with the connection): a plain GET is then answered, so health
-        # checks and /metrics work under a flood; anything else gets 503.  Past twice the cap a
-        # connection is refused unread.
-        overflow = self.pending_handshakes >= cap
-        if overflow and self._overflow >= cap:
-            await self._refuse_pending(stream)
-            return
-        deadline = trio.current_time() + settings.handshake_timeout_s
-        head: RequestHead | None = None
-        if overflow:
-            self._overflow += 1
-        else:
-            self.pending_handshakes += 1
-        try:
-            with trio.move_on_at(trio.current_time() + _OVERFLOW_READ_S if overflow else deadline):
-                try:
-                    head, received = await read_request_head(stream)
-                except BadRequest as exc:
-                    await self._respond(stream, exc.status, exc.reason)
-                    return
-        finally:
-            if overflow:
-                self._overflow -= 1
-            else:
-                self.pending_handshakes -= 1
-        if overflow and (head is None or head.wants_websocket):
-            await self._refuse_pending(stream)
-            return
+        head, received = await self._read_head(stream)
         if head is None:
-            self.refused["handshake_timeout"] += 1
-            await self._respond(stream, 408, "the request head did not arrive in time")
             return
         route = ROUTES.get(head.path)
         if not head.wants_websocket:
@@ -252,6 +265,55 @@ class Server:
         if "resume" in head.query:  # a session that lives here already: no admission
             await self._serve_resume(stream, received, head)
             return
+        await self._serve_new_session(stream, received, head)
+
+    async def _read_head(self, stream: trio.SocketStream) -> tuple[RequestHead | None, bytes]:
+        """The connection's request head, or None once it has been answered (malformed, too slow,
+        let go for a newer connection).
+
+        Each connection still sending its head holds a task, buffers and a descriptor, so at
+        most ``max_pending_handshakes`` are kept waiting.  A new one past that lets the oldest go
+        (503 ``too_many_pending``): a client that sends its head with the connection, as real
+        ones do, is read at once whatever the number of half-sent heads, and a flood of them
+        only turns over faster.  The nearer the cap, the less time a new head gets
+        (``head_deadline_s``)."""
+        settings = self.config.server
+        cap = settings.max_pending_handshakes
+        pending = self._pending
+        while len(pending) >= cap:
+            oldest = pending.pop(next(iter(pending)))
+            oldest.evicted = True
+            oldest.scope.cancel()
+        timeout = head_deadline_s(settings.handshake_timeout_s, len(pending), cap)
+        entry = _PendingHead(trio.CancelScope(deadline=trio.current_time() + timeout))
+        self._connection_ids += 1
+        key = self._connection_ids
+        pending[key] = entry
+        head: RequestHead | None = None
+        received = b""
+        bad: BadRequest | None = None
+        try:
+            with entry.scope:
+                head, received = await read_request_head(stream)
+        except BadRequest as exc:
+            bad = exc
+        finally:
+            pending.pop(key, None)
+        if bad is not None:
+            await self._respond(stream, bad.status, bad.reason)
+            return None, b""
+        if head is not None:
+            return head, received
+        if entry.evicted:
+            await self._refuse_pending(stream)
+        else:
+            self.refused["handshake_timeout"] += 1
+            await self._respond(stream, 408, "the request head did not arrive in time")
+        return None, b""
+
+    async def _serve_new_session(self, stream: trio.SocketStream, received: bytes, head: RequestHead) -> None:
+        """Admit a new session (a free slot, the capacity estimate, the route's options) and serve it."""
+        route = ROUTES[head.path]
         if self._draining:
             self.refused["shutting_down"] += 1
             await self._respond(stream, 503, "the server is shutting down")
@@ -262,17 +324,22 @@ class Server:
             self.refused["not_ready"] += 1
             await self._respond(stream, 503, "the model is not ready", [("retry-after", "1")])
             return
+        # No await from the check to the count: admission cannot be raced.
         capacity = runtime.scheduler.capacity.estimate
-        if capacity.limit <= self._admitted < runtime.scheduler.slots:
-            self.refused["at_capacity"] += 1
-            await self._respond(stream, 503, f"at_capacity: the model can serve {capacity.limit} sessions in "
-                                             "real time and all are in use; try again later",
-                                [("retry-after", "1")])
-            return
-        if self._admitted >= runtime.scheduler.slots:
-            self.refused["no_free_slot"] += 1
-            await self._respond(stream, 503, f"all {runtime.scheduler.slots} session slots are in use; "
-                                             "try again later", [("retry-after", "1")])
+        slots = runtime.scheduler.slots
+        taken = self._admitted - self._evicting
+        full = taken >= min(capacity.limit, slots)
+        if full and not self.detached:
+            # Full, and no detached session to give way (below): refused.
+            if taken < slots:
+                self.refused["at_capacity"] += 1
+                await self._respond(stream, 503, f"at_capacity: the model can serve {capacity.limit} sessions "
+                                                 "in real time and all are in use; try again later",
+                                    [("retry-after", "1")])
+            else:
+                self.refused["no_free_slot"] += 1
+                await self._respond(stream, 503, f"all {slots} session slots are in use; try again later",
+                                    [("retry-after", "1")])
             return
         try:
             translator = route.translator(head, self.config)
@@ -280,14 +347,42 @@ class Server:
             self.refused["bad_options"] += 1
             await self._respond(stream, exc.status, exc.reason)
             return
-        self._admitted += 1  # no await since the check above: admission cannot be raced
+        # Full: a detached session (its client gone, maybe for good) gives way to a caller who is
+        # here now, the oldest first.  Without this, upgrades cut at once could hold every slot
+        # for the resume window.
+        evicted = self._evict_oldest_detached() if full else None
+        self._admitted += 1
         try:
+            if evicted is not None:
+                # Its reader wakes, its slot is freed and it ends at once (it has no connection
+                # to say goodbye on); bounded all the same.
+                with trio.move_on_after(self.config.server.close_timeout_s):
+                    await evicted.over.wait()
+                if not evicted.over.is_set():
+                    self.refused["no_free_slot"] += 1
+                    await self._respond(stream, 503, "no session slot came free in time; try again later",
+                                        [("retry-after", "1")])
+                    return
             await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config),
-                                        partial(self._run_session, translator=translator, path=head.path))
+                                        partial(self._run_session, translator=translator, path=head.path,
+                                                base64_audio=route.base64_audio))
         finally:
             self._admitted -= 1
             if not self._admitted:
                 self._all_closed.unpark_all()
+
+    def _evict_oldest_detached(self) -> _Resumable | None:
+        """End the detached session that dropped first, for a new caller; None when none is."""
+        detached = [entry for entry in self._resumable.values() if entry.transport.detached]
+        if not detached:
+            return None
+        oldest = min(detached, key=lambda entry: entry.transport.resume_deadline)
+        oldest.transport.evict()
+        oldest.evicted = True
+        self._evicting += 1
+        self.refused["evicted_detached"] += 1
+        log.info("a detached session gave its slot to a new caller (ends resume_expired)")
+        return oldest
 
     async def _refuse_pending(self, stream: trio.SocketStream) -> None:
         self.refused["too_many_pending"] += 1
@@ -332,7 +427,8 @@ class Server:
 
     # -- sessions and their resumes --------------------------------------------------------------
 
-    async def _run_session(self, transport: Transport, *, translator: Translator, path: str) -> None:
+    async def _run_session(self, transport: Transport, *, translator: Translator, path: str,
+                           base64_audio: bool = False) -> None:
         """Serve a new session; with resume on, over a transport that survives a dropped connection."""
         assert self.runtime is not None
         settings = self.config.runtime
@@ -340,17 +436,27 @@ class Server:
             await self.runtime.serve(transport, translator)
             return
         token = new_token(self.replica_id or "")
-        resumable = ResumableTransport(transport, token, window_s=settings.resume_window_s,
-                                       journal_s=settings.resume_journal_s)
+        frame_seconds = self.config.audio.frame_seconds
+        journal_s = settings.resume_journal_s
+        resumable = ResumableTransport(
+            transport, token, window_s=settings.resume_window_s, journal_s=journal_s,
+            max_journal_bytes=lambda: journal_bytes(translator.output_spec, journal_s, frame_seconds,
+                                                    base64=base64_audio))
         translator.resume_token = token
-        self._resumable[split_token(token)[1]] = (resumable, translator, path)
+        entry = self._resumable[split_token(token)[1]] = _Resumable(resumable, translator, path)
         try:
             await self.runtime.serve(resumable, translator)
         finally:
             self._resumable.pop(split_token(resumable.token)[1], None)
+            if entry.evicted:
+                self._evicting -= 1
+            entry.over.set()
 
-    def _find_resumable(self, head: RequestHead) -> tuple[ResumableTransport, Translator, int]:
-        """The session ``?resume=TOKEN&received=N`` names, checked; raises ResumeError."""
+    def _claim_resumable(self, head: RequestHead) -> tuple[ResumableTransport, Translator, int, Claim]:
+        """The session ``?resume=TOKEN&received=N`` names, checked and claimed for this connection
+        in the step that read its head (no await): of two reconnects with one token, the second
+        is refused 409 while the first is under way and 404 once it has resumed.  Raises
+        ResumeError."""
         replica, secret = split_token(head.query.get("resume", ""))
         if replica != self.replica_id:
             raise ResumeError(421, "wrong_replica", f"the token belongs to replica {replica!r}, and this is "
@@ -359,7 +465,7 @@ class Server:
         if entry is None:
             raise ResumeError(404, "unknown_token", "unknown, used or expired resume token: a token resumes "
                                                     "once, within runtime.resume_window_s of the drop")
-        resumable, translator, path = entry
+        resumable, translator, path = entry.transport, entry.translator, entry.path
         if ROUTES[path].name != ROUTES[head.path].name:
             raise ResumeError(400, "wrong_route", f"the session was opened on {path}, not {head.path}")
         try:
@@ -367,27 +473,34 @@ class Server:
         except ValueError:
             raise ResumeError(400, "bad_received", "a resume needs received=N: how many of the session's "
                                                    "messages the client received") from None
-        resumable.check(count)
-        return resumable, translator, count
+        claim = resumable.claim(count)
+        return resumable, translator, count, claim
 
     async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead) -> None:
         try:
-            resumable, translator, count = self._find_resumable(head)
+            resumable, translator, count, claim = self._claim_resumable(head)
         except ResumeError as exc:
             self.refused[f"resume_{exc.code}"] += 1
             await self._respond(stream, exc.status, f"{exc.code}: {exc.message}")
             return
         max_message = ROUTES[head.path].max_message_bytes(self.config)
-        await self._serve_websocket(stream, head, received, max_message,
-                                    partial(self._rejoin, resumable=resumable, translator=translator, count=count),
-                                    resuming=True)
+        try:
+            await self._serve_websocket(stream, head, received, max_message,
+                                        partial(self._rejoin, resumable=resumable, translator=translator,
+                                                count=count, claim=claim),
+                                        resuming=True)
+        finally:
+            resumable.release(claim)  # a handshake that failed before ``attach``: the token stays good
 
     async def _rejoin(self, transport: Transport, *, resumable: ResumableTransport,
-                      translator: Translator, count: int) -> None:
-        """Hand the session its new connection, then hold it until the session lets it go."""
+                      translator: Translator, count: int, claim: Claim) -> None:
+        """Hand the session its new connection, then hold it until the session lets it go.  The
+        notice and the replay get ``server.handshake_timeout_s``, as a request head does: a
+        resumer that does not read them is given up, and other resumes are not kept waiting."""
         old_secret = split_token(resumable.token)[1]
         try:
-            await resumable.attach(transport, count, new_token(self.replica_id or ""), translator.resumed)
+            await resumable.attach(transport, count, new_token(self.replica_id or ""), translator.resumed,
+                                   claim=claim, replay_timeout=self.config.server.handshake_timeout_s)
         except ResumeError as exc:  # the session ended or moved on during the handshake
             self.refused[f"resume_{exc.code}"] += 1
             with trio.move_on_after(self.config.server.close_timeout_s):

@@ -23,6 +23,9 @@ class Route:
     translator: Callable[[RequestHead, Config], Translator]
     #: Largest message accepted on this route.
     max_message_bytes: Callable[[Config], int]
+    #: The route sends audio as base64 inside JSON (realtime, live): what its resume journal's
+    #: bytes per second of audio are worked out from (``server/budget.py``).
+    base64_audio: bool = False
 
 
 def _duplex(head: RequestHead, config: Config) -> Translator:
@@ -76,7 +79,7 @@ def _route(info: RouteInfo) -> Route:
     build, max_message_bytes = _BUILDERS[info.protocol]
     if info.variant:  # /v1/realtime/duplex: duplex without the query string
         build = partial(build, duplex=True)
-    return Route(info.protocol, build, max_message_bytes)
+    return Route(info.protocol, build, max_message_bytes, base64_audio=info.protocol in ("realtime", "live"))
 
 
 ROUTES: dict[str, Route] = {info.path: _route(info) for info in ROUTE_TABLE}

@@ -28,14 +28,20 @@ class ServerStatistics:
     refused: dict[str, int]
     #: The runtime's own record.
     runtime: RuntimeStatistics
-    #: Sessions whose connection dropped, holding their slots while they wait for a resume.
+    #: Sessions whose connection dropped, waiting for a resume: a new caller that finds every
+    #: slot taken ends the oldest of them and takes its slot, so they do not count as taken.
     detached: int = 0
 
     @property
+    def in_use(self) -> int:
+        """Sessions that hold a slot a new caller cannot have: admitted, less the detached ones."""
+        return self.admitted - self.detached
+
+    @property
     def free_slots(self) -> int:
-        """Slots a new connection could still take: the slots less those admitted.  A connection
+        """Slots a new connection could still take: the slots less those in use.  A connection
         admitted but still in its handshake holds no row yet, and counts as taken here."""
-        return self.runtime.slots - self.admitted
+        return self.runtime.slots - self.in_use
 
     @property
     def not_ready_reason(self) -> str | None:
@@ -62,6 +68,6 @@ class ServerStatistics:
         """``no_free_slot`` or ``at_capacity`` while every session it can carry is in use."""
         if self.free_slots <= 0:
             return "no_free_slot"
-        if self.admitted >= self.runtime.capacity.limit:
+        if self.in_use >= self.runtime.capacity.limit:
             return "at_capacity"
         return None

@@ -75,6 +75,7 @@ def readyz_answer(stats: ServerStatistics, query: dict[str, str]) -> tuple[int, 
             "sessions": stats.runtime.sessions_active,
             "consecutive_step_failures": stats.runtime.scheduler.consecutive_step_failures,
             "replica_id": stats.replica_id, "admitted": stats.admitted, "detached": stats.detached,
+            "pending_handshakes": stats.pending_handshakes,
             "capacity": stats.runtime.capacity.as_dict(), "slot_choice": stats.runtime.slot_choice.as_dict()}
     return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
 

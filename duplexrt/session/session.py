@@ -190,7 +190,19 @@ class Session:
                 end = await self._say_goodbye()
             lifecycle.state = SessionState.CLOSED
             self._log_end(end)
+            self._let_go()
         return end
+
+    def _let_go(self) -> None:
+        """Over: break the references back to this session (the translator's counters, the
+        slot's owner), so that the session and everything it holds (buffers, translator,
+        journal) go when the last outside reference does, by reference counting, not at a
+        later cycle collection: a busy server would otherwise carry many ended sessions."""
+        self._protocol.progress = _EndedProgress(self.frames_in, self.frames_flushed, self.frames_out,
+                                                 self.frames_answered, self._max_frames)
+        lease = self.lease
+        if lease is not None:
+            lease.owner = _NO_OWNER
 
     def _log_end(self, end: SessionEnd) -> None:
         timing = self._meter.describe(end.frames_out) if self._meter is not None else ""
@@ -263,6 +275,11 @@ class Session:
         if end is None or timeout.cancelled_caught or self.outgoing.pending:
             end = self.summary()
         reason = end.error or end.reason
+        if isinstance(transport, ResumableTransport) and lifecycle.finish_reason is not FinishReason.SHUTDOWN:
+            # Ended while detached: the end and its usage wait in the journal for the client's
+            # return, as long as a resume may come (the slot is free already).  Not when the
+            # server is stopping: no resume will come.
+            deadline = max(deadline, transport.resume_deadline + self._close_timeout)
         with trio.move_on_at(deadline):  # past it, the transport drops the connection at once
             await transport.close(lifecycle.close_code, reason[:120])
         return end
@@ -302,6 +319,31 @@ class Session:
         self.lifecycle.finish(FinishReason.ERROR, message, CloseCode.INTERNAL_ERROR)
 
 
+@attrs.frozen
+class _EndedProgress:
+    """A session's last counters, for a translator that outlives it (``SessionProgress``)."""
+
+    frames_in: int
+    frames_flushed: int
+    frames_out: int
+    frames_answered: int
+    max_frames: int | None
+
+
+class _NoOwner:
+    """The slot owner of an ended session's lease: a late delivery finds no one to tell."""
+
+    def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
+        pass
+
+    def delivery_done(self) -> None:
+        pass
+
+    def step_failed(self, error: BaseException) -> None:
+        pass
+
+
+_NO_OWNER = _NoOwner()
 _INPUT_ENDED = SessionState.INPUT_ENDED
 _CLOSING = SessionState.CLOSING
 _CLOSED = SessionState.CLOSED

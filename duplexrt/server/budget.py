@@ -1,0 +1,54 @@
+"""What one session may hold in memory, by route and format: the figures the README's table states.
+
+A session's largest buffers are bounded in **seconds of audio**, never only in wall-clock time, so
+that a client that makes the model talk faster than real time (it sends faster and reads
+everything) holds no more than one that talks at the pace of speech:
+
+- the resume journal (``duplexrt.wire.resume``): ``runtime.resume_journal_s`` seconds of the
+  session's output as sent (``journal_bytes``);
+- realtime turn mode's held audio (``protocols/realtime.py``, ``MAX_HELD_SECONDS``) and the JSON
+  it becomes when released (``held_json_bytes``).
+
+The byte figures are upper bounds worked out from the format, so a test can hold the code to them
+and the README can print them.
+"""
+
+from __future__ import annotations
+
+from duplexrt.audio import AudioFormat, AudioSpec
+
+#: Opus has no fixed size per sample: its ceiling is 510 kbit/s (RFC 6716), plus the Ogg pages.
+OPUS_CEILING_BYTES_PER_S = 64_000
+#: Room per model frame for what goes with the audio: a message's framing (a JSON event's
+#: fields, a binary kind byte), text pieces, transcripts.
+MESSAGE_ALLOWANCE_PER_FRAME = 512
+
+
+def audio_bytes_per_second(spec: AudioSpec) -> int:
+    """The most bytes one second of audio takes in ``spec``, before any base64."""
+    if spec.format is AudioFormat.OPUS:
+        return OPUS_CEILING_BYTES_PER_S
+    width = spec.format.bytes_per_sample
+    assert width is not None
+    return spec.sample_rate * width
+
+
+def base64_size(size: int) -> int:
+    """Bytes of base64 text for ``size`` bytes."""
+    return 4 * ((size + 2) // 3)
+
+
+def journal_bytes(spec: AudioSpec, seconds: float, frame_seconds: float, *, base64: bool) -> int:
+    """The resume journal's cap: ``seconds`` of output in ``spec``, as the route sends it (base64
+    in JSON on the realtime and live routes), plus each frame's allowance for the rest."""
+    audio = int(audio_bytes_per_second(spec) * seconds)
+    frames = int(seconds / frame_seconds) + 1
+    return (base64_size(audio) if base64 else audio) + frames * MESSAGE_ALLOWANCE_PER_FRAME
+
+
+def held_json_bytes(spec: AudioSpec, seconds: float, frame_seconds: float) -> int:
+    """Realtime turn mode: the held audio's bytes (``seconds`` of ``spec``) and the JSON deltas it
+    becomes on release, together."""
+    audio = int(audio_bytes_per_second(spec) * seconds)
+    frames = int(seconds / frame_seconds) + 1
+    return audio + base64_size(audio) + frames * MESSAGE_ALLOWANCE_PER_FRAME

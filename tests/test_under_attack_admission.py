@@ -1,0 +1,353 @@
+"""Under attack, admission and resume: one hostile client beside a paced victim session.
+
+Real sockets on loopback against a real server (echo, no delay).  Each case runs one attack
+that used to lock others out (issue 32, defects 3-5) next to a victim that talks at the pace of
+speech, then checks that the victim heard every frame exactly, in time, and that no slot,
+admission or resume claim is left held, with ``/readyz`` telling the truth.
+
+The victim helper below is this file's own (a minimal paced ``/v1/duplex`` client);
+``tests/attack.py`` has the shared one.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import trio
+import trio_websocket
+
+from duplexrt.reasons import FinishReason
+from conftest import http_get
+
+PATIENCE = 15.0
+FRAME = 1920  # the default model frame: 80 ms at 24 kHz
+FRAME_S = 0.08
+UPGRADE = ("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+           "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+
+
+def _frames(count: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(FRAME) * 0.1).astype(np.float32).tobytes() for _ in range(count)]
+
+
+class Victim:
+    """A paced ``/v1/duplex`` session: one frame every 80 ms, each echoed frame timed from its
+    send.  ``late`` counts frames that came back more than one frame period after they left."""
+
+    def __init__(self, port: int, frames: int = 25, seed: int = 7) -> None:
+        self.port = port
+        self.audio = _frames(frames, seed)
+        self.heard = bytearray()
+        self.latencies: list[float] = []
+        self.end: dict | None = None
+
+    async def run(self) -> None:
+        async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{self.port}/v1/duplex") as ws:
+            created = json.loads(await ws.get_message())
+            assert created["type"] == "session.created"
+            sent_at: list[float] = []
+            async with trio.open_nursery() as nursery:
+
+                async def read() -> None:
+                    while True:
+                        message = await ws.get_message()
+                        if isinstance(message, bytes):
+                            index = len(self.heard) // len(self.audio[0])
+                            self.latencies.append(trio.current_time() - sent_at[index])
+                            self.heard += message
+                        elif json.loads(message)["type"] == "session.end":
+                            self.end = json.loads(message)
+                            return
+
+                nursery.start_soon(read)
+                start = trio.current_time()
+                for number, frame in enumerate(self.audio):
+                    await trio.sleep_until(start + number * FRAME_S)
+                    sent_at.append(trio.current_time())
+                    await ws.send_message(frame)
+                await ws.send_message(json.dumps({"type": "input.end"}))
+
+    def check(self) -> None:
+        """Every frame back exactly and in order; the 99th percentile within one frame period."""
+        assert bytes(self.heard) == b"".join(self.audio)
+        assert self.end is not None and self.end["usage"]["frames_out"] == len(self.audio)
+        assert float(np.percentile(self.latencies, 99)) < FRAME_S, sorted(self.latencies)[-5:]
+
+
+async def _wait_for(predicate, what: str, patience: float = PATIENCE) -> None:
+    with trio.fail_after(patience):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def _readyz(port: int) -> tuple[int, dict]:
+    status, _, body = await http_get(port, "/readyz")
+    return status, json.loads(body)
+
+
+def _raw_socket(port: int, receive_buffer: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _read_status(sock: socket.socket) -> int:
+    """The HTTP status of the answer to a request head sent on ``sock`` (blocking, bounded)."""
+    sock.settimeout(PATIENCE)
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return int(data.split(b" ")[1]) if data else 0
+
+
+def _abort(sock: socket.socket) -> None:
+    """Close with no Close frame and no FIN handshake wait: what a dropped phone looks like."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()
+
+
+# -- defect 3: abrupt upgrades, detached sessions -------------------------------------------------
+
+
+async def test_abrupt_upgrades_hold_no_slot_and_readyz_stays_ready_beside_a_paced_victim(start_server):
+    """13 upgrades a second, each cut as soon as it is answered, against a 4-slot server: an
+    upgrade that sent nothing is not resumable, so each ends at once and frees its slot."""
+    running = await start_server()
+    port = running.port
+    victim = Victim(port)
+    answers: list[int] = []
+    ready: list[int] = []
+
+    async def attack() -> None:
+        for _ in range(26):  # two seconds
+            sock = _raw_socket(port)
+            sock.sendall(UPGRADE.format(path="/v1/duplex").encode())
+            answers.append(await trio.to_thread.run_sync(_read_status, sock))
+            _abort(sock)
+            ready.append((await _readyz(port))[0])
+            await trio.sleep(1 / 13)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(attack)
+        await trio.sleep(1.0)  # the victim arrives while the attack is under way
+        await victim.run()
+    victim.check()
+    assert answers == [101] * 26 and ready == [200] * 26
+    server = running.server
+    await _wait_for(lambda: server.admitted == 0 and not server.runtime.sessions, "every session to end")
+    assert server.runtime.scheduler.free_slots == server.runtime.scheduler.slots
+    assert server.statistics().detached == 0
+
+
+async def test_a_new_caller_takes_the_slot_of_the_oldest_detached_session(start_server):
+    """Sessions that took a message and dropped wait for their resume, but they do not lock a
+    caller out: a full server ends the oldest detached one (``resume_expired``) for a new caller,
+    and /readyz says so beforehand."""
+    running = await start_server("runtime.slots=2", "server.close_timeout_s=0.5")
+    server = running.server
+    port = running.port
+    held = []
+    for seed in range(2):
+        ws_stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(nursery, ws_stream, "127.0.0.1", "/v1/duplex")
+            json.loads(await ws.get_message())
+            await ws.send_message(_frames(1, seed)[0])
+            await ws.get_message()  # its echo: the session took the frame
+            held.append(list(server.runtime.sessions))
+            ws_stream.socket.close()  # no Close frame
+            nursery.cancel_scope.cancel()
+        await _wait_for(lambda: server.statistics().detached == seed + 1, "the drop to be noticed")
+    first = next(session for session in held[0])
+    assert server.admitted == 2
+    status, body = await _readyz(port)
+    assert (status, body["free_slots"], body["detached"]) == (200, 2, 2)
+    victim = Victim(port, frames=10)
+    with trio.fail_after(PATIENCE):
+        await victim.run()
+    victim.check()
+    assert first.summary().reason == FinishReason.RESUME_EXPIRED
+    assert server.refused["evicted_detached"] == 1 and server.statistics().detached == 1
+
+
+async def test_a_session_that_ends_while_detached_keeps_its_end_for_the_resume_window(start_server):
+    """The client sent its last audio and input.end, then lost the connection before the end
+    came: reconnecting after the close timeout but within the window, it hears the tail and
+    gets the usage."""
+    running = await start_server("runtime.resume_window_s=3", "server.close_timeout_s=0.3")
+    audio = _frames(5, seed=3)
+    stream = await trio.open_tcp_stream("127.0.0.1", running.port)
+    async with trio.open_nursery() as nursery:
+        ws = await trio_websocket.wrap_client_stream(nursery, stream, "127.0.0.1", "/v1/duplex",
+                                                     message_queue_size=0)
+        token = json.loads(await ws.get_message())["resume_token"]
+        for frame in audio:
+            await ws.send_message(frame)
+        await ws.send_message(json.dumps({"type": "input.end"}))
+        await _wait_for(lambda: running.server.statistics().detached == 0 and running.server.runtime.sessions
+                        and next(iter(running.server.runtime.sessions)).reader is not None
+                        and next(iter(running.server.runtime.sessions)).credits.submitted == 5, "the audio")
+        stream.socket.close()
+        nursery.cancel_scope.cancel()
+    await _wait_for(lambda: not running.server.runtime.sessions, "the session to end, detached")
+    await trio.sleep(1.0)  # past the close timeout, within the window
+    heard = bytearray()
+    async with trio_websocket.open_websocket_url(running.url(f"/v1/duplex?resume={token}&received=1")) as ws:
+        with trio.fail_after(PATIENCE):
+            assert json.loads(await ws.get_message())["type"] == "session.resumed"
+            while True:
+                message = await ws.get_message()
+                if isinstance(message, bytes):
+                    heard += message
+                    continue
+                end = json.loads(message)
+                if end["type"] == "session.end":
+                    break
+    assert bytes(heard) == b"".join(audio)
+    assert end["usage"]["frames_out"] == 5
+
+
+# -- defect 4: half-sent heads -------------------------------------------------------------------
+
+
+def test_the_head_deadline_shortens_as_pending_heads_near_the_cap():
+    from duplexrt.server.app import head_deadline_s
+
+    assert head_deadline_s(10.0, 0, 256) == 10.0
+    assert head_deadline_s(10.0, 128, 256) == 10.0
+    assert head_deadline_s(10.0, 192, 256) == pytest.approx(5.0)
+    assert head_deadline_s(10.0, 255, 256) == 0.5
+    assert head_deadline_s(0.2, 255, 256) == 0.2  # never longer than the configured timeout
+
+
+async def test_half_sent_heads_past_the_cap_do_not_keep_a_real_client_out(start_server):
+    """cap + 16 connections each send part of a request head and stop.  A client that sends its
+    head whole still gets a session (the oldest half-sent head is let go), the paced victim
+    hears every frame in time, and /readyz's answer is what a new session gets."""
+    cap = 32
+    running = await start_server(f"server.max_pending_handshakes={cap}")
+    server = running.server
+    port = running.port
+    trickling = []
+    for _ in range(cap + 16):
+        sock = _raw_socket(port)
+        sock.sendall(b"GET /v1/duplex HTTP/1.1\r\nhost: 127.0.0.1\r\nupgrade: websocket\r\n")
+        trickling.append(sock)
+    try:
+        await _wait_for(lambda: server.pending_handshakes == cap, "the heads to be pending")
+        status, body = await _readyz(port)
+        assert status == 200 and body["ready"] and body["free_slots"] == 4
+        victim = Victim(port)
+        with trio.fail_after(PATIENCE):
+            await victim.run()
+        victim.check()
+        assert server.pending_handshakes <= cap
+        assert server.refused["too_many_pending"] >= 16
+    finally:
+        for sock in trickling:
+            sock.close()
+    await _wait_for(lambda: server.pending_handshakes == 0 and server.admitted == 0, "the heads to go")
+
+
+# -- defect 5: one token, many reconnects; a resumer that reads nothing --------------------------
+
+
+async def _detached_session(running, frames: int = 1) -> tuple[str, int]:
+    """A session that took ``frames`` frames, heard them, then lost its connection: its token
+    and how many of its messages the client received."""
+    stream = await trio.open_tcp_stream("127.0.0.1", running.port)
+    received = 0
+    async with trio.open_nursery() as nursery:
+        ws = await trio_websocket.wrap_client_stream(nursery, stream, "127.0.0.1", "/v1/duplex")
+        token = json.loads(await ws.get_message())["resume_token"]
+        received += 1
+        for frame in _frames(frames, seed=11):
+            await ws.send_message(frame)
+        for _ in range(frames):
+            await ws.get_message()
+            received += 1
+        stream.socket.close()
+        nursery.cancel_scope.cancel()
+    await _wait_for(lambda: running.server.statistics().detached >= 1, "the drop to be noticed")
+    return token, received
+
+
+async def test_concurrent_reconnects_with_one_token_exactly_one_wins(start_server):
+    """Rounds of 16 reconnects with one token, every head out before any answer is read: in each
+    round one connection is upgraded, every other is refused before the upgrade (409 while the
+    winner resumes, 404 once the token is used)."""
+    running = await start_server("server.close_timeout_s=0.5")
+    victim = Victim(running.port, frames=20)
+    rounds: list[list[int]] = []
+
+    async def reconnects() -> None:
+        for _ in range(4):
+            token, received = await _detached_session(running)
+            sockets = [_raw_socket(running.port) for _ in range(16)]
+            head = UPGRADE.format(path=f"/v1/duplex?resume={token}&received={received}").encode()
+            for sock in sockets:
+                sock.sendall(head)
+            rounds.append([await trio.to_thread.run_sync(_read_status, sock) for sock in sockets])
+            for sock in sockets:
+                sock.close()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(victim.run)
+        await reconnects()
+    victim.check()
+    for statuses in rounds:
+        assert statuses.count(101) == 1, rounds
+        assert set(statuses) - {101} <= {409, 404}, rounds
+
+
+async def test_a_resumer_that_reads_nothing_is_given_up_and_the_real_client_resumes(start_server):
+    """A resume whose replay the client does not read: after the handshake timeout the server
+    gives that connection up; meanwhile other resumes are refused 409, then the real client
+    resumes with the same token and hears the whole journal."""
+    running = await start_server("server.handshake_timeout_s=1")
+    token, received = await _detached_session(running, frames=1)
+    (session,) = running.server.runtime.sessions
+    # Output made while away (a model that talks on): a journal far larger than the socket
+    # buffers between the server and a client that reads nothing, within the journal's cap.
+    (entry,) = running.server._resumable.values()
+    transport = entry[0] if isinstance(entry, tuple) else entry.transport
+    for _ in range(80):
+        await transport.send(b"\x00" * 16384)
+    victim = Victim(running.port, frames=25)
+    stalled = _raw_socket(running.port, receive_buffer=4096)
+    stalled.sendall(UPGRADE.format(path=f"/v1/duplex?resume={token}&received={received}").encode())
+    refusals: list[int] = []
+    resumed_after = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(victim.run)
+        started = trio.current_time()
+        await trio.sleep(0.2)
+        while resumed_after is None:
+            try:
+                async with trio_websocket.open_websocket_url(
+                        running.url(f"/v1/duplex?resume={token}&received={received}")) as ws:
+                    assert json.loads(await ws.get_message())["type"] == "session.resumed"
+                    for _ in range(80):
+                        assert len(await ws.get_message()) == 16384
+                    resumed_after = trio.current_time() - started
+                    await ws.send_message(json.dumps({"type": "input.end"}))
+                    while json.loads(await ws.get_message())["type"] != "session.end":
+                        pass
+            except trio_websocket.ConnectionRejected as refused:
+                refusals.append(refused.status_code)
+                assert trio.current_time() - started < PATIENCE, refusals
+                await trio.sleep(0.2)
+    stalled.close()
+    victim.check()
+    assert refusals and set(refusals) == {409}
+    assert resumed_after < 1 + 1.0
+    assert session.summary().reason == FinishReason.STOP
