@@ -8,6 +8,7 @@ import trio
 import trio.testing
 
 from duplexrt.server.http import MAX_HEAD_BYTES, BadRequest, read_request_head, response_bytes
+from duplexrt.wire.handshake import accept_response, client_handshake
 
 
 async def _read(*chunks: bytes, close: bool = False):
@@ -63,8 +64,25 @@ def test_a_response_is_complete_and_closes_the_connection():
 
 @pytest.mark.parametrize("header", [("retry-after", "1\r\nset-cookie: x=1"), ("bad name", "1"), ("x", "a\nb")])
 def test_a_header_that_would_break_the_response_head_is_refused(header):
-    with pytest.raises(ValueError, match="not a valid HTTP header"):
+    with pytest.raises(ValueError, match="HTTP header"):
         response_bytes(503, b"busy\n", extra_headers=[header])
+
+
+@pytest.mark.parametrize("header", [("Authorization", "Bearer s3cret\n"), ("Authorization", "Bearer a\r\nX-Admin: 1"),
+                                    ("bad name", "1")])
+async def test_a_client_upgrade_whose_header_would_break_its_head_sends_nothing(header):
+    """A key read with its newline (a Kubernetes secret) must not end the request head early or
+    smuggle a header in: the upgrade is refused before a byte is written, without echoing the
+    value (it may be a secret)."""
+    sent = trio.testing.MemorySendStream()
+    with pytest.raises(ValueError, match="HTTP header") as refused, trio.fail_after(1):  # no answer comes
+        await client_handshake(trio.StapledStream(sent, trio.testing.MemoryReceiveStream()),
+                               "ws://127.0.0.1:9/v1/duplex", extra_headers=[header])
+    assert "s3cret" not in str(refused.value)
+    with pytest.raises(trio.WouldBlock):  # nothing was written
+        sent.get_data_nowait()
+    with pytest.raises(ValueError, match="HTTP header"):
+        accept_response("dGhlIHNhbXBsZSBub25jZQ==", None, extra_headers=[header])
 
 
 def test_a_status_without_a_standard_phrase_still_makes_a_valid_response():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from http.client import responses
 from urllib.parse import parse_qs, urlsplit
 
@@ -11,10 +10,8 @@ import h11
 import trio
 
 from duplexrt.server.head_limits import MAX_HEAD_BYTES, head_limit_error
+from duplexrt.wire.handshake import header_line
 
-#: A header name (RFC 9110 5.1, a token), and what a header value must never hold.
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 @attrs.frozen
@@ -92,7 +89,5 @@ def response_bytes(status: int, body: bytes, content_type: str = "text/plain; ch
                *(extra_headers or [])]
     lines = [f"HTTP/1.1 {status} {responses.get(status, '')}".rstrip()]
     for name, value in headers:
-        if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value):
-            raise ValueError(f"not a valid HTTP header: {name!r}: {value!r}")
-        lines.append(f"{name}: {value}")
+        lines.append(header_line(name, value))
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -19,6 +20,20 @@ import trio
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 #: A response head larger than this is not a WebSocket server's.
 _MAX_HEAD = 64 * 1024
+#: A header name (RFC 9110 5.1, a token), and what a header value must never hold.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def header_line(name: str, value: str) -> str:
+    """``name: value`` for a head this side writes, or ValueError: a value holding CR or LF
+    would end the head early or add headers of its own (an API key read with its newline).
+    The value is not repeated in the error, since it may be a secret."""
+    if not _TOKEN.fullmatch(name):
+        raise ValueError(f"not a valid HTTP header name: {name!r}")
+    if _BAD_VALUE.search(value):
+        raise ValueError(f"the value of HTTP header {name} holds a control character (CR, LF, NUL, ...)")
+    return f"{name}: {value}"
 
 
 class HandshakeRefused(Exception):
@@ -72,7 +87,7 @@ def accept_response(key: str, subprotocol: str | None, extra_headers: Iterable[t
              f"Sec-WebSocket-Accept: {accept_key(key)}"]
     if subprotocol:
         lines.append(f"Sec-WebSocket-Protocol: {subprotocol}")
-    lines.extend(f"{name}: {value}" for name, value in extra_headers)
+    lines.extend(header_line(name, value) for name, value in extra_headers)
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
@@ -98,7 +113,7 @@ async def client_handshake(stream: trio.abc.Stream, url: str,
     key = base64.b64encode(os.urandom(16)).decode("ascii")
     lines = [f"GET {target} HTTP/1.1", f"Host: {host}", "Upgrade: websocket", "Connection: Upgrade",
              f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
-    lines.extend(f"{name}: {value}" for name, value in extra_headers)
+    lines.extend(header_line(name, value) for name, value in extra_headers)
     await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
     received = bytearray()
     while b"\r\n\r\n" not in received:
