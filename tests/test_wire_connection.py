@@ -4,6 +4,7 @@ out, the closing handshake's state and the ending reason, with a hostile peer's 
 from __future__ import annotations
 
 import struct
+from collections import deque
 
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.wire.connection import Connection, ConnectionState
@@ -176,3 +177,20 @@ def test_after_this_end_shuts_its_reading_the_streams_end_is_no_drop_and_sends_s
     assert connection.eof and connection.gone is None and connection.send_error() is None
     assert connection.receive_error().finish_reason == FinishReason.IDLE_TIMEOUT
     assert connection.frame("the end")[1] == b"the end"
+
+
+def test_a_read_of_many_messages_is_parsed_a_batch_at_a_time_as_they_are_taken():
+    from duplexrt.wire.connection import PARSE_BATCH
+
+    connection = _server()
+    connection.parser.feed(_client_frames(*[(Opcode.BINARY, b"%d" % i) for i in range(PARSE_BATCH * 2 + 5)]))
+    messages: deque = deque()
+    assert connection.receive_into(messages) is None
+    assert len(messages) == PARSE_BATCH and connection.backlog  # the rest waits in the parser's buffer
+    assert connection.receive_into(messages) is None and len(messages) == PARSE_BATCH  # nothing taken: no more
+    taken = []
+    while messages or connection.backlog:
+        taken.extend(messages)
+        messages.clear()
+        connection.receive_into(messages)
+    assert taken == [b"%d" % i for i in range(PARSE_BATCH * 2 + 5)] and not connection.backlog

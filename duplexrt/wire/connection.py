@@ -57,6 +57,9 @@ class ConnectionState(enum.Enum):
 MAX_CONTROL_RATE = 100
 #: The window the control-frame rate is counted over: a short burst above the rate is fine.
 CONTROL_WINDOW_S = 2.0
+#: ``receive_into`` stops once this many messages wait unread: a read of tiny messages is parsed
+#: a batch at a time, as they are taken, not thousands in one go on the trio thread.
+PARSE_BATCH = 64
 
 _CLOSE_SENT = ConnectionState.CLOSE_SENT
 _CLOSED = ConnectionState.CLOSED
@@ -90,6 +93,8 @@ class Connection:
         self.eof = False
         #: Pongs received so far (the keepalive reads it).
         self.pongs = 0
+        #: ``receive_into`` stopped at ``PARSE_BATCH`` messages: bytes read wait to be parsed.
+        self.backlog = False
         self.parser = FrameParser(masked=not client, max_message=max_message)
         self._mask_keys = MaskKeys() if client else None
         #: The control-frame rate: ``clock`` (seconds) is read once per window's worth of
@@ -141,7 +146,8 @@ class Connection:
     # -- input ---------------------------------------------------------------------------------------
 
     def receive_into(self, messages: deque[Message]) -> Ping | Close | FrameError | None:
-        """Append every whole message parsed so far to ``messages`` and count pongs; return what
+        """Append every whole message parsed so far to ``messages`` (until ``PARSE_BATCH`` wait
+        there: ``backlog`` says more may be parsed) and count pongs; return what
         needs an answer, its meaning already recorded: the latest ``Ping`` once the bytes run out
         (those before it need no pong of their own), else a ``Close`` (the peer's end) or a
         ``FrameError`` (this end's).  A Close or a FrameError that follows a ping is handed back
@@ -155,12 +161,16 @@ class Connection:
         append = messages.append
         ping: Ping | None = None
         while True:
+            if len(messages) >= PARSE_BATCH:
+                self.backlog = True
+                return ping
             try:
                 event = parser.next()
             except FrameError as error:
                 self._broken(error)
                 return self._after(ping, error)
             if event is None:
+                self.backlog = False
                 return ping
             kind = type(event)
             if kind is bytes or kind is str:  # exactly: a Ping and a Pong are bytes too
@@ -195,6 +205,7 @@ class Connection:
             error = FrameError(CloseCode.POLICY_VIOLATION,
                                f"more than {self._max_control_rate:g} control frames a second")
             self.failed = True
+            self.backlog = False
             self.end(FinishReason.PROTOCOL_ERROR, error.code, error.reason)
             return error
         self._window_start = now
@@ -203,11 +214,13 @@ class Connection:
 
     def _broken(self, error: FrameError) -> None:
         self.failed = True
+        self.backlog = False  # a spent parser: nothing more is parsed
         finish = FinishReason.MESSAGE_TOO_BIG if error.code == CloseCode.MESSAGE_TOO_BIG else FinishReason.PROTOCOL_ERROR
         self.end(finish, error.code, error.reason)
 
     def _peer_closed(self, close: Close) -> None:
         self.peer_close = close
+        self.backlog = False  # nothing after a Close counts
         if self.gone is None:
             self.gone = TransportClosed(close.code, close.reason)
         self.state = ConnectionState.CLOSED if self.state is ConnectionState.CLOSE_SENT else ConnectionState.CLOSE_RECEIVED

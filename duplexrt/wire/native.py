@@ -41,6 +41,9 @@ log = logging.getLogger("duplexrt.wire.native")
 #: A read that filled all the room it had asks for this much next: a backlog (a session that fell
 #: behind, a burst) is taken several messages a read, not one.
 _BACKLOG_READ = 1 << 16
+#: The most one read takes: a large message comes in several reads, with turns for the other
+#: sessions between them, not one copy of megabytes on the trio thread.
+_MAX_READ = 1 << 18
 #: A read that finds data waiting does not yield; every this many in a row, one does.
 _YIELD_EVERY = 8
 #: One connection's work per scheduling turn, so that a peer flooding tiny messages or control
@@ -98,7 +101,7 @@ class NativeWebSocket:
         ended = self._connection.ended
         if ended is not None:
             raise ended
-        if messages and self._turn_spent():
+        if self._turn_spent():
             await trio.lowlevel.checkpoint()  # a backlog: other sessions' turn first (nothing is taken yet)
             self._new_turn()
         if not messages:
@@ -304,6 +307,9 @@ class NativeWebSocket:
         if self._reading or (limit and len(self._messages) >= self._queue_limit):
             await self._read_lot.park()  # the other reader wakes this
             return
+        if self._connection.backlog:  # frames read already, not yet parsed: no read for them
+            await self._parse()
+            return
         self._reading = True
         try:
             count = await self._receive_some()
@@ -342,7 +348,7 @@ class NativeWebSocket:
             fd = sock.fileno()
             if fd < 0:
                 return 0
-            room = parser.room(MIN_ROOM if self._drained else _BACKLOG_READ)
+            room = parser.room(MIN_ROOM if self._drained else _BACKLOG_READ)[:_MAX_READ]
             try:
                 count = os.readv(fd, (room,))
             except BlockingIOError:
