@@ -178,7 +178,7 @@ async def _measure(kinds: list[str], seconds: float) -> None:
     from duplexrt.server import Server
 
     config = load_config(None, ["server.port=0", "runtime.slots=4", "backend.options.delay_frames=0",
-                                "metrics.log_stats=false"])
+                                "metrics.log_stats=false", "runtime.resume_window_s=0"])
     async with trio.open_nursery() as nursery:
         server = Server(config)
         await nursery.start(server.run)
