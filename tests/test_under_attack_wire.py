@@ -16,9 +16,12 @@ MiB) is what they would catch; ``python tests/attack.py KIND`` prints the caller
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import trio
 
+from duplexrt.wire.frames import Close, FrameParser, Opcode, frame
 from attack import FRAME_PERIOD_S, assert_nothing_held, hostile, paced_victim, server_rss_mib
 
 #: How long each attacker floods, with the caller's session inside it.
@@ -65,3 +68,65 @@ async def test_a_paced_caller_is_untouched_by_one_hostile_connection(start_serve
             code, word = CLOSES[kind]
             assert attack.report["close_code"] == code and word in attack.report["close_reason"], attack.report
     await assert_nothing_held(served)
+
+
+# -- trickles: the idle limit over a real server ---------------------------------------------------
+
+IDLE = 0.6
+
+
+async def _raw_session(port: int) -> trio.SocketStream:
+    """A /v1/duplex connection on a bare socket, its first message (a frame of silence) sent."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(b"GET /v1/duplex HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                          b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += await stream.receive_some(4096)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    await stream.send_all(frame(Opcode.BINARY, bytes(4 * 1920), masked=True))
+    return stream
+
+
+async def _server_close(stream: trio.SocketStream) -> tuple[int, str]:
+    """Read what the server sends until its Close frame: its code and reason."""
+    parser = FrameParser(masked=False, max_message=1 << 22)
+    while True:
+        data = await stream.receive_some(65536)
+        assert data, "the server hung up without a Close"
+        parser.feed(data)
+        while (event := parser.next()) is not None:
+            if isinstance(event, Close):
+                return event.code, event.reason
+
+
+@pytest.mark.parametrize("trickle", ["one-header-byte", "pings-between-fragments"])
+async def test_a_client_that_never_finishes_a_frame_or_a_message_is_idle(start_server, trickle):
+    served = await start_server(f"server.idle_timeout_s={IDLE}", "server.ping_interval_s=0",
+                                "runtime.resume_window_s=0")
+    stream = await _raw_session(served.port)
+    started = trio.current_time()
+    with trio.fail_after(10 * IDLE):  # unfixed, neither connection ever ended
+        async with trio.open_nursery() as nursery:
+            async def trickle_bytes() -> None:
+                if trickle == "one-header-byte":
+                    await stream.send_all(b"\x82")  # and nothing more
+                    return
+                # A message begun and never finished, and always the first byte of the next header.
+                await stream.send_all(_not_final(frame(Opcode.BINARY, b"", masked=True)) + b"\x00")
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while True:  # that header's rest (an empty fragment), a ping, the next first byte
+                        await stream.send_all(b"\x80\0\0\0\0" + frame(Opcode.PING, b"?", masked=True) + b"\x00")
+                        await trio.sleep(IDLE / 10)
+
+            nursery.start_soon(trickle_bytes)
+            code, reason = await _server_close(stream)
+            nursery.cancel_scope.cancel()
+    assert (code, reason) == (1008, "idle_timeout")
+    assert trio.current_time() - started < 2 * IDLE + 3  # one more idle period at most, and some slack
+    await stream.aclose()
+    await assert_nothing_held(served)
+
+
+def _not_final(data: bytes) -> bytes:
+    return bytes((data[0] & 0x7F,)) + data[1:]

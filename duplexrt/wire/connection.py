@@ -182,9 +182,9 @@ class Connection:
             # A Ping or a Pong, by elimination: a control frame, counted against the rate.
             self._controls += 1
             if self._controls >= self._control_allowance:
-                error = self._control_rate_checked()
-                if error is not None:
-                    return self._after(ping, error)
+                too_fast = self._control_rate_checked()
+                if too_fast is not None:
+                    return self._after(ping, too_fast)
             if kind is Pong:
                 self.pongs += 1
             else:

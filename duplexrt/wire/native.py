@@ -6,9 +6,10 @@ Why not trio-websocket on the hot path: it runs a background reader task per con
 parses each message with wsproto and hands it to the session through a memory channel, so every
 input message costs a task wake-up, a channel hop and a per-byte Python unmask before the session
 sees it.  Here whoever needs bytes reads them: the session's own reader task calls ``receive``,
-which reads a chunk from the socket and parses every whole frame in it (``frames``); messages
-already parsed are taken with ``poll`` (or ``receive_nowait``) in the same wake-up.  A message goes out as one
-``send_all`` of header and payload.
+which reads a chunk from the socket and parses the whole frames in it (``frames``), a batch of
+messages at a time; messages already parsed are taken with ``poll`` (or ``receive_nowait``) in
+the same wake-up, up to a turn's share (``_TURN_MESSAGES``, ``_TURN_NS``) before it yields.  A
+message goes out as one ``send_all`` of header and payload.
 
 What keeps working when the session is not reading (its input ended, or it waits for the client
 to read): the keepalive reads by itself while it waits for a pong, and a close reads until the
