@@ -19,6 +19,14 @@ def _client_frames(*frames: tuple[int, bytes]) -> bytes:
     return b"".join(frame(opcode, payload, masked=True) for opcode, payload in frames)
 
 
+def _all_sent(data: bytes | None) -> list:
+    """Every frame in the bytes a server end wrote."""
+    assert data is not None
+    parser = FrameParser(masked=False, max_message=1 << 20)
+    parser.feed(data)
+    return list(iter(parser.next, None))
+
+
 def _sent(data: bytes | None) -> object:
     """What a client's parser reads out of the bytes a server end wrote."""
     assert data is not None
@@ -35,17 +43,24 @@ def test_messages_are_queued_and_pongs_counted_and_the_ping_comes_back_once_the_
     event = connection.receive_into(messages)
     assert messages == [b"one", "two", b"after"] and connection.pongs == 1
     assert event == Ping(b"there?") and type(event) is Ping
-    pong = _sent(connection.pong(event))
+    pong = _sent(connection.answer_pings())
     assert type(pong) is Pong and pong == b"there?"
+    assert connection.answer_pings() is None  # answered once
     assert connection.receive_into(messages) is None and messages == [b"one", "two", b"after"]
     assert connection.state is ConnectionState.OPEN and connection.receive_error() is None
 
 
-def test_a_burst_of_pings_read_together_is_answered_once_for_the_latest():
+def test_a_burst_of_pings_read_together_is_answered_in_one_write_for_the_latest_few():
+    from duplexrt.wire.connection import PONGS_PER_BURST
+
     connection = _server()
     connection.parser.feed(_client_frames(*[(Opcode.PING, b"%d" % i) for i in range(50)]))
     assert connection.receive_into([]) == Ping(b"49")
-    assert connection.receive_into([]) is None
+    assert _all_sent(connection.answer_pings()) == [Pong(b"%d" % i) for i in range(50 - PONGS_PER_BURST, 50)]
+    assert connection.receive_into([]) is None and connection.answer_pings() is None
+    connection.parser.feed(_client_frames(*[(Opcode.PING, b"%d" % i) for i in range(10)]))
+    assert connection.receive_into([]) == Ping(b"9")
+    assert _all_sent(connection.answer_pings()) == [Pong(b"%d" % i) for i in range(10)]  # a few: each answered
 
 
 def test_a_close_after_a_ping_comes_back_after_it_so_the_ping_is_answered_first():
@@ -53,7 +68,7 @@ def test_a_close_after_a_ping_comes_back_after_it_so_the_ping_is_answered_first(
     connection.parser.feed(_client_frames((Opcode.PING, b"a"), (Opcode.PING, b"b"), (Opcode.CLOSE, b"")))
     assert connection.receive_into([]) == Ping(b"b")
     assert connection.state is ConnectionState.CLOSE_RECEIVED  # recorded already
-    assert _sent(connection.pong(Ping(b"b"))) == Pong(b"b")
+    assert _all_sent(connection.answer_pings()) == [Pong(b"a"), Pong(b"b")]
     close = connection.receive_into([])
     assert isinstance(close, Close) and close.code == 1005
     assert connection.receive_into([]) is None
@@ -148,7 +163,11 @@ def test_a_broken_frame_ends_the_connection_with_its_code_and_this_ends_reason()
     assert connection.receive_error() is connection.ended
     close = _sent(connection.close(event.code, event.reason))
     assert isinstance(close, Close) and close.code == CloseCode.MESSAGE_TOO_BIG
-    assert connection.state is ConnectionState.CLOSE_SENT and connection.pong(Ping(b"late")) is None
+    assert connection.state is ConnectionState.CLOSE_SENT
+    connection.parser = FrameParser(masked=True, max_message=1 << 20)  # a ping read after the Close went
+    connection.parser.feed(_client_frames((Opcode.PING, b"late")))
+    connection.failed = False
+    assert connection.receive_into([]) == Ping(b"late") and connection.answer_pings() is None
 
 
 def test_an_unmasked_client_frame_is_a_protocol_error():

@@ -14,11 +14,12 @@ decide what the connection may still do lives here, in one place, as h11 and wsp
 Input: ``receive_into(messages)`` queues every whole message parsed so far and counts pongs, and
 hands back the event that needs an answer (the latest ``Ping`` of the bytes read, the peer's
 ``Close``, a ``FrameError``), having already recorded what it means for the state.  Output:
-``frame``, ``pong``, ``ping`` and ``close`` give the bytes to write, and ``close`` moves the state.
+``frame``, ``answer_pings``, ``ping`` and ``close`` give the bytes to write, and ``close`` moves the state.
 
 Two rules keep a peer's control frames from costing the server more than they cost the peer: a
-burst of pings read together is answered once, for the latest (RFC 6455 5.5.3 allows it), and a
-peer that sends more than ``MAX_CONTROL_RATE`` control frames a second, over a window of
+burst of pings read together is answered in one write, for the latest ``PONGS_PER_BURST`` of them
+(RFC 6455 5.5.3 allows answering only the latest; the Autobahn suite, and some clients' keepalive,
+expect a pong for each of a few), and a peer that sends more than ``MAX_CONTROL_RATE`` control frames a second, over a window of
 ``CONTROL_WINDOW_S``, is closed with 1008.  Pings and pongs are there for liveness: a client pings
 every few seconds at most, so the limit is far above any honest one.
 """
@@ -57,6 +58,9 @@ class ConnectionState(enum.Enum):
 MAX_CONTROL_RATE = 100
 #: The window the control-frame rate is counted over: a short burst above the rate is fine.
 CONTROL_WINDOW_S = 2.0
+#: The most pongs one burst of pings read together gets, for the latest pings: the older ones of
+#: a longer burst get none.
+PONGS_PER_BURST = 16
 #: ``receive_into`` stops once this many messages wait unread: a read of tiny messages is parsed
 #: a batch at a time, as they are taken, not thousands in one go on the trio thread.
 PARSE_BATCH = 64
@@ -104,6 +108,8 @@ class Connection:
         self._control_allowance = max(1, int(max_control_rate * CONTROL_WINDOW_S))
         self._controls = 0
         self._window_start = clock()
+        #: The pings read and not yet answered (``answer_pings``), the latest ``PONGS_PER_BURST``.
+        self._unanswered: deque[Ping] = deque(maxlen=PONGS_PER_BURST)
         #: An event parsed after a ping of the same read, handed back by the next call once that
         #: ping is answered (a Close, a FrameError).
         self._held: Close | FrameError | None = None
@@ -149,7 +155,7 @@ class Connection:
         """Append every whole message parsed so far to ``messages`` (until ``PARSE_BATCH`` wait
         there: ``backlog`` says more may be parsed) and count pongs; return what
         needs an answer, its meaning already recorded: the latest ``Ping`` once the bytes run out
-        (those before it need no pong of their own), else a ``Close`` (the peer's end) or a
+        (``answer_pings`` answers it and those before it), else a ``Close`` (the peer's end) or a
         ``FrameError`` (this end's).  A Close or a FrameError that follows a ping is handed back
         by the next call, so the ping is answered first.  A plain call, no coroutine: a read that
         brings audio needs no other work."""
@@ -189,6 +195,7 @@ class Connection:
                 self.pongs += 1
             else:
                 ping = event  # type: ignore[assignment]
+                self._unanswered.append(ping)
 
     def _after(self, ping: Ping | None, event: Close | FrameError) -> Ping | Close | FrameError:
         """``event`` now, or ``ping`` now and ``event`` from the next call."""
@@ -268,11 +275,18 @@ class Connection:
     def ping(self) -> bytes:
         return frame(Opcode.PING, b"duplexrt", masked=self.client)
 
-    def pong(self, ping: Ping) -> bytes | None:
-        """The answer to ``ping``, or None once this end's Close went (nothing more is sent)."""
-        if self.close_sent:
+    def answer_pings(self) -> bytes | None:
+        """The answers to the pings read since the last call, in order, in one buffer (the latest
+        ``PONGS_PER_BURST`` of them); None when there are none, or once this end's Close went
+        (nothing more is sent)."""
+        unanswered = self._unanswered
+        if not unanswered or self.close_sent:
+            unanswered.clear()
             return None
-        return frame(Opcode.PONG, ping, masked=self.client)
+        masked = self.client
+        data = b"".join(frame(Opcode.PONG, ping, masked=masked) for ping in unanswered)
+        unanswered.clear()
+        return data
 
     def close(self, code: int, reason: str) -> bytes | None:
         """This end's Close frame, or None when there is none to send: one went already, or the

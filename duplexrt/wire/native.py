@@ -384,9 +384,9 @@ class NativeWebSocket:
         connection = self._connection
         while event is not None:
             if type(event) is Ping:
-                pong = connection.pong(event)
-                if pong is not None:
-                    await self._write(pong)
+                pongs = connection.answer_pings()
+                if pongs is not None:
+                    await self._write(pongs)
             elif type(event) is FrameError:  # close with its code; nothing more is read into messages
                 with trio.move_on_after(self._close_timeout):
                     await self._send_close(event.code, event.reason)
