@@ -194,8 +194,8 @@ class Connection:
             if kind is Pong:
                 self.pongs += 1
             else:
-                ping = event  # type: ignore[assignment]
-                self._unanswered.append(ping)
+                ping = event  # type: ignore[assignment]  # a Ping, by elimination
+                self._unanswered.append(event)  # type: ignore[arg-type]
 
     def _after(self, ping: Ping | None, event: Close | FrameError) -> Ping | Close | FrameError:
         """``event`` now, or ``ping`` now and ``event`` from the next call."""
