@@ -415,3 +415,16 @@ async def test_a_backlog_of_tiny_messages_is_taken_a_bounded_share_per_turn():
             taken += share
         assert max(shares) <= 64  # a wake-up takes at most a share ...
         assert other_turns >= 1000 // 64 - 1  # ... and the other task ran between the shares
+
+
+async def test_a_close_reads_past_a_backlog_the_session_never_took_and_ends():
+    # A closing end reads on to the peer's Close through whatever the peer sent before it: the
+    # backlog is parsed a batch at a time, and nothing waits for the session to take it.
+    async with _receiving(close_timeout=5.0) as (server, peer, nursery):
+        await peer.stream.send_all(frame(Opcode.BINARY, b"x", masked=True) * 1000)
+        assert await server.receive() == b"x"  # one read: the rest is backlog
+        await peer.stream.send_all(frame(Opcode.CLOSE, struct.pack("!H", 1000), masked=True))
+        with trio.fail_after(2):
+            await server.close()
+        close = await peer.next_event()
+        assert isinstance(close, Close) and close.code == 1000

@@ -61,8 +61,8 @@ CONTROL_WINDOW_S = 2.0
 #: The most pongs one burst of pings read together gets, for the latest pings: the older ones of
 #: a longer burst get none.
 PONGS_PER_BURST = 16
-#: ``receive_into`` stops once this many messages wait unread: a read of tiny messages is parsed
-#: a batch at a time, as they are taken, not thousands in one go on the trio thread.
+#: ``receive_into`` stops once it has queued this many messages: a read of tiny messages is
+#: parsed a batch at a time, as they are taken, not thousands in one go on the trio thread.
 PARSE_BATCH = 64
 
 _CLOSE_SENT = ConnectionState.CLOSE_SENT
@@ -152,8 +152,8 @@ class Connection:
     # -- input ---------------------------------------------------------------------------------------
 
     def receive_into(self, messages: deque[Message]) -> Ping | Close | FrameError | None:
-        """Append every whole message parsed so far to ``messages`` (until ``PARSE_BATCH`` wait
-        there: ``backlog`` says more may be parsed) and count pongs; return what
+        """Append every whole message parsed so far to ``messages`` (at most ``PARSE_BATCH`` a
+        call: ``backlog`` says more may be parsed) and count pongs; return what
         needs an answer, its meaning already recorded: the latest ``Ping`` once the bytes run out
         (``answer_pings`` answers it and those before it), else a ``Close`` (the peer's end) or a
         ``FrameError`` (this end's).  A Close or a FrameError that follows a ping is handed back
@@ -166,8 +166,9 @@ class Connection:
         parser = self.parser
         append = messages.append
         ping: Ping | None = None
+        batch_end = len(messages) + PARSE_BATCH
         while True:
-            if len(messages) >= PARSE_BATCH:
+            if len(messages) >= batch_end:
                 self.backlog = True
                 return ping
             try:
