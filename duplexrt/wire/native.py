@@ -47,7 +47,7 @@ _BACKLOG_READ = 1 << 16
 _MAX_READ = 1 << 18
 #: A read that finds data waiting does not yield; every this many in a row, one does.
 _YIELD_EVERY = 8
-#: One connection's work per scheduling turn, so that a peer flooding tiny messages or control
+#: One server connection's work per scheduling turn, so that a peer flooding tiny messages or control
 #: frames cannot hold the one trio thread that every session shares: after this many messages
 #: taken without a wait, or this long (ns) since this connection last gave trio a turn, the next
 #: ``receive`` yields first and ``poll`` says no message.  A paced session never meets either
@@ -150,8 +150,9 @@ class NativeWebSocket:
         return messages.popleft()
 
     def _turn_spent(self) -> bool:
-        """This connection has had its share of the trio thread since it last yielded."""
-        return self._turn_messages >= _TURN_MESSAGES or _now_ns() - self._turn_start > _TURN_NS
+        """This connection has had its share of the trio thread since it last yielded.  On a
+        server only: the peer there may be hostile, and every session shares the thread."""
+        return not self._client and (self._turn_messages >= _TURN_MESSAGES or _now_ns() - self._turn_start > _TURN_NS)
 
     def _new_turn(self) -> None:
         """Just back from a yield: the share starts again."""
