@@ -347,6 +347,7 @@ async def test_pings_between_fragments_never_finished_do_not_keep_a_connection_a
                 await trio.sleep(0.25)
                 await peer.stream.send_all(b"\x80\0\0\0\0")  # the rest of that header: an empty fragment
                 await trio.sleep(0.25)
+        await trio.testing.wait_all_tasks_blocked()  # a send refused at the limit: the receive's end lands
         assert len(outcome) == 1 and outcome[0].finish_reason == FinishReason.IDLE_TIMEOUT
         assert trio.current_time() - started < 5.0 * 2 + 1
 
