@@ -225,6 +225,30 @@ def test_fragments_that_add_up_past_the_limit_are_refused():
     assert events(server_parser(max_message=1000), raw(Opcode.BINARY, b"x" * 1000)) == [b"x" * 1000]
 
 
+def test_empty_continuations_past_the_fragment_cap_are_refused_and_a_message_at_the_cap_is_whole():
+    # Empty continuations add nothing to the size, yet each one was kept until the message
+    # ended: a peer could grow the server's memory without bound inside the size limit.
+    parser = server_parser(max_message=1000)
+    empty = raw(Opcode.CONTINUATION, b"", fin=False)
+    assert events(parser, raw(Opcode.BINARY, b"", fin=False) + empty * (wsframes.MAX_FRAGMENTS - 1)) == []
+    with pytest.raises(FrameError) as error:
+        events(parser, empty)
+    assert error.value.code == 1009 and "fragments" in error.value.reason
+    at_cap = raw(Opcode.TEXT, b"a", fin=False) + raw(Opcode.CONTINUATION, b"b", fin=False) * (
+        wsframes.MAX_FRAGMENTS - 2) + raw(Opcode.CONTINUATION, b"c")
+    assert events(server_parser(), at_cap) == ["a" + "b" * (wsframes.MAX_FRAGMENTS - 2) + "c"]
+
+
+def test_the_fragment_cap_is_a_parser_setting_and_a_control_frame_between_fragments_is_no_fragment():
+    parser = FrameParser(masked=True, max_message=1 << 20, max_fragments=3)
+    data = (raw(Opcode.BINARY, b"1", fin=False) + raw(Opcode.PING, b"p") + raw(Opcode.CONTINUATION, b"2", fin=False)
+            + raw(Opcode.PING, b"q") + raw(Opcode.CONTINUATION, b"3"))
+    assert events(parser, data) == [Ping(b"p"), Ping(b"q"), b"123"]
+    with pytest.raises(FrameError) as error:
+        events(parser, raw(Opcode.BINARY, b"1", fin=False) + raw(Opcode.CONTINUATION, b"2", fin=False) * 3)
+    assert error.value.code == 1009
+
+
 def test_a_client_parser_refuses_masked_frames_and_reads_plain_ones():
     client = FrameParser(masked=False, max_message=1 << 20)
     assert events(client, raw(Opcode.BINARY, b"abc", mask=None)) == [b"abc"]

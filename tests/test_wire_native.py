@@ -13,6 +13,7 @@ import trio.testing
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.wire.transport import TransportClosed
 from duplexrt.wire.frames import Close, FrameParser, Opcode, Pong, frame
+from duplexrt.wire.connection import PONGS_PER_BURST
 from duplexrt.wire.native import NativeWebSocket
 
 
@@ -312,3 +313,119 @@ async def test_pongs_read_while_the_reader_waits_reach_the_keepalive(autojump_cl
         await peer.send(Opcode.BINARY, b"alive")
         await trio.testing.wait_all_tasks_blocked()
         assert outcome == [b"alive"]
+
+
+# -- hostile peers: fragments, trickles and control floods ---------------------------------------------
+
+
+def _not_final(data: bytes) -> bytes:
+    return bytes((data[0] & 0x7F,)) + data[1:]
+
+
+async def test_a_peer_that_sends_one_header_byte_and_stops_is_idle_one_period_later(autojump_clock):
+    # A pending partial frame counted as hearing from the peer for as long as it stayed pending.
+    async with _receiving() as (server, peer, nursery):
+        nursery.start_soon(server.watch, 0, 0, 5.0)
+        outcome = await _receive_in_background(nursery, server)
+        await peer.stream.send_all(b"\x82")  # the first byte of a binary frame's header
+        await trio.sleep(5.0 * 2 + 1)
+        assert len(outcome) == 1 and outcome[0].finish_reason == FinishReason.IDLE_TIMEOUT
+
+
+async def test_pings_between_fragments_never_finished_do_not_keep_a_connection_alive(autojump_clock):
+    async with _receiving() as (server, peer, nursery):
+        nursery.start_soon(server.watch, 0, 0, 5.0)
+        outcome = await _receive_in_background(nursery, server)
+        await peer.stream.send_all(_not_final(frame(Opcode.BINARY, b"", masked=True)))
+        started = trio.current_time()
+        with contextlib.suppress(trio.BrokenResourceError):  # the server stops reading at the limit
+            for _ in range(60):  # every half second: an empty fragment, a ping, a byte of the next header
+                if outcome:
+                    break
+                await peer.stream.send_all(b"\x00\x80\0\0\0\0" + frame(Opcode.PING, b"?", masked=True) + b"\x00")
+                assert await peer.next_event() == Pong(b"?")
+                await trio.sleep(0.25)
+                await peer.stream.send_all(b"\x80\0\0\0\0")  # the rest of that header: an empty fragment
+                await trio.sleep(0.25)
+        await trio.testing.wait_all_tasks_blocked()  # a send refused at the limit: the receive's end lands
+        assert len(outcome) == 1 and outcome[0].finish_reason == FinishReason.IDLE_TIMEOUT
+        assert trio.current_time() - started < 5.0 * 2 + 1
+
+
+async def test_a_flood_of_empty_continuations_is_closed_with_1009():
+    async with _receiving() as (server, peer, nursery):
+        outcome = await _receive_in_background(nursery, server)
+        empty = _not_final(frame(Opcode.CONTINUATION, b"", masked=True))
+        await peer.stream.send_all(_not_final(frame(Opcode.BINARY, b"", masked=True)) + empty * 2000)
+        close = await peer.next_event()
+        assert isinstance(close, Close) and close.code == CloseCode.MESSAGE_TOO_BIG and "fragments" in close.reason
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome[0].finish_reason == FinishReason.MESSAGE_TOO_BIG
+
+
+async def test_a_burst_of_pings_in_one_read_gets_pongs_for_the_latest_few_only():
+    async with _receiving() as (server, peer, nursery):
+        await _receive_in_background(nursery, server)
+        await peer.stream.send_all(b"".join(frame(Opcode.PING, b"%d" % i, masked=True) for i in range(50))
+                                   + frame(Opcode.BINARY, b"then this", masked=True))
+        for i in range(50 - PONGS_PER_BURST, 50):
+            assert await peer.next_event() == Pong(b"%d" % i)
+        await trio.testing.wait_all_tasks_blocked()
+        await _receive_in_background(nursery, server)  # the first took "then this": one more reads
+        await peer.send(Opcode.PING, b"alone")
+        assert await peer.next_event() == Pong(b"alone")  # no pong for 0..48 came before it
+
+
+async def test_a_ping_flood_is_closed_with_1008_and_the_session_is_told_why(autojump_clock):
+    async with _receiving() as (server, peer, nursery):
+        outcome = await _receive_in_background(nursery, server)
+        for i in range(400):  # one at a time, each answered: the rate, not the burst, is the limit
+            await peer.send(Opcode.PING, b"%d" % i)
+            event = await peer.next_event()
+            if isinstance(event, Close):
+                break
+            assert event == Pong(b"%d" % i)
+            await trio.sleep(0.001)
+        assert isinstance(event, Close) and event.code == CloseCode.POLICY_VIOLATION and i < 250
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome[0].code == CloseCode.POLICY_VIOLATION and outcome[0].finish_reason == FinishReason.PROTOCOL_ERROR
+
+
+async def test_a_backlog_of_tiny_messages_is_taken_a_bounded_share_per_turn():
+    # One connection's backlog must not keep the trio thread: after a turn's share, ``poll``
+    # says "nothing now" and the next ``receive`` yields to the other tasks before it takes more.
+    async with _receiving() as (server, peer, nursery):
+        await peer.stream.send_all(frame(Opcode.BINARY, b"x", masked=True) * 1000)
+        other_turns = 0
+
+        async def other_task() -> None:
+            nonlocal other_turns
+            while True:
+                await trio.lowlevel.checkpoint()
+                other_turns += 1
+
+        nursery.start_soon(other_task)
+        taken = 0
+        shares = []
+        while taken < 1000:
+            assert await server.receive() == b"x"
+            share = 1
+            while server.poll() is not None:
+                share += 1
+            shares.append(share)
+            taken += share
+        assert max(shares) <= 64  # a wake-up takes at most a share ...
+        assert other_turns >= 1000 // 64 - 1  # ... and the other task ran between the shares
+
+
+async def test_a_close_reads_past_a_backlog_the_session_never_took_and_ends():
+    # A closing end reads on to the peer's Close through whatever the peer sent before it: the
+    # backlog is parsed a batch at a time, and nothing waits for the session to take it.
+    async with _receiving(close_timeout=5.0) as (server, peer, nursery):
+        await peer.stream.send_all(frame(Opcode.BINARY, b"x", masked=True) * 1000)
+        assert await server.receive() == b"x"  # one read: the rest is backlog
+        await peer.stream.send_all(frame(Opcode.CLOSE, struct.pack("!H", 1000), masked=True))
+        with trio.fail_after(2):
+            await server.close()
+        close = await peer.next_event()
+        assert isinstance(close, Close) and close.code == 1000

@@ -12,15 +12,24 @@ decide what the connection may still do lives here, in one place, as h11 and wsp
   ``received``), whether a broken frame spent it, and whether this end shut its reading.
 
 Input: ``receive_into(messages)`` queues every whole message parsed so far and counts pongs, and
-hands back the first event that needs an answer (a ``Ping``, the peer's ``Close``, a
-``FrameError``), having already recorded what it means for the state.  Output: ``frame``,
-``pong``, ``ping`` and ``close`` give the bytes to write, and ``close`` moves the state.
+hands back the event that needs an answer (the latest ``Ping`` of the bytes read, the peer's
+``Close``, a ``FrameError``), having already recorded what it means for the state.  Output:
+``frame``, ``answer_pings``, ``ping`` and ``close`` give the bytes to write, and ``close`` moves the state.
+
+Two rules keep a peer's control frames from costing the server more than they cost the peer: a
+burst of pings read together is answered in one write, for the latest ``PONGS_PER_BURST`` of them
+(RFC 6455 5.5.3 allows answering only the latest; the Autobahn suite, and some clients' keepalive,
+expect a pong for each of a few), and a peer that sends more than ``MAX_CONTROL_RATE`` control frames a second, over a window of
+``CONTROL_WINDOW_S``, is closed with 1008.  Pings and pongs are there for liveness: a client pings
+every few seconds at most, so the limit is far above any honest one.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
+from collections.abc import Callable
 
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.wire.frames import (Close, FrameError, FrameParser, MaskKeys, Opcode, Ping, Pong, close_payload,
@@ -42,6 +51,20 @@ class ConnectionState(enum.Enum):
     CLOSED = "closed"
 
 
+#: The most control frames (pings and pongs) a peer may send a second, averaged over a window of
+#: ``CONTROL_WINDOW_S``: past it the connection closes with 1008.  A ping costs the server a
+#: parse and a pong write, as much as a message of audio; a flood of them took every other
+#: session's turns on the one trio thread (``tests/test_under_attack_wire.py``).
+MAX_CONTROL_RATE = 100
+#: The window the control-frame rate is counted over: a short burst above the rate is fine.
+CONTROL_WINDOW_S = 2.0
+#: The most pongs one burst of pings read together gets, for the latest pings: the older ones of
+#: a longer burst get none.
+PONGS_PER_BURST = 16
+#: ``receive_into`` stops once it has queued this many messages: a read of tiny messages is
+#: parsed a batch at a time, as they are taken, not thousands in one go on the trio thread.
+PARSE_BATCH = 64
+
 _CLOSE_SENT = ConnectionState.CLOSE_SENT
 _CLOSED = ConnectionState.CLOSED
 
@@ -55,7 +78,8 @@ class Connection:
     """One end of a WebSocket (see the module docstring).  ``client``: this end masks what it
     sends and the peer must not; ``max_message``: the largest message the peer may send."""
 
-    def __init__(self, *, client: bool, max_message: int) -> None:
+    def __init__(self, *, client: bool, max_message: int, clock: Callable[[], float] = time.monotonic,
+                 max_control_rate: float = MAX_CONTROL_RATE) -> None:
         self.client = client
         self.state = ConnectionState.OPEN
         #: Why this end ended the connection: what every later receive and send raises.
@@ -73,8 +97,22 @@ class Connection:
         self.eof = False
         #: Pongs received so far (the keepalive reads it).
         self.pongs = 0
+        #: ``receive_into`` stopped at ``PARSE_BATCH`` messages: bytes read wait to be parsed.
+        self.backlog = False
         self.parser = FrameParser(masked=not client, max_message=max_message)
         self._mask_keys = MaskKeys() if client else None
+        #: The control-frame rate: ``clock`` (seconds) is read once per window's worth of
+        #: control frames, never per frame.
+        self._clock = clock
+        self._max_control_rate = max_control_rate
+        self._control_allowance = max(1, int(max_control_rate * CONTROL_WINDOW_S))
+        self._controls = 0
+        self._window_start = clock()
+        #: The pings read and not yet answered (``answer_pings``), the latest ``PONGS_PER_BURST``.
+        self._unanswered: deque[Ping] = deque(maxlen=PONGS_PER_BURST)
+        #: An event parsed after a ping of the same read, handed back by the next call once that
+        #: ping is answered (a Close, a FrameError).
+        self._held: Close | FrameError | None = None
 
     # -- the state, as the driver asks about it ----------------------------------------------------
 
@@ -114,38 +152,83 @@ class Connection:
     # -- input ---------------------------------------------------------------------------------------
 
     def receive_into(self, messages: deque[Message]) -> Ping | Close | FrameError | None:
-        """Append every whole message parsed so far to ``messages``
-        and count pongs; stop at the first event that needs an answer and return it, its meaning
-        already recorded: a ``Close`` (the peer's end), a ``FrameError`` (this end's), a ``Ping``.
-        A plain call, no coroutine: a read that brings audio needs no other work."""
+        """Append every whole message parsed so far to ``messages`` (at most ``PARSE_BATCH`` a
+        call: ``backlog`` says more may be parsed) and count pongs; return what
+        needs an answer, its meaning already recorded: the latest ``Ping`` once the bytes run out
+        (``answer_pings`` answers it and those before it), else a ``Close`` (the peer's end) or a
+        ``FrameError`` (this end's).  A Close or a FrameError that follows a ping is handed back
+        by the next call, so the ping is answered first.  A plain call, no coroutine: a read that
+        brings audio needs no other work."""
+        held = self._held
+        if held is not None:
+            self._held = None
+            return held
         parser = self.parser
         append = messages.append
+        ping: Ping | None = None
+        batch_end = len(messages) + PARSE_BATCH
         while True:
+            if len(messages) >= batch_end:
+                self.backlog = True
+                return ping
             try:
                 event = parser.next()
             except FrameError as error:
                 self._broken(error)
-                return error
+                return self._after(ping, error)
             if event is None:
-                return None
+                self.backlog = False
+                return ping
             kind = type(event)
             if kind is bytes or kind is str:  # exactly: a Ping and a Pong are bytes too
                 append(event)  # type: ignore[arg-type]
-            elif kind is Pong:
-                self.pongs += 1
-            elif isinstance(event, Close):
+                continue
+            if isinstance(event, Close):
                 self._peer_closed(event)
-                return event
+                return self._after(ping, event)
+            # A Ping or a Pong, by elimination: a control frame, counted against the rate.
+            self._controls += 1
+            if self._controls >= self._control_allowance:
+                too_fast = self._control_rate_checked()
+                if too_fast is not None:
+                    return self._after(ping, too_fast)
+            if kind is Pong:
+                self.pongs += 1
             else:
-                return event  # type: ignore[return-value]  # a Ping, by elimination
+                ping = event  # type: ignore[assignment]  # a Ping, by elimination
+                self._unanswered.append(event)  # type: ignore[arg-type]
+
+    def _after(self, ping: Ping | None, event: Close | FrameError) -> Ping | Close | FrameError:
+        """``event`` now, or ``ping`` now and ``event`` from the next call."""
+        if ping is None:
+            return event
+        self._held = event
+        return ping
+
+    def _control_rate_checked(self) -> FrameError | None:
+        """A window's allowance of control frames has come: too fast (ended with 1008, the
+        error returned), or a new window starts."""
+        now = self._clock()
+        if now - self._window_start < CONTROL_WINDOW_S:
+            error = FrameError(CloseCode.POLICY_VIOLATION,
+                               f"more than {self._max_control_rate:g} control frames a second")
+            self.failed = True
+            self.backlog = False
+            self.end(FinishReason.PROTOCOL_ERROR, error.code, error.reason)
+            return error
+        self._window_start = now
+        self._controls = 0
+        return None
 
     def _broken(self, error: FrameError) -> None:
         self.failed = True
+        self.backlog = False  # a spent parser: nothing more is parsed
         finish = FinishReason.MESSAGE_TOO_BIG if error.code == CloseCode.MESSAGE_TOO_BIG else FinishReason.PROTOCOL_ERROR
         self.end(finish, error.code, error.reason)
 
     def _peer_closed(self, close: Close) -> None:
         self.peer_close = close
+        self.backlog = False  # nothing after a Close counts
         if self.gone is None:
             self.gone = TransportClosed(close.code, close.reason)
         self.state = ConnectionState.CLOSED if self.state is ConnectionState.CLOSE_SENT else ConnectionState.CLOSE_RECEIVED
@@ -193,11 +276,18 @@ class Connection:
     def ping(self) -> bytes:
         return frame(Opcode.PING, b"duplexrt", masked=self.client)
 
-    def pong(self, ping: Ping) -> bytes | None:
-        """The answer to ``ping``, or None once this end's Close went (nothing more is sent)."""
-        if self.close_sent:
+    def answer_pings(self) -> bytes | None:
+        """The answers to the pings read since the last call, in order, in one buffer (the latest
+        ``PONGS_PER_BURST`` of them); None when there are none, or once this end's Close went
+        (nothing more is sent)."""
+        unanswered = self._unanswered
+        if not unanswered or self.close_sent:
+            unanswered.clear()
             return None
-        return frame(Opcode.PONG, ping, masked=self.client)
+        masked = self.client
+        data = b"".join(frame(Opcode.PONG, ping, masked=masked) for ping in unanswered)
+        unanswered.clear()
+        return data
 
     def close(self, code: int, reason: str) -> bytes | None:
         """This end's Close frame, or None when there is none to send: one went already, or the

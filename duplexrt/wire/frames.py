@@ -58,6 +58,12 @@ _NUMPY_FROM = 64
 BUFFER_SIZE = 1 << 14
 #: A read is offered at least this much room: below it, the unparsed bytes move to the front.
 MIN_ROOM = 1 << 12
+#: The most frames one message may come in (its first and its continuations): every fragment is
+#: a bytes object kept until the message ends, so a peer sending empty or one-byte continuations
+#: would otherwise hold memory out of all proportion to what the size limit counts.  Ample for any
+#: real client (browsers and the common libraries send a message in one frame, or in frames of
+#: kilobytes); the refusal is a 1009, like a message over the size limit.
+MAX_FRAGMENTS = 1024
 #: A mask key as the native 32-bit word the payload is XORed with, four bytes at a time.
 _MASK = struct.Struct("=I")
 
@@ -205,11 +211,13 @@ class FrameParser:
 
     ``masked``: what the peer must do (a server's peers mask, a client's do not).
     ``max_message``: the largest message, summed over its fragments; one announced larger is
-    refused (1009) from its header, before its payload is buffered."""
+    refused (1009) from its header, before its payload is buffered.  ``max_fragments``: the most
+    frames a message may come in, checked with the size, from the header of the one too many."""
 
-    def __init__(self, *, masked: bool, max_message: int) -> None:
+    def __init__(self, *, masked: bool, max_message: int, max_fragments: int = MAX_FRAGMENTS) -> None:
         self._masked = masked
         self._max = max_message
+        self._max_fragments = max_fragments
         self._allocate(BUFFER_SIZE, b"")
         #: Received bytes not yet parsed: ``_buffer[_pos:_end]``.
         self._pos = 0
@@ -314,8 +322,8 @@ class FrameParser:
             elif opcode == Opcode.CONTINUATION:
                 if self._opcode is None:
                     raise FrameError(CloseCode.PROTOCOL_ERROR, "continuation frame with no message under way")
-                if self._size + size > self._max:
-                    raise FrameError(CloseCode.MESSAGE_TOO_BIG, f"message larger than {self._max} bytes")
+                if self._size + size > self._max or len(self._fragments) >= self._max_fragments:
+                    raise self._too_big(size)
             else:
                 if self._opcode is not None:
                     raise FrameError(CloseCode.PROTOCOL_ERROR, "new message before the last one's final frame")
@@ -363,6 +371,12 @@ class FrameParser:
                 return payload.decode()
             except UnicodeDecodeError:
                 raise FrameError(CloseCode.INVALID_PAYLOAD, "text message is not valid UTF-8") from None
+
+    def _too_big(self, size: int) -> FrameError:
+        """A continuation of ``size`` bytes that takes its message past a limit: which one."""
+        if self._size + size > self._max:
+            return FrameError(CloseCode.MESSAGE_TOO_BIG, f"message larger than {self._max} bytes")
+        return FrameError(CloseCode.MESSAGE_TOO_BIG, f"message in more than {self._max_fragments} fragments")
 
     def _unmask(self, start: int, size: int) -> bytes:
         """The payload of ``size`` bytes at ``start`` (its mask just before it), unmasked, as

@@ -6,9 +6,10 @@ Why not trio-websocket on the hot path: it runs a background reader task per con
 parses each message with wsproto and hands it to the session through a memory channel, so every
 input message costs a task wake-up, a channel hop and a per-byte Python unmask before the session
 sees it.  Here whoever needs bytes reads them: the session's own reader task calls ``receive``,
-which reads a chunk from the socket and parses every whole frame in it (``frames``); messages
-already parsed are taken with ``poll`` (or ``receive_nowait``) in the same wake-up.  A message goes out as one
-``send_all`` of header and payload.
+which reads a chunk from the socket and parses the whole frames in it (``frames``), a batch of
+messages at a time; messages already parsed are taken with ``poll`` (or ``receive_nowait``) in
+the same wake-up, up to a turn's share (``_TURN_MESSAGES``, ``_TURN_NS``) before it yields.  A
+message goes out as one ``send_all`` of header and payload.
 
 What keeps working when the session is not reading (its input ended, or it waits for the client
 to read): the keepalive reads by itself while it waits for a pong, and a close reads until the
@@ -27,6 +28,8 @@ import os
 import socket
 from collections import deque
 
+from time import perf_counter_ns as _now_ns
+
 import trio
 
 from duplexrt.reasons import CloseCode, FinishReason
@@ -39,8 +42,19 @@ log = logging.getLogger("duplexrt.wire.native")
 #: A read that filled all the room it had asks for this much next: a backlog (a session that fell
 #: behind, a burst) is taken several messages a read, not one.
 _BACKLOG_READ = 1 << 16
+#: The most one read takes: a large message comes in several reads, with turns for the other
+#: sessions between them, not one copy of megabytes on the trio thread.
+_MAX_READ = 1 << 18
 #: A read that finds data waiting does not yield; every this many in a row, one does.
 _YIELD_EVERY = 8
+#: One server connection's work per scheduling turn, so that a peer flooding tiny messages or control
+#: frames cannot hold the one trio thread that every session shares: after this many messages
+#: taken without a wait, or this long (ns) since this connection last gave trio a turn, the next
+#: ``receive`` yields first and ``poll`` says no message.  A paced session never meets either
+#: (it waits for its socket between messages); the time is a small part of a frame period, and
+#: a yield costs a few µs (what a flood does to a paced victim: ``tests/test_under_attack_wire.py``).
+_TURN_MESSAGES = 64
+_TURN_NS = 2_000_000
 
 
 class NativeWebSocket:
@@ -53,7 +67,7 @@ class NativeWebSocket:
         self._stream = stream
         self._client = client
         #: The connection's state, sans-IO: what this driver may still do, and why it ended.
-        self._connection = connection = Connection(client=client, max_message=max_message)
+        self._connection = connection = Connection(client=client, max_message=max_message, clock=trio.current_time)
         self._parser = connection.parser
         if received:
             self._parser.feed(received)
@@ -66,6 +80,9 @@ class NativeWebSocket:
         self._read_lot = trio.lowlevel.ParkingLot()
         self._sock = stream.socket
         self._reads_without_wait = 0
+        #: This connection's turn on the trio thread: messages taken and when it began (ns).
+        self._turn_messages = 0
+        self._turn_start = _now_ns()
         #: The last read took less than it asked for: the socket was empty after it.
         self._drained = False
         self._sending = False
@@ -85,6 +102,9 @@ class NativeWebSocket:
         ended = self._connection.ended
         if ended is not None:
             raise ended
+        if self._turn_spent():
+            await trio.lowlevel.checkpoint()  # a backlog: other sessions' turn first (nothing is taken yet)
+            self._new_turn()
         if not messages:
             if self.received:
                 await self._fill()
@@ -97,6 +117,7 @@ class NativeWebSocket:
                     await self.close(CloseCode.POLICY_VIOLATION, reason)
                     raise ended
         self.received += 1
+        self._turn_messages += 1
         return messages.popleft()
 
     def receive_nowait(self) -> Message:
@@ -107,7 +128,10 @@ class NativeWebSocket:
             if connection.gone is not None:
                 raise connection.gone
             raise trio.WouldBlock
+        if self._turn_spent():
+            raise trio.WouldBlock  # this turn's share is taken: ``receive`` yields, then takes it
         self.received += 1
+        self._turn_messages += 1
         return self._messages.popleft()
 
     def poll(self) -> Message | None:
@@ -119,8 +143,21 @@ class NativeWebSocket:
             if connection.gone is not None:
                 raise connection.gone
             return None
+        if self._turn_spent():
+            return None  # this turn's share is taken: ``receive`` yields, then takes it
         self.received += 1
+        self._turn_messages += 1
         return messages.popleft()
+
+    def _turn_spent(self) -> bool:
+        """This connection has had its share of the trio thread since it last yielded.  On a
+        server only: the peer there may be hostile, and every session shares the thread."""
+        return not self._client and (self._turn_messages >= _TURN_MESSAGES or _now_ns() - self._turn_start > _TURN_NS)
+
+    def _new_turn(self) -> None:
+        """Just back from a yield: the share starts again."""
+        self._turn_messages = 0
+        self._turn_start = _now_ns()
 
     async def send(self, message: Message) -> None:
         self._check_open()
@@ -223,13 +260,19 @@ class NativeWebSocket:
 
     async def _watch_idle(self, limit: float) -> None:
         seen = self.received
+        last_message = trio.current_time()
 
         def heard() -> bool:
-            nonlocal seen
+            nonlocal seen, last_message
             # Messages read but not yet taken (a session waiting on the model) count as heard.
-            fresh = self.received != seen or bool(self._messages) or bool(self._parser.buffered)
-            seen = self.received
-            return fresh
+            if self.received != seen or self._messages:
+                seen = self.received
+                last_message = trio.current_time()
+                return True
+            # A frame under way (a large message still arriving) counts for one idle period after
+            # the last message, no longer: a peer that sends one byte of a header, or trickles a
+            # frame it never finishes, is idle however long it keeps that up.
+            return bool(self._parser.buffered) and trio.current_time() - last_message < limit
 
         await wait_for_silence(limit, heard)
         self._connection.end(FinishReason.IDLE_TIMEOUT, CloseCode.POLICY_VIOLATION,
@@ -266,6 +309,9 @@ class NativeWebSocket:
         if self._reading or (limit and len(self._messages) >= self._queue_limit):
             await self._read_lot.park()  # the other reader wakes this
             return
+        if self._connection.backlog:  # frames read already, not yet parsed: no read for them
+            await self._parse()
+            return
         self._reading = True
         try:
             count = await self._receive_some()
@@ -299,11 +345,12 @@ class NativeWebSocket:
                 await trio.lowlevel.wait_readable(sock)
             except (trio.ClosedResourceError, trio.BusyResourceError):
                 return 0
+            self._new_turn()
         while True:
             fd = sock.fileno()
             if fd < 0:
                 return 0
-            room = parser.room(MIN_ROOM if self._drained else _BACKLOG_READ)
+            room = parser.room(MIN_ROOM if self._drained else _BACKLOG_READ)[:_MAX_READ]
             try:
                 count = os.readv(fd, (room,))
             except BlockingIOError:
@@ -312,6 +359,7 @@ class NativeWebSocket:
                 except (trio.ClosedResourceError, trio.BusyResourceError):
                     return 0
                 self._reads_without_wait = 0
+                self._new_turn()
                 continue
             except OSError:  # reset by the peer
                 return 0
@@ -320,9 +368,10 @@ class NativeWebSocket:
             if not self._connection.failed:
                 parser.received(count)
             self._reads_without_wait += 1
-            if self._reads_without_wait >= _YIELD_EVERY:
+            if self._reads_without_wait >= _YIELD_EVERY or _now_ns() - self._turn_start > _TURN_NS:
                 self._reads_without_wait = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()  # never loses what was read
+                self._new_turn()
             return count
 
     async def _parse(self) -> None:
@@ -336,9 +385,9 @@ class NativeWebSocket:
         connection = self._connection
         while event is not None:
             if type(event) is Ping:
-                pong = connection.pong(event)
-                if pong is not None:
-                    await self._write(pong)
+                pongs = connection.answer_pings()
+                if pongs is not None:
+                    await self._write(pongs)
             elif type(event) is FrameError:  # close with its code; nothing more is read into messages
                 with trio.move_on_after(self._close_timeout):
                     await self._send_close(event.code, event.reason)
