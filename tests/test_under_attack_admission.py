@@ -5,8 +5,8 @@ that used to lock others out (issue 32, defects 3-5) next to a victim that talks
 speech, then checks that the victim heard every frame exactly, in time, and that no slot,
 admission or resume claim is left held, with ``/readyz`` telling the truth.
 
-The victim helper below is this file's own (a minimal paced ``/v1/duplex`` client);
-``tests/attack.py`` has the shared one.
+The victim is the paced ``/v1/duplex`` caller of ``tests/attack.py``, which the wire's
+under-attack cases use too.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import pytest
 import trio
 import trio_websocket
 
+import attack
 from duplexrt.reasons import FinishReason
 from conftest import http_get
 
 PATIENCE = 15.0
 FRAME = 1920  # the default model frame: 80 ms at 24 kHz
-FRAME_S = 0.08
 UPGRADE = ("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
            "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
 
@@ -35,47 +35,20 @@ def _frames(count: int, seed: int) -> list[bytes]:
 
 
 class Victim:
-    """A paced ``/v1/duplex`` session: one frame every 80 ms, each echoed frame timed from its
-    send.  ``late`` counts frames that came back more than one frame period after they left."""
+    """A paced caller (``attack.paced_victim``) started beside an attack and checked after it."""
 
     def __init__(self, port: int, frames: int = 25, seed: int = 7) -> None:
-        self.port = port
-        self.audio = _frames(frames, seed)
-        self.heard = bytearray()
-        self.latencies: list[float] = []
-        self.end: dict | None = None
+        self.port, self.frames, self.seed = port, frames, seed
+        self.heard: attack.Victim | None = None
 
     async def run(self) -> None:
-        async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{self.port}/v1/duplex") as ws:
-            created = json.loads(await ws.get_message())
-            assert created["type"] == "session.created"
-            sent_at: list[float] = []
-            async with trio.open_nursery() as nursery:
-
-                async def read() -> None:
-                    while True:
-                        message = await ws.get_message()
-                        if isinstance(message, bytes):
-                            index = len(self.heard) // len(self.audio[0])
-                            self.latencies.append(trio.current_time() - sent_at[index])
-                            self.heard += message
-                        elif json.loads(message)["type"] == "session.end":
-                            self.end = json.loads(message)
-                            return
-
-                nursery.start_soon(read)
-                start = trio.current_time()
-                for number, frame in enumerate(self.audio):
-                    await trio.sleep_until(start + number * FRAME_S)
-                    sent_at.append(trio.current_time())
-                    await ws.send_message(frame)
-                await ws.send_message(json.dumps({"type": "input.end"}))
+        self.heard = await attack.paced_victim(self.port, self.frames * attack.FRAME_PERIOD_S, self.seed)
 
     def check(self) -> None:
         """Every frame back exactly and in order; the 99th percentile within one frame period."""
-        assert bytes(self.heard) == b"".join(self.audio)
-        assert self.end is not None and self.end["usage"]["frames_out"] == len(self.audio)
-        assert float(np.percentile(self.latencies, 99)) < FRAME_S, sorted(self.latencies)[-5:]
+        heard = self.heard
+        assert heard is not None and heard.exact and len(heard.lags) == self.frames
+        assert heard.p99_ms < attack.FRAME_PERIOD_S * 1e3, sorted(heard.lags)[-5:]
 
 
 async def _wait_for(predicate, what: str, patience: float = PATIENCE) -> None:
