@@ -27,6 +27,7 @@ ATTACKS = {
     "byte-fragments": "/v1/duplex",  # the same with one-byte continuations
     "big-json": "/v1/realtime",  # 2 MiB JSON events
     "metrics": "/metrics",  # GET /metrics in a loop, a connection each
+    "big-heads": "/v1/duplex",  # four clients in parallel, each upgrade head ~6,200 tiny fields (60 KiB)
 }
 
 
@@ -132,6 +133,32 @@ def _scrape(port: int, seconds: float) -> dict:
     return {"scrapes": scrapes}
 
 
+def _big_heads(port: int, seconds: float, clients: int = 4) -> dict:
+    """Upgrade heads of thousands of one-letter header fields, back to back from ``clients``
+    threads, each answered (431) before the next: what costs the server most per byte to parse."""
+    head = (f"GET {ATTACKS['big-heads']} HTTP/1.1\r\nHost: x\r\n".encode()
+            + b"".join(b"x%d: y\r\n" % i for i in range(6200))[:60_000] + b"\r\n")
+    answers: list[bytes] = []
+    deadline = time.monotonic() + seconds
+
+    def loop() -> None:
+        while time.monotonic() < deadline:
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                try:
+                    sock.sendall(head)
+                    answers.append(sock.recv(64)[:12])
+                except OSError:  # refused before the whole head was read: also an answer
+                    answers.append(b"reset")
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
+    print("go", flush=True)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"heads": len(answers), "answers": sorted({answer.decode("latin-1") for answer in answers})}
+
+
 def _flood(kind: str, port: int, seconds: float) -> dict:
     sock, rest = _open_websocket(port, ATTACKS[kind])
     reader = _ServerFrames(sock, rest)
@@ -159,7 +186,12 @@ def _flood(kind: str, port: int, seconds: float) -> dict:
 
 
 def _main(kind: str, port: int, seconds: float) -> None:
-    report = _scrape(port, seconds) if kind == "metrics" else _flood(kind, port, seconds)
+    if kind == "metrics":
+        report = _scrape(port, seconds)
+    elif kind == "big-heads":
+        report = _big_heads(port, seconds)
+    else:
+        report = _flood(kind, port, seconds)
     print(json.dumps(report), flush=True)
 
 
