@@ -190,6 +190,8 @@ def test_a_call_goes_on_through_the_drain_and_the_server_exits_when_it_ends():
             assert _echoed(ws, before) == before.tobytes()
             signalled = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
+            # The signal is handled in its own time: asked before that, /readyz rightly says 200.
+            server.wait_for_line("received SIGTERM: draining")
             status, ready = _readyz(server.port)
             assert (status, ready["reason"]) == (503, "draining")
             assert time.monotonic() - signalled < PATIENCE
