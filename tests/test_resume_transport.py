@@ -41,6 +41,15 @@ async def _take_one(client, resumable: ResumableTransport) -> None:
     assert await resumable.receive() == "in 0"
 
 
+async def _detach(client, resumable: ResumableTransport) -> None:
+    """The session takes a message, then its client drops: it waits, detached, for a resume."""
+    await _take_one(client, resumable)
+    await _drop(client)
+    with trio.move_on_after(1):
+        await resumable.receive()
+    assert resumable.detached
+
+
 async def test_a_drop_before_the_first_message_taken_ends_the_session_at_once(autojump_clock):
     """An upgrade cut before it sent anything holds nothing: no window, no slot kept."""
     client, server = memory_transport_pair()
@@ -313,10 +322,7 @@ async def test_send_nowait_over_a_connection_without_one_is_refused_and_numbers_
 async def test_a_claim_holds_the_session_for_one_connection_and_only_its_own_release_frees_it(autojump_clock):
     client, server = memory_transport_pair(capacity=100)
     resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
-    await _take_one(client, resumable)
-    await _drop(client)
-    with trio.move_on_after(1):
-        await resumable.receive()
+    await _detach(client, resumable)
     first = resumable.claim(0)
     with pytest.raises(ResumeError) as refused:
         resumable.claim(0)
@@ -336,10 +342,7 @@ async def test_a_claim_holds_the_session_for_one_connection_and_only_its_own_rel
 async def test_a_replay_the_client_does_not_take_is_given_up_at_its_deadline_and_the_session_waits_on(autojump_clock):
     client, server = memory_transport_pair(capacity=100)
     resumable = ResumableTransport(server, "r.a", window_s=10, journal_s=10)
-    await _take_one(client, resumable)
-    await _drop(client)
-    with trio.move_on_after(1):
-        await resumable.receive()
+    await _detach(client, resumable)
     for i in range(5):
         await resumable.send(f"out {i}")
     _stalled_client, stalled = memory_transport_pair(capacity=2)  # takes two, never read
