@@ -18,6 +18,35 @@ from duplexrt.config import ConfigError
 
 
 @attrs.frozen
+class PersonaRequest:
+    """Who a caller asked the model to be, as the caller sent it (not yet checked): a role
+    prompt and a voice name.  None keeps the deployment's default for that half."""
+
+    text: str | None = None
+    voice: str | None = None
+
+
+@attrs.frozen
+class Persona:
+    """A checked persona, ready for a model that takes one (``Backend.check_persona``): what the
+    caller sees of it (the voice's name, the prompt as given) and what the model is fed (the
+    prompt's tokens, system tags included).  Equal personas give the same prompt state, which
+    is what lets a backend compute it once and share it."""
+
+    voice: str
+    text: str
+    tokens: tuple[int, ...]
+
+    def describe(self) -> dict[str, object]:
+        return {"voice": self.voice, "instructions": self.text, "prompt_tokens": len(self.tokens)}
+
+
+class PersonaError(ValueError):
+    """A persona the model cannot take, with a message a caller can act on (the voices there
+    are, the token cap...).  Sessions answer it with a protocol error; the call goes on."""
+
+
+@attrs.frozen
 class SlotSession:
     """What a backend learns about the session that takes a slot: sent once, at open."""
 
@@ -118,6 +147,31 @@ class Backend(abc.ABC):
         Returns the text each row produced this step (``""`` for none), or None for a model
         that never speaks text.
         """
+
+    #: Whether ``check_persona`` / ``set_persona`` do anything (PersonaPlex).  A backend that takes
+    #: no persona refuses one in ``check_persona`` with a PersonaError saying so.
+    takes_persona = False
+    #: The voices a caller may name (set by ``load`` where the model takes a persona).
+    persona_voices: tuple[str, ...] = ()
+
+    def check_persona(self, request: PersonaRequest) -> Persona:
+        """``request`` checked and completed with the defaults, or PersonaError.  Runs on the
+        trio thread (not the scheduler's): it reads only what ``load`` fixed."""
+        raise PersonaError(f"the {self.info.name} model takes no persona (instructions or voice)")
+
+    def persona_info(self) -> dict[str, Any] | None:
+        """What ``/readyz``, ``/stats``, the start line and the talk page say of the persona a
+        caller may set: None for a model that takes none; else ``voices``, ``default_voice``,
+        ``default_instructions``, ``max_prompt_tokens`` and ``prompt_cache`` (``hits``,
+        ``misses``, ``entries``, ``bytes``, ``max_bytes``, ``prefills``).  Read from the trio
+        thread: plain values, a snapshot."""
+        return None
+
+    def set_persona(self, slot: int, persona: Persona) -> None:
+        """``slot``'s session is ``persona``: applied before the slot's first frame is stepped
+        (its prompt is the start of the row's conversation).  Called at most once per session,
+        after ``open_slot`` and before the slot's first ``step``."""
+        raise PersonaError(f"the {self.info.name} model takes no persona")
 
     def end_input(self, slot: int) -> None:
         """``slot``'s frame in the next ``step`` is the first after its caller's input ended.
