@@ -53,147 +53,22 @@ from typing import Any
 import attrs
 import numpy as np
 
-from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, SlotChoice, SlotSession,
-                                    number_option, take_options)
-from duplexrt.backends.moshi import auto_slots, loading, memory, ring, sampling
+from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, Persona, PersonaError, PersonaRequest,
+                                    SlotChoice, SlotSession)
+from duplexrt.backends.moshi import auto_slots, loading, memory, personaplex, ring, sampling
+from duplexrt.backends.moshi.settings import (DEFAULTS, HIBIKI_FLUSH_FRAMES, MODEL_FRAME_SIZE, MODEL_SAMPLE_RATE,
+                                              NAME, MoshiSettings)
 from duplexrt.backends.moshi.cuda import StepClock, select_device
 from duplexrt.backends.moshi.env import import_moshi
+from duplexrt.backends.moshi.prompter import Prompter
 from duplexrt.backends.moshi.rows import RowMover, RowWiper, uncovered
 from duplexrt.config import MAX_SLOTS, ConfigError
 
+__all__ = ["DEFAULTS", "HIBIKI_FLUSH_FRAMES", "STAGES", "MoshiBackend", "MoshiSettings"]
+
 log = logging.getLogger("duplexrt.backends.moshi")
 
-NAME = "moshi"
-MODEL_SAMPLE_RATE = 24000
-MODEL_FRAME_SIZE = 1920
 STAGES = ("encode", "lm", "decode")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-#: Full-size architectures the backend can build with seeded random weights (``random = NAME``).
-RANDOM_ARCHITECTURES = ("moshi-7b",)
-
-#: Unset sampling options (None) take the checkpoint's ``lm_gen_config``, else LMGen's defaults.
-DEFAULTS: dict[str, Any] = {
-    "checkpoint": "",
-    "tiny": False,
-    "random": "",
-    "seed": 0,
-    "device": "cpu",
-    "dtype": "auto",
-    "temp": None,
-    "temp_text": None,
-    "top_k": None,
-    "top_k_text": None,
-    "greedy": None,
-    "cfg_coef": None,
-    "warmup_steps": 4,
-    "flush_frames": None,
-    "context_seconds": None,
-    "beyond_context": "end",
-}
-
-#: Steps fed after a caller's input ends, by default, for a Hibiki model: the translation lags
-#: the speech by a few seconds, and the model is given 6 s to finish it.
-HIBIKI_FLUSH_FRAMES = 75
-
-
-def _bool_option(options: Mapping[str, Any], key: str) -> bool | None:
-    value = options[key]
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"backend.options.{key} for {NAME} must be true or false, got {value!r}")
-    return value
-
-
-def _optional_number(options: Mapping[str, Any], key: str, low: float, high: float,
-                     *, integer: bool = False) -> float | None:
-    if options[key] is None:
-        return None
-    return number_option(NAME, options, key, low, high, integer=integer)
-
-
-def _string_option(options: Mapping[str, Any], key: str) -> str:
-    value = options[key]
-    if not isinstance(value, str):
-        raise ConfigError(f"backend.options.{key} for {NAME} must be a string, got {value!r}")
-    return value
-
-
-@attrs.frozen
-class MoshiSettings:
-    """The validated options."""
-
-    checkpoint: str
-    tiny: bool
-    seed: int
-    device: str
-    dtype: str
-    temp: float | None
-    temp_text: float | None
-    top_k: int | None
-    top_k_text: int | None
-    greedy: bool | None
-    cfg_coef: float | None
-    warmup_steps: int
-    #: None: from the model's type (``HIBIKI_FLUSH_FRAMES`` for Hibiki, else 0).
-    flush_frames: int | None
-    #: A full-size architecture with seeded random weights built on the device (``moshi-7b``):
-    #: real step costs with nothing downloaded.  Empty: a checkpoint or the tiny model.
-    random: str = ""
-    #: Seconds of a call each row's K/V ring holds (None: the model's own context; see ``ring``).
-    context_seconds: float | None = None
-    #: ``"end"``: a call ends with ``length`` at the ring's end; ``"slide"``: it forgets beyond it.
-    beyond_context: str = "end"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> MoshiSettings:
-        opts = take_options(NAME, options, DEFAULTS)
-        checkpoint = _string_option(opts, "checkpoint").strip()
-        tiny = bool(_bool_option(opts, "tiny"))
-        random = _string_option(opts, "random").strip()
-        if random and random not in RANDOM_ARCHITECTURES:
-            raise ConfigError(f"backend.options.random for {NAME} must be one of "
-                              f"{', '.join(RANDOM_ARCHITECTURES)} (or empty), got {random!r}")
-        if sum((bool(checkpoint), tiny, bool(random))) > 1:
-            raise ConfigError(f"backend.options.checkpoint ({checkpoint!r}), tiny = {str(tiny).lower()} and "
-                              f"random = {random!r} each choose a model for {NAME}: set only one")
-        if not tiny and not checkpoint and not random:
-            raise ConfigError(f"backend.options.checkpoint is required for {NAME}: a local checkpoint "
-                              "directory or a Hugging Face repo id (or set backend.options.tiny = true)")
-        device = _string_option(opts, "device").strip()
-        if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-            raise ConfigError(f"backend.options.device for {NAME} must be \"cpu\", \"cuda\" or \"cuda:N\", "
-                              f"got {device!r}")
-        if device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError(f"backend.options.device = {device!r}, but torch sees no CUDA device here")
-        dtype = _string_option(opts, "dtype")
-        if dtype not in DTYPES:
-            raise ConfigError(f"backend.options.dtype for {NAME} must be one of {', '.join(DTYPES)}; got {dtype!r}")
-        if checkpoint and loading.looks_like_path(checkpoint):
-            from pathlib import Path
-
-            path = Path(checkpoint.removeprefix("file://")).expanduser()
-            if not path.is_dir():
-                raise ConfigError(f"backend.options.checkpoint: no checkpoint directory at {path.resolve()}")
-        return cls(
-            checkpoint=checkpoint,
-            tiny=tiny,
-            seed=int(number_option(NAME, opts, "seed", 0, 2**63 - 1, integer=True)),
-            device=device,
-            dtype=dtype,
-            temp=_optional_number(opts, "temp", 0, 100),
-            temp_text=_optional_number(opts, "temp_text", 0, 100),
-            top_k=_none_or_int(_optional_number(opts, "top_k", 0, 1 << 20, integer=True)),
-            top_k_text=_none_or_int(_optional_number(opts, "top_k_text", 0, 1 << 20, integer=True)),
-            greedy=_bool_option(opts, "greedy"),
-            cfg_coef=_optional_number(opts, "cfg_coef", 0, 100),
-            warmup_steps=int(number_option(NAME, opts, "warmup_steps", 0, 1000, integer=True)),
-            flush_frames=_none_or_int(_optional_number(opts, "flush_frames", 0, 10000, integer=True)),
-            random=random,
-            context_seconds=_optional_number(opts, "context_seconds", 0, 7 * 24 * 3600),
-            beyond_context=ring.check_beyond_context(opts["beyond_context"]),
-        )
 
 
 @attrs.frozen
@@ -210,10 +85,6 @@ class _Model:
     cfg_coef: float
     #: The temporal transformer's context as built, before any ring was applied to it.
     model_positions: int
-
-
-def _none_or_int(value: float | None) -> int | None:
-    return None if value is None else int(value)
 
 
 def _streaming_roots(module: Any) -> list[Any]:
@@ -259,6 +130,10 @@ class MoshiBackend(Backend):
         self._loaded_rows = False
         self._model: _Model | None = None
         self._cuda = self.settings.device.startswith("cuda")
+        #: PersonaPlex's prompts (``persona``), built with the model; None for a model without.
+        self._prompter: Prompter | None = None
+        self._voices_folder: Any = None
+        self.takes_persona = self.settings.persona
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -271,6 +146,8 @@ class MoshiBackend(Backend):
     def _load_model(self, models: Any, torch: Any) -> tuple[Any, Any, Any, str, dict[str, Any]]:
         settings = self.settings
         dtype = self._torch_dtype(torch)
+        if settings.persona:
+            return self._load_personaplex(dtype)
         if settings.random:
             from duplexrt.backends.moshi.tiny import build_random
 
@@ -288,6 +165,22 @@ class MoshiBackend(Backend):
         lm = info.get_moshi(device=settings.device, dtype=dtype)
         tokenizer = info.get_text_tokenizer()
         return mimi, lm, tokenizer, info.model_type, dict(info.lm_gen_config)
+
+    def _load_personaplex(self, dtype: Any) -> tuple[Any, Any, Any, str, dict[str, Any]]:
+        """PersonaPlex: the tiny random model of its shape, or NVIDIA's checkpoint (a directory in
+        its repository's layout, or the repository itself through the hub cache)."""
+        settings = self.settings
+        if settings.tiny:
+            mimi, lm, tokenizer = personaplex.build_tiny_personaplex(settings.seed, device=settings.device, dtype=dtype)
+            self._voices_folder = None
+        elif settings.random:
+            raise ConfigError("backend.options.random builds Moshi's shape, not PersonaPlex's voices: "
+                              "use tiny = true or a PersonaPlex checkpoint with persona = true")
+        else:
+            directory = loading.personaplex_directory(settings.checkpoint)
+            mimi, lm, tokenizer, self._voices_folder = personaplex.load_checkpoint(
+                directory, device=settings.device, dtype=dtype)
+        return mimi, lm, tokenizer, "personaplex", {}
 
     def _conditions(self, lm: Any, model_type: str, cfg_coef: float) -> Any:
         """Condition tensors for a conditioned model (Hibiki's "description"), with the negative
@@ -335,11 +228,17 @@ class MoshiBackend(Backend):
                          "K/V ring is full: backend.options.context_seconds = %g would hold the same calls "
                          "in less memory", cap, self.ring.seconds, cap)
             ring.apply(lm, self.ring)
-            self.info = attrs.evolve(self.info, max_session_frames=self.ring.max_session_frames)
+            self.info = attrs.evolve(self.info, max_session_frames=self._session_frames(self.ring))
             # What one slot holds, from the model's own modules, before any of it is allocated
             # (the attentions' context is what the K/V rings will hold: see ``memory``).
             self.slot_bytes = memory.slot_bytes(mimi, lm, guided=cfg_coef != 1.0)
             device_memory = (self._memory_source or memory.device_memory)(settings.device)  # after the weights
+            if device_memory is not None and self._prompter is not None:
+                # The prompt lane (one row of the LM's K/V) and the prompt cache come first.
+                held = self.slot_bytes.lm_kv + self._prompter.cache.max_bytes
+                device_memory = attrs.evolve(device_memory, free=max(0, device_memory.free - held),
+                                             source=f"{device_memory.source}, less {memory.gigabytes(held)} "
+                                                    "for the prompt lane and cache")
             fit = memory.slots_that_fit(self.slot_bytes.total, device_memory) if device_memory else None
             if self.info.slots == CHOSEN_AT_LOAD:
                 self.slot_choice = self._choose_slots(fit, device_memory)
@@ -364,6 +263,20 @@ class MoshiBackend(Backend):
         log.info("moshi backend loaded: %s", self.description)
         log.info("moshi backend slots: %d (%s): %s", self.info.slots, self.slot_choice.source,
                  self.slot_choice.reason)
+
+    def _session_frames(self, chosen: ring.Ring) -> int | None:
+        """The frames a call may last: the ring's, less the longest persona prompt's positions
+        (a prompt fills the start of the row's ring); ConfigError where no room is left."""
+        frames = chosen.max_session_frames
+        if self._prompter is None:
+            return frames
+        room = chosen.positions - self._prompter.max_positions
+        if room < 1:
+            raise ConfigError(f"the K/V ring of {chosen.positions} positions leaves no room for a call after the "
+                              f"longest persona prompt ({self._prompter.max_positions} positions: the longest voice, "
+                              "the fillers and backend.options.max_prompt_tokens): lower max_prompt_tokens or "
+                              "raise backend.options.context_seconds")
+        return room if frames is not None else None
 
     def resize(self, slots: int) -> None:
         """Size the rows for ``slots`` sessions again, keeping the model (every row's state is let
@@ -395,6 +308,10 @@ class MoshiBackend(Backend):
         for key in [k for k in gen_config if k not in accepted or k in ("lm_model", "condition_tensors")]:
             log.warning("ignoring %r from the checkpoint's lm_gen_config: LMGen takes no such argument", key)
             del gen_config[key]
+        if settings.persona:
+            self._prompter = Prompter.from_model(settings, mimi=mimi, lm=lm, tokenizer=tokenizer,
+                                                 voices_folder=self._voices_folder, tiny=settings.tiny)
+            self.persona_voices = self._prompter.rules.voices.names
         return _Model(models, torch, mimi, lm, tokenizer, model_type, gen_config, cfg_coef,
                       ring.model_context(lm))
 
@@ -551,6 +468,7 @@ class MoshiBackend(Backend):
         self._tokenizer = tokenizer
         widths = sampling.call_widths(lm.text_linear.out_features, lm.card, lm.dep_q, lm_gen.top_k_text,
                                       lm_gen.top_k)
+        self._widths = widths
         self._sampler = sampling.RowSampler(slots, device, widths)
         # Greedy decoding draws nothing: the package's argmax, no noise to make.
         self._active_sampler = self._sampler if lm_gen.use_sampling else None
@@ -639,6 +557,8 @@ class MoshiBackend(Backend):
         self.stage_seconds = dict.fromkeys(STAGES, 0.0)
         self.stage_steps = 0
         self.last_stages = ()
+        if self._prompter is not None:
+            self._prompter.warm()
         return cost
 
 
@@ -650,6 +570,28 @@ class MoshiBackend(Backend):
         self._pending_reset = True
         self._frames[slot] = 0
         self._keys[slot] = sampling.session_key(self.settings.seed, session.session_id)
+
+    # -- personas (PersonaPlex: see ``prompter``) ---------------------------------------------------
+
+    def check_persona(self, request: PersonaRequest) -> Persona:
+        if self._prompter is None:
+            return super().check_persona(request)
+        return self._prompter.check(request)
+
+    def set_persona(self, slot: int, persona: Persona) -> None:
+        """The row's prompt: its state (cached, else prefilled in the lane) copied into the row,
+        just reset, with the seam sampled from the session's stream."""
+        if self._prompter is None:
+            super().set_persona(slot, persona)
+            return
+        torch = self._torch
+        with torch.no_grad():
+            if self._pending_reset:  # the row was opened since the last step: fresh first
+                self._apply_resets()
+            self._prompter.prompt(self._lm_gen, slot, persona, int(self._keys[slot]), self._widths)
+
+    def persona_info(self) -> dict[str, Any] | None:
+        return None if self._prompter is None else self._prompter.info()
 
     def close_slot(self, slot: int) -> None:
         self._frames[slot] = 0

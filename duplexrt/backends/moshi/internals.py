@@ -9,6 +9,10 @@ moshi 0.2.13 offers no public way to do these, and the backend needs them:
   initialised (``_initialized``) and their cached ``_embedding`` dropped so it is recomputed from
   the random centroids (``tiny``).
 
+* PersonaPlex's prompt opens each stream with the LM's initial tokens (``_get_initial_token``),
+  and its checkpoint is built from the package's own Moshi 7B arguments (``loaders._lm_kwargs``)
+  (``prompter``, ``personaplex``).
+
 Nothing else in duplexrt touches a name of moshi's that starts with an underscore.  A new moshi
 version is checked here first: each function says what it relies on.
 """
@@ -37,3 +41,15 @@ def mark_codebook_initialised(codebook: Any) -> None:
     next use recomputes it from the new centroids."""
     codebook._initialized.fill_(1.0)
     codebook.register_buffer("_embedding", None, persistent=False)
+
+
+def initial_tokens(lm: Any) -> list[int]:
+    """The token each codebook's stream opens with (``LMModel._get_initial_token``), text first."""
+    return [int(t) for t in lm._get_initial_token()[0, :, 0].tolist()]
+
+
+def moshi_7b_lm_kwargs() -> dict[str, Any]:
+    """A copy of the package's Moshi 7B LM arguments (``loaders._lm_kwargs``)."""
+    from moshi.models import loaders
+
+    return dict(loaders._lm_kwargs)

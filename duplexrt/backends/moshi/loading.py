@@ -161,3 +161,44 @@ def resolve(spec: str, loaders: Any) -> Any:
     if looks_like_path(spec):
         raise ConfigError(f"{KEY}: no checkpoint directory at {path.resolve()}")
     return from_hub(spec, loaders)
+
+
+#: The files of a PersonaPlex repository the backend reads (the voices come as one archive).
+PERSONAPLEX_FILES = ("model.safetensors", "tokenizer-e351c8d8-checkpoint125.safetensors",
+                     "tokenizer_spm_32k_3.model", "voices.tgz")
+
+
+def personaplex_directory(spec: str) -> Path:
+    """The directory holding a PersonaPlex checkpoint: ``spec`` itself, or a hub repository's
+    files in the local cache (downloaded first where the hub is reachable; a clear error where
+    it is not).  NVIDIA's repository is gated: accept its licence on the hub and log in first."""
+    path = Path(spec.removeprefix("file://")).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if looks_like_path(spec):
+        raise ConfigError(f"{KEY}: no checkpoint directory at {path.resolve()}")
+    from huggingface_hub import hf_hub_download
+
+    found: dict[str, Path] = {}
+    for name in PERSONAPLEX_FILES:
+        try:
+            found[name] = Path(hf_hub_download(spec, name, local_files_only=True))
+        except Exception:
+            continue
+    if len(found) < len(PERSONAPLEX_FILES):
+        reason = hub_offline_reason()
+        if reason is not None:
+            missing = [name for name in PERSONAPLEX_FILES if name not in found]
+            raise ConfigError(
+                f"{KEY} = {spec!r}: no such local directory, and the repository's {', '.join(missing)} "
+                f"are not in the local Hugging Face cache while the hub is offline: {reason}.  Download it "
+                f"where the hub is reachable (huggingface-cli download {spec}) and set {KEY} to that "
+                "directory, or use the personaplex-tiny preset")
+        for name in PERSONAPLEX_FILES:
+            if name not in found:
+                try:
+                    found[name] = Path(hf_hub_download(spec, name))
+                except Exception as exc:
+                    raise ConfigError(f"{KEY} = {spec!r}: the Hugging Face hub could not provide {name}: {exc} "
+                                      "(NVIDIA's repository is gated: accept its licence and log in)") from None
+    return found[PERSONAPLEX_FILES[0]].parent

@@ -121,8 +121,9 @@ def _randomise_codebooks(mimi: Any, generator: Any) -> None:
 
 
 def build_tiny(seed: int = 0, *, device: str = "cpu", dtype: Any = None,
-               conditioned: bool = False) -> tuple[Any, Any, Any]:
-    """``(mimi, lm, tokenizer)``: the tiny model for ``seed``, built in memory.
+               conditioned: bool = False, lm_kwargs: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """``(mimi, lm, tokenizer)``: the tiny model for ``seed``, built in memory (``lm_kwargs``:
+    the LM's arguments, ``lm_config(conditioned)`` unless given).
 
     The global torch RNG is left as it was.
     """
@@ -136,7 +137,7 @@ def build_tiny(seed: int = 0, *, device: str = "cpu", dtype: Any = None,
         mimi = models.loaders.get_mimi(None, TINY_MIMI, device="cpu",
                                        num_codebooks=TINY_LM["n_q"] - TINY_LM["dep_q"])
         _randomise_codebooks(mimi, torch.Generator().manual_seed(seed + 1))
-        lm = models.loaders.get_moshi_lm(None, lm_kwargs=lm_config(conditioned), device="cpu",
+        lm = models.loaders.get_moshi_lm(None, lm_kwargs=lm_kwargs or lm_config(conditioned), device="cpu",
                                          dtype=torch.float32)
     if conditioned:
         # What the package's loader does to every "hibiki" model (an early EOS reads as PAD):
