@@ -202,34 +202,47 @@ def tiny_voice_wav(name: str, sample_rate: int = 24000) -> np.ndarray:
     return np.asarray(wav, dtype=np.float32)
 
 
-def save_nvidia_layout(directory: str | Path, lm: Any, mimi: Any, tokenizer_proto: bytes) -> Path:
-    """Write ``lm`` (8 served depformer steps), ``mimi`` and the tokenizer as NVIDIA's repository
-    lays them out: the LM with 16 depformer steps (8-15 copies of 0-7, as NVIDIA's loader fills
-    them) and the per-step attention weights stacked in one tensor each, no config.json."""
+def nvidia_state(lm: Any) -> dict[str, Any]:
+    """``lm``'s weights (8 served depformer steps) as NVIDIA's checkpoint holds them: 16
+    depformer steps (8-15 copies of 0-7, as NVIDIA's loader fills them) and each attention's
+    per-step projections stacked in one tensor (``in_proj_weight``, ``out_proj.weight``)."""
     import torch
+
+    served = int(lm.dep_q)
+    out: dict[str, Any] = {}
+    stacked: dict[str, dict[int, Any]] = {}
+    for key, value in lm.state_dict().items():
+        value = value.detach().clone().contiguous()
+        attn = re.match(r"^(.*\.self_attn\.)(in_projs|out_projs)\.(\d+)\.weight$", key)
+        if attn is not None:
+            name = attn[1] + ("in_proj_weight" if attn[2] == "in_projs" else "out_proj.weight")
+            stacked.setdefault(name, {})[int(attn[3])] = value
+            continue
+        out[key] = value
+        match = _PER_STEP.match(key)
+        if match is not None and key.startswith(("linears", "depformer")):
+            # NVIDIA's loader fills step s + 8 from step s; the one embedding it leaves unfilled
+            # (``depformer_emb.7``: the served steps have 7) is filled from step 0 here.
+            step = int(match["step"])
+            out[f"{match['head']}.{step + served}.{match['tail']}"] = value.clone()
+            if match["head"].endswith("depformer_emb") and step == 0:
+                out[f"{match['head']}.{served - 1}.{match['tail']}"] = value.clone()
+    for key, parts in stacked.items():
+        steps = [parts[i] for i in sorted(parts)]
+        if key.startswith("depformer."):
+            steps = steps + steps  # 16 steps: 8-15 repeat 0-7
+        out[key] = torch.cat(steps, dim=0).contiguous()
+    return out
+
+
+def save_nvidia_layout(directory: str | Path, lm: Any, mimi: Any, tokenizer_proto: bytes) -> Path:
+    """Write ``lm``, ``mimi`` and the tokenizer as NVIDIA's repository lays them out
+    (``nvidia_state``; no config.json)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    served = int(lm.dep_q)
-    state = {k: v.detach().clone().contiguous() for k, v in lm.state_dict().items()}
-    out: dict[str, Any] = {}
-    stacked: dict[str, list[Any]] = {}
-    for key, value in state.items():
-        attn = re.match(r"^(depformer\.layers\.\d+\.self_attn\.)(in_projs|out_projs)\.(\d+)\.weight$", key)
-        if attn is not None:
-            stacked.setdefault(attn[1] + ("in_proj_weight" if attn[2] == "in_projs" else "out_proj.weight"),
-                               [None] * served)[int(attn[3])] = value
-            continue
-        out[key] = value
-        match = _PER_STEP.match(key)
-        if match is not None:
-            step = int(match["step"])
-            extra = step + (served - 1 if match["head"].endswith("depformer_emb") else served)
-            out[f"{match['head']}.{extra}.{match['tail']}"] = value.clone()
-    for key, parts in stacked.items():
-        out[key] = torch.cat(parts + parts, dim=0).contiguous()  # 16 steps: 8-15 repeat 0-7
-    save_file(out, str(directory / LM_NAME))
+    save_file(nvidia_state(lm), str(directory / LM_NAME))
     save_file({k: v.detach().clone().contiguous() for k, v in mimi.state_dict().items()},
               str(directory / MIMI_NAME))
     (directory / TOKENIZER_NAME).write_bytes(tokenizer_proto)
