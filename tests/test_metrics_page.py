@@ -4,11 +4,19 @@ a fresh page; no page is ever older than a second."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from urllib.parse import urlencode
+
+import numpy as np
+import pytest
 import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from conftest import PATIENCE
+from conftest import PATIENCE, Served, backend_info, duplex_session, exported
+from duplexrt import presets
+from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
 from duplexrt.server.metrics import MetricsPage
@@ -96,3 +104,83 @@ async def test_parallel_scrapers_do_not_get_a_render_each(nursery):
                 scrapers.start_soon(scrape_loop, 75)
     assert scrapes == 300
     assert counting.collected <= scrapes // 3, f"{counting.collected} renders for {scrapes} scrapes"
+
+
+# -- the prompt cache of a model that takes a persona ------------------------------------------------
+
+PROMPT_CACHE = {"hits": 5, "misses": 2, "entries": 2, "bytes": 273744, "max_bytes": 67108864, "evictions": 1,
+                "prefills": 3}
+
+
+class PersonaInfoEcho(EchoBackend):
+    """FAKE: a test double, the real echo model saying through ``persona_info`` that it takes a
+    persona, with a prompt cache of fixed figures (``PROMPT_CACHE``), which ``/metrics`` must export
+    as they are.  It takes no persona for real: only what the page shows of one is tested here."""
+
+    def __init__(self, config) -> None:
+        super().__init__(backend_info(config, "echo"), config.backend.options)
+        self.cache = dict(PROMPT_CACHE)
+
+    def persona_info(self):
+        return {"voices": ["NATF0", "NATM1"], "default_voice": "NATF0", "default_instructions": "Be kind.",
+                "max_prompt_tokens": 384, "prefill": "batch", "prompt_cache": dict(self.cache)}
+
+
+def _prompt_families(page: str) -> dict[str, str]:
+    """The ``# TYPE`` of each ``duplexrt_prompt...`` family on a page."""
+    return {parts[2]: parts[3] for line in page.splitlines()
+            if (parts := line.split(" ")) and line.startswith("# TYPE duplexrt_prompt")}
+
+
+async def test_the_prompt_cache_is_exported_only_for_a_model_that_takes_a_persona(start_server):
+    served = await start_server(backend=PersonaInfoEcho)
+    page = await served.metrics()
+    assert _prompt_families(page) == {
+        "duplexrt_prompt_cache_hits_total": "counter", "duplexrt_prompt_cache_misses_total": "counter",
+        "duplexrt_prompt_cache_evictions_total": "counter", "duplexrt_prompt_prefills_total": "counter",
+        "duplexrt_prompt_cache_entries": "gauge", "duplexrt_prompt_cache_bytes": "gauge",
+        "duplexrt_prompt_cache_max_bytes": "gauge"}
+    assert exported(page, "duplexrt_prompt_cache_hits_total") == 5
+    assert exported(page, "duplexrt_prompt_cache_misses_total") == 2
+    assert exported(page, "duplexrt_prompt_cache_evictions_total") == 1
+    assert exported(page, "duplexrt_prompt_prefills_total") == 3
+    assert exported(page, "duplexrt_prompt_cache_entries") == 2
+    assert exported(page, "duplexrt_prompt_cache_bytes") == 273744
+    assert exported(page, "duplexrt_prompt_cache_max_bytes") == 64 * 2**20
+
+    plain = await start_server()  # the echo model: no persona, no prompt families
+    page = await plain.metrics()
+    assert "duplexrt_prompt" not in page and "duplexrt_sessions_opened_total" in page
+
+
+@pytest.mark.skipif(importlib.util.find_spec("moshi") is None or importlib.util.find_spec("torch") is None,
+                    reason="the personaplex-tiny preset needs torch and moshi")
+async def test_the_prompt_cache_of_personaplex_tiny_counts_a_new_persona_and_its_reuse(nursery):
+    """The real ``personaplex-tiny`` preset: the default persona is prefilled at load; a caller
+    with a persona of its own is a miss and a prefill; the next with the same one, a hit."""
+    os.environ.setdefault("NO_TORCH_COMPILE", "1")
+    config = load_config(presets.resolve("personaplex-tiny"),
+                         ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
+                          "backend.options.warmup_steps=1"])
+    server = Server(config)
+    await nursery.start(server.run)
+    served = Served(server)
+    page = await served.metrics()
+    assert exported(page, "duplexrt_prompt_prefills_total") == 1  # the default persona, at load
+    assert exported(page, "duplexrt_prompt_cache_entries") == 1
+    assert exported(page, "duplexrt_prompt_cache_max_bytes") == 64 * 2**20
+    default_bytes = exported(page, "duplexrt_prompt_cache_bytes")
+    assert default_bytes > 0
+
+    query = urlencode({"instructions": "You are a patient librarian.", "voice": "NATM1"})
+    audio = np.zeros(2 * config.audio.frame_size, dtype=np.float32)
+    for _ in range(2):
+        _, events = await duplex_session(served.url(f"/v1/duplex?{query}"), audio)
+        assert events[0]["type"] == "session.created" and events[0]["persona"]["voice"] == "NATM1", events
+    page = await served.metrics()
+    assert exported(page, "duplexrt_prompt_cache_misses_total") == 1
+    assert exported(page, "duplexrt_prompt_cache_hits_total") == 1
+    assert exported(page, "duplexrt_prompt_prefills_total") == 2
+    assert exported(page, "duplexrt_prompt_cache_entries") == 2
+    assert exported(page, "duplexrt_prompt_cache_bytes") > default_bytes
+    assert exported(page, "duplexrt_prompt_cache_evictions_total") == 0

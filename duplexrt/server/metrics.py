@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -125,6 +126,31 @@ class RuntimeCollector:
             buckets = [(repr(b), c) for b, c in zip(_SECONDS, histogram.cumulative(edges))]
             stages.add_metric([name], buckets + [("+Inf", histogram.count)], histogram.total / 1e9)
         yield stages
+        if stats.persona is not None:
+            yield from _prompt_cache(stats.persona.get("prompt_cache") or {})
+
+
+def _prompt_cache(cache: Mapping[str, Any]) -> Iterator[Metric]:
+    """The prompt cache of a model that takes a persona (``Backend.persona_info``): its counters
+    and its size.  A model that takes none has no such families at all."""
+
+    def value(key: str) -> float:
+        return float(cache.get(key) or 0)
+
+    yield CounterMetricFamily("duplexrt_prompt_cache_hits",
+                              "Persona prompts whose state came from the prompt cache.", value("hits"))
+    yield CounterMetricFamily("duplexrt_prompt_cache_misses",
+                              "Persona prompts not in the prompt cache (each is prefilled).", value("misses"))
+    yield CounterMetricFamily("duplexrt_prompt_cache_evictions",
+                              "Prompt states dropped from the cache, least recently used first, to fit its bound.",
+                              value("evictions"))
+    yield CounterMetricFamily("duplexrt_prompt_prefills",
+                              "Persona prompts run through the model (the misses, and the default one at load).",
+                              value("prefills"))
+    yield GaugeMetricFamily("duplexrt_prompt_cache_entries", "Prompt states in the cache now.", value("entries"))
+    yield GaugeMetricFamily("duplexrt_prompt_cache_bytes", "Memory the cached prompt states take.", value("bytes"))
+    yield GaugeMetricFamily("duplexrt_prompt_cache_max_bytes",
+                            "The prompt cache's bound (backend.options.prompt_cache_mb).", value("max_bytes"))
 
 
 class MetricsPage:
