@@ -31,6 +31,8 @@ SIZED_FOR = re.compile(r"^# sized for: gpu=(\S+) memory_gb=(\d+)\s*$", re.MULTIL
 #: The checkpoints whose architecture this test can build offline: Kyutai's Moshi 7B repositories
 #: carry no config.json, and the package's own 7B configuration is theirs.
 MOSHI_7B = re.compile(r"^kyutai/moshi(ko|ka)-")
+#: NVIDIA's PersonaPlex repositories: Moshi 7B's architecture, weights fine-tuned (no config.json).
+PERSONAPLEX_7B = re.compile(r"^nvidia/personaplex-7b")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,8 @@ def moshi_7b(moshi_7b_at):
 
 
 def _architecture(options: dict) -> str | None:
-    if options.get("random") == "moshi-7b" or MOSHI_7B.match(str(options.get("checkpoint", ""))):
+    checkpoint = str(options.get("checkpoint", ""))
+    if options.get("random") == "moshi-7b" or MOSHI_7B.match(checkpoint) or PERSONAPLEX_7B.match(checkpoint):
         return "moshi-7b"
     return None
 
@@ -76,7 +79,8 @@ def _gpu_presets() -> list[Path]:
 
 
 def test_the_gpu_presets_are_the_ones_expected():
-    assert {p.stem for p in _gpu_presets()} == {"moshiko", "moshi-7b-random", "hibiki", "hibiki-zero"}
+    assert {p.stem for p in _gpu_presets()} == {"moshiko", "moshi-7b-random", "hibiki", "hibiki-zero",
+                                                   "personaplex"}
 
 
 @pytest.mark.parametrize("preset", _gpu_presets(), ids=lambda p: p.stem)
@@ -94,6 +98,11 @@ def test_every_gpu_preset_names_its_gpu_and_fits_it(preset, moshi_7b_at):
         assert slots == "auto", f"{preset.name}: no offline architecture to check {slots} slots against"
         return
     weights, per_slot = moshi_7b_at(config["backend"]["options"])  # at the preset's own ring
+    options = config["backend"]["options"]
+    if options.get("persona"):
+        # The prompt lane (one row of the LM's K/V: 1.573 GB at the full ring) and the prompt
+        # cache are taken from the memory before the slots (``MoshiBackend.load``).
+        weights += 1_572_864_000 + int(options.get("prompt_cache_mb", 2048) * 2**20)
     fit = memory.fits(int(gigabytes) * 10**9, weights, per_slot)
     assert fit >= 1, f"{preset.name}: not one slot fits {gpu}"
     if slots != "auto":
@@ -134,3 +143,7 @@ def test_the_arithmetic_behind_the_shipped_figures(moshi_7b):
     assert memory.fits(141 * 10**9, weights, per_slot) == 73
     assert memory.fits(80 * 10**9, weights, per_slot) < 64  # the manifest's old slot count
     assert memory.fits(141 * 10**9, weights, per_slot) < 128  # the default runtime.slots: no GPU
+    # PersonaPlex (the same architecture): the prompt lane and a 2 GiB prompt cache come first.
+    held = 1_572_864_000 + 2048 * 2**20
+    assert memory.fits(80 * 10**9, weights + held, per_slot) == 34
+    assert memory.fits(141 * 10**9, weights + held, per_slot) == 70
