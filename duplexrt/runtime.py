@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import trio
@@ -93,6 +94,9 @@ class RuntimeStatistics:
     frames: FrameStatistics
     #: The histograms behind the summaries, for interval figures and exporters.
     histograms: RuntimeHistograms
+    #: The persona a caller may set (``Backend.persona_info``: voices, defaults, prompt cache);
+    #: None for a model that takes none.
+    persona: dict[str, Any] | None = None
 
 
 class Runtime:
@@ -143,7 +147,8 @@ class Runtime:
         services = SessionServices(config=self.config, scheduler=self.scheduler, handoffs=self.handoffs,
                                    metrics=self.metrics, registry=self.sessions,
                                    max_session_frames=self.backend.info.max_session_frames,
-                                   flush_frames=self.backend.info.flush_frames)
+                                   flush_frames=self.backend.info.flush_frames,
+                                   persona_check=self.backend.check_persona if self.backend.takes_persona else None)
         return await Session(services, transport, protocol, session_id).run()
 
     def statistics(self) -> RuntimeStatistics:
@@ -175,6 +180,7 @@ class Runtime:
                 delivery=scheduler.delivery_delay.snapshot(),
                 stages={name: histogram.snapshot() for name, histogram in sorted(scheduler.stage_time.items())},
             ),
+            persona=self.backend.persona_info(),
         )
 
 

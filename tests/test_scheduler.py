@@ -673,7 +673,7 @@ def test_the_way_back_is_typed_by_the_slot_owner_protocol():
     assert typing.get_type_hints(Batch)["owners"] == list[SlotOwner]
     assert typing.get_args(typing.get_type_hints(StepOutcome)["owners"]) == (SlotOwner,)
     assert typing.get_type_hints(SlotLease.__init__)["owner"] is SlotOwner
-    for name in ("step_output", "step_failed"):  # the session is one, by its shape
+    for name in ("step_output", "step_failed", "persona_set"):  # the session is one, by its shape
         assert callable(getattr(Session, name))
         assert (list(typing.get_type_hints(getattr(Session, name)))
                 == list(typing.get_type_hints(getattr(SlotOwner, name))))

@@ -25,7 +25,7 @@ from typing import cast
 import attrs
 import numpy as np
 
-from duplexrt.backends.base import SlotSession
+from duplexrt.backends.base import Persona, SlotSession
 from duplexrt.core.slot_owner import SlotOwner
 
 
@@ -38,17 +38,20 @@ class _State(enum.Enum):
 class ControlOp(enum.Enum):
     OPEN = "open"
     CLOSE = "close"
+    #: The session's persona, for ``Backend.set_persona``: queued before the slot's first frame.
+    PERSONA = "persona"
 
 
 @attrs.frozen
 class Control:
-    """A slot's opening or closing, applied by the scheduler thread before its next step."""
+    """A slot's opening, persona or closing, applied by the scheduler thread before its next
+    step, in the order the session queued them (and before any frame queued after them)."""
 
     op: ControlOp
     slot: int
     owner: SlotOwner
-    #: OPEN: what the backend is told about the session.
-    payload: SlotSession | None = None
+    #: OPEN: what the backend is told about the session; PERSONA: the persona (checked, immutable).
+    payload: SlotSession | Persona | None = None
 
 
 class PutTicket:
@@ -116,6 +119,17 @@ class Inbox:
             self._starved += 1
             bisect.insort(self._open_slots, slot)
             self._controls.append(Control(ControlOp.OPEN, slot, owner, payload))
+            if self._state is _State.IDLE:
+                self._signal()
+
+    def set_persona(self, slot: int, owner: SlotOwner, persona: Persona) -> None:
+        """Queue the slot's persona: applied before any frame put after this call (controls are
+        taken with the frames and applied first).  An idle scheduler is woken to apply it at once,
+        so its prompt can run before the caller's first frame comes."""
+        with self._lock:
+            if self._owners[slot] is not owner:
+                raise LookupError(f"slot {slot} is not open for this session")
+            self._controls.append(Control(ControlOp.PERSONA, slot, owner, persona))
             if self._state is _State.IDLE:
                 self._signal()
 
@@ -286,7 +300,7 @@ class Inbox:
                     self._state = _State.GATHERING
                     self._sleep(deadline - now)
                 elif self._controls:
-                    break  # apply opens and closes now, while there is nothing else to do
+                    break  # apply opens, personas and closes now, while there is nothing else to do
                 else:
                     self._state = _State.IDLE
                     self._sleep(None)

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 import trio
 
-from duplexrt.backends.base import Backend, SlotChoice, SlotSession
+from duplexrt.backends.base import Backend, Persona, PersonaError, SlotChoice, SlotSession
 from duplexrt.config import RuntimeConfig
 from duplexrt.core.affinity import pin_this_thread, restore
 from duplexrt.core.capacity import CapacityEstimator
@@ -89,6 +89,8 @@ class StepOutcome(NamedTuple):
     error: BaseException | None = None
     #: The backend's own stage durations for this step, ``(name, ns)``.
     stages: tuple[tuple[str, int], ...] = ()
+    #: Not a step: the backend took the persona of ``owners[0]``'s slot (``SlotOwner.persona_set``).
+    persona_set: bool = False
 
 
 @attrs.frozen
@@ -110,6 +112,17 @@ class SchedulerStatistics:
     thread_cpu_seconds: float = 0.0
 
 
+def _drop_rows(batch: Batch, slots: set[int]) -> None:
+    """Take the rows of ``slots`` out of ``batch`` (in place, order kept)."""
+    keep = [i for i, slot in enumerate(batch.rows) if slot not in slots]
+    if len(keep) == len(batch.rows):
+        return
+    batch.rows = [batch.rows[i] for i in keep]
+    batch.owners = [batch.owners[i] for i in keep]
+    batch.frames = [batch.frames[i] for i in keep]
+    batch.stamps = [batch.stamps[i] for i in keep]
+
+
 def _host_buffer(shape: tuple[int, ...], device: str) -> np.ndarray:
     """A float32 host array; page-locked when the model lives on a GPU, so copies can overlap."""
     if device.startswith("cuda"):
@@ -122,7 +135,7 @@ def _host_buffer(shape: tuple[int, ...], device: str) -> np.ndarray:
 class SlotLease:
     """A session's hold on one slot, used from the trio thread."""
 
-    __slots__ = ("slot", "owner", "session_id", "_scheduler", "_inbox", "_give_back", "_released")
+    __slots__ = ("slot", "owner", "session_id", "_scheduler", "_inbox", "_give_back", "_released", "_persona")
 
     def __init__(self, scheduler: Scheduler, slot: int, owner: SlotOwner, session_id: int,
                  give_back: Callable[[int], None]) -> None:
@@ -135,10 +148,27 @@ class SlotLease:
         #: needs nothing of the scheduler's beyond what it was handed.
         self._give_back = give_back
         self._released = False
+        self._persona = False
 
     @property
     def released(self) -> bool:
         return self._released
+
+    def set_persona(self, persona: Persona) -> None:
+        """The session is ``persona`` (checked: ``Backend.check_persona``): the scheduler hands it
+        to the backend (``Backend.set_persona``) before it steps any frame submitted after this
+        call.  Once per lease, before the first submit (the session's first frame).
+
+        The answer comes back to the owner: ``persona_set()`` once the backend took it, or
+        ``step_failed()`` with the refusal, which ends only this session; the slot's frames are
+        then never stepped without their persona (the scheduler drops them until the slot closes).
+        """
+        if self._released:
+            raise SlotClosedError("the session's slot was released")
+        if self._persona:
+            raise RuntimeError("a session's persona is set once, before its first frame")
+        self._persona = True
+        self._inbox.set_persona(self.slot, self.owner, persona)
 
     def submit_nowait(self, frame: np.ndarray, stamp: int | None = None) -> bool:
         """Queue ``frame`` (submitted at ``stamp``, now by default) without waiting; False if
@@ -256,6 +286,9 @@ class Scheduler:
         # ready, whatever else is true (``failing``).
         self._consecutive_failures = 0
         self._step_time = Histogram()
+        #: Slots whose persona the backend refused: their frames are dropped, never stepped
+        #: without it, until the slot closes (scheduler thread only).
+        self._refused: set[int] = set()
         #: Rows per step (written by the scheduler thread).
         self.batch_sizes = Histogram()
         #: Step finished → its outputs handed to the sessions (written on the trio thread).
@@ -408,6 +441,12 @@ class Scheduler:
                 except Exception:
                     log.exception("a session failed to take a step error")
             return
+        if outcome.persona_set:
+            try:
+                owners[0].persona_set()
+            except Exception:
+                log.exception("a session failed to take its persona's acknowledgement")
+            return
         outputs = outcome.outputs
         assert outputs is not None  # an outcome carries its outputs unless it carries an error
         texts = outcome.texts
@@ -525,6 +564,8 @@ class Scheduler:
     def _run(self, batch: Batch) -> list[StepOutcome]:
         """Apply ``batch``'s controls, then step its rows: the outcomes for trio."""
         outcomes = [outcome for control in batch.controls if (outcome := self._apply(control)) is not None]
+        if self._refused and batch.rows:
+            _drop_rows(batch, self._refused)
         if batch.rows:
             outcomes.append(self._step(batch))
         return outcomes
@@ -541,10 +582,16 @@ class Scheduler:
         return self.capacity.estimate.cost_ms(rows) < self.gather_window * 1e3
 
     def _apply(self, control: Control) -> StepOutcome | None:
-        """Open or close a slot; an outcome for trio only when an open failed."""
+        """Open a slot, set its persona or close it; an outcome for trio when an open failed,
+        and for every persona (taken, or refused)."""
+        op = control.op
+        if op is ControlOp.PERSONA:
+            return self._set_persona(control)
+        if op is ControlOp.CLOSE:
+            self._refused.discard(control.slot)
         try:
-            if control.op is ControlOp.OPEN:
-                assert control.payload is not None  # the session's description travels with its OPEN
+            if op is ControlOp.OPEN:
+                assert isinstance(control.payload, SlotSession)  # the session's description travels with its OPEN
                 self.backend.open_slot(control.slot, control.payload)
             else:
                 self.backend.close_slot(control.slot)
@@ -558,6 +605,31 @@ class Scheduler:
                 error.__cause__ = exc
                 return StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), error)
         return None
+
+    def _set_persona(self, control: Control) -> StepOutcome:
+        """``Backend.set_persona`` for one slot.  A refusal fails that session alone: a
+        PersonaError goes to it as it is (its message is for the caller, and the model is not
+        failing), anything else as a model failure with an error id; either way the slot's frames
+        are dropped from then on, so none is stepped without its persona."""
+        persona = control.payload
+        assert isinstance(persona, Persona)  # the persona travels with its control
+        error: BaseException
+        try:
+            self.backend.set_persona(control.slot, persona)
+        except PersonaError as exc:
+            log.info("the model refused the persona of slot %d: %s", control.slot, exc)
+            error = exc
+        except Exception as exc:
+            error_id = new_error_id()
+            log.error("backend failed to set the persona of slot %d (error id %s)", control.slot, error_id,
+                      exc_info=exc)
+            self._step_failed()
+            error = BackendStepError(error_id, "the model failed to take this session's persona")
+            error.__cause__ = exc
+        else:
+            return StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), persona_set=True)
+        self._refused.add(control.slot)
+        return StepOutcome((control.owner,), (0,), None, None, time.perf_counter_ns(), error)
 
     def _step(self, batch: Batch) -> StepOutcome:
         n = len(batch.rows)

@@ -15,7 +15,7 @@ import numpy as np
 
 
 class SlotOwner(Protocol):
-    """What a session gives the scheduler: two callbacks that run on the trio thread and must
+    """What a session gives the scheduler: callbacks that run on the trio thread and must
     return quickly and never raise (a raise in a ``run_sync_soon`` callback takes trio down; the
     scheduler logs and swallows one anyway)."""
 
@@ -29,4 +29,10 @@ class SlotOwner(Protocol):
         them together.  Called once per delivery, after ``step_output``."""
 
     def step_failed(self, error: BaseException) -> None:
-        """The step this owner's frame was in failed (or its slot could not be opened)."""
+        """The step this owner's frame was in failed (or its slot could not be opened, or the
+        model refused its persona: a ``PersonaError``, whose message the caller may be told)."""
+
+    def persona_set(self) -> None:
+        """The model took the persona given through the lease (``Backend.set_persona``
+        returned): before any of the slot's frames queued after it is stepped.  Only for an
+        owner that gave one."""

@@ -6,6 +6,20 @@ It never touches a socket, a clock or the runtime, so it is tested with plain ca
 
 The session calls ``audio_out`` for every batch of model audio it sends, so translators keep that
 path to a list of one message where they can.
+
+The persona (a role prompt and a voice, ``backends/base.py``) is shared by a translator and its
+session through ``PersonaChoice``.  A caller may ask for a persona until its first audio frame
+goes to the model; then the session fixes it (``PersonaChoice.fix``) and hands it to the slot,
+before that frame (``SlotLease.set_persona``).  Routes whose persona comes in the URL
+(``/v1/duplex``, ``/api/chat``) have it fixed when the session starts.  Asking again after that is
+no change when it asks for the persona in effect (a framework that repeats its whole
+``session.update`` keeps working) and ``PersonaLocked`` otherwise.
+
+Every request is checked as it is asked (``Backend.check_persona``, on the trio thread), so a
+translator can answer a bad one at once, and echo the persona in effect; nothing is checked, fixed
+or echoed for a model that takes no persona (``check`` None): its routes behave as they did before
+personas existed.  The caller's strings reach ``check_persona`` exactly as they came: an empty
+prompt, control characters or any other Unicode are the backend's to judge.
 """
 
 from __future__ import annotations
@@ -16,8 +30,89 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from duplexrt.audio import AudioSpec
+from duplexrt.backends.base import Persona, PersonaError, PersonaRequest
 from duplexrt.protocols.events import Event, ProtocolError, SessionEnd
 from duplexrt.wire.transport import Message
+
+
+#: ``Backend.check_persona``: a request checked and completed with the defaults, or PersonaError.
+PersonaCheck = Callable[[PersonaRequest], Persona]
+
+
+class PersonaLocked(PersonaError):
+    """A persona change after the session's persona was fixed (its first audio frame): the call
+    goes on with the persona it has."""
+
+
+class PersonaChoice:
+    """What one session's caller asked to be, checked, until the session fixes it."""
+
+    __slots__ = ("check", "request", "_persona", "fixed")
+
+    def __init__(self, request: PersonaRequest | None = None) -> None:
+        #: The model's check (set by the session, or by the server at admission); None: the
+        #: model takes no persona, and nothing here does anything.
+        self.check: PersonaCheck | None = None
+        #: Everything the caller asked for so far (a field it never named stays None: the default).
+        self.request = request if request is not None else PersonaRequest()
+        self._persona: Persona | None = None  # ``request`` checked, once it has been
+        #: Set once the persona went to the model: from then on it does not change.
+        self.fixed = False
+
+    @property
+    def taken(self) -> bool:
+        """Whether the model takes a persona."""
+        return self.check is not None
+
+    def ask(self, text: str | None = None, voice: str | None = None) -> Persona:
+        """The caller asks for ``text`` and/or ``voice`` (None keeps what it asked before, or the
+        default): the persona now in effect.  Raises PersonaError for one the model refuses (the
+        persona in effect stays), PersonaLocked for a change once it is fixed."""
+        check = self.check
+        if check is None:
+            raise PersonaError("this model takes no persona")
+        request = PersonaRequest(text if text is not None else self.request.text,
+                                 voice if voice is not None else self.request.voice)
+        current = self._persona
+        if request == self.request and current is not None:
+            return current  # asked again, as it is: nothing to check
+        if self.fixed:
+            assert current is not None  # fixing checks it
+            try:
+                same = check(request) == current  # the default voice by its name, say
+            except PersonaError:
+                same = False
+            if not same:
+                raise PersonaLocked(
+                    f"the persona (instructions and voice) is fixed once the session's first audio reaches "
+                    f"the model; this one stays: voice {current.voice!r}")
+            return current
+        persona = check(request)
+        self.request, self._persona = request, persona
+        return persona
+
+    def current(self) -> Persona | None:
+        """The persona in effect (the defaults when nothing was asked); None for a model that
+        takes none.  Raises PersonaError only when the model refuses its own defaults."""
+        if self.check is None:
+            return None
+        if self._persona is None:
+            self._persona = self.check(self.request)
+        return self._persona
+
+    def shown(self) -> Persona | None:
+        """``current()`` for a translator to echo: None also when the model refuses its own
+        defaults (the session then ends, saying so, before any frame: ``Reader.set_persona``)."""
+        try:
+            return self.current()
+        except PersonaError:
+            return None
+
+    def fix(self) -> Persona | None:
+        """The session hands the persona to the model: it is fixed from now on."""
+        persona = self.current()
+        self.fixed = True
+        return persona
 
 
 class SessionProgress(Protocol):
@@ -56,6 +151,26 @@ class Translator(abc.ABC):
     #: The session's resume token, set by the server before ``start`` when resume is on
     #: (``runtime.resume_window_s``): ``start`` names it in the session's first message.
     resume_token: str | None = None
+    #: Whether the session fixes the persona when it starts (a route whose persona comes in the
+    #: URL) rather than at the caller's first audio frame (one that may set it in an event).
+    persona_at_start: bool = False
+    _persona_choice: PersonaChoice | None = None
+
+    @property
+    def persona(self) -> PersonaChoice:
+        """The session's persona (``PersonaChoice``, above): what the caller asked for, checked
+        by the model once the session (or the server, at admission) has set its ``check``."""
+        choice = self._persona_choice
+        if choice is None:
+            choice = self._persona_choice = PersonaChoice()
+        return choice
+
+    def persona_ready(self) -> list[Message]:
+        """Messages to send once the model has taken the session's persona (its prompt is in):
+        a protocol whose client waits for a sign before it speaks (the Moshi handshake, as
+        NVIDIA's PersonaPlex server sends it) gives that sign here.  Only for a model that takes
+        a persona; none by default."""
+        return []
 
     def attach(self, progress: SessionProgress) -> None:
         """Called once by the session before ``start``: the counters the translator may read."""

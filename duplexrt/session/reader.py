@@ -18,12 +18,13 @@ import numpy as np
 import trio
 
 from duplexrt.audio import AudioFormatError, AudioSpec, AudioTooLongError, Decoder, Framer, make_decoder
+from duplexrt.backends.base import PersonaError, PersonaRequest
 from duplexrt.config import Config
 from duplexrt.core.handoffs import HandoffKind, Handoffs
 from duplexrt.core.metrics import FrameMetrics
 from duplexrt.core.scheduler import SlotClosedError, SlotLease
 from duplexrt.core.stage_meter import StageMeter
-from duplexrt.protocols.base import Translator
+from duplexrt.protocols.base import PersonaChoice, Translator
 from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
@@ -58,7 +59,7 @@ class Reader:
     def __init__(self, *, config: Config, transport: Transport, protocol: Translator, lease: SlotLease,
                  decoder: Decoder, credits: Credits, outgoing: Outgoing, writer: Writer, lifecycle: Lifecycle,
                  handoffs: Handoffs, metrics: FrameMetrics, meter: StageMeter | None, max_frames: int | None,
-                 flush_frames: int, end_of_input: np.ndarray) -> None:
+                 flush_frames: int, end_of_input: np.ndarray, persona: PersonaChoice | None = None) -> None:
         self._transport = transport
         self._protocol = protocol
         self._lease = lease
@@ -93,6 +94,11 @@ class Reader:
         self.frames_filled = 0
         self.frames_dropped_late = 0
         self._silence = np.zeros(config.audio.frame_size, dtype=np.float32)
+        #: The session's persona, for a model that takes one: fixed and handed to the slot before
+        #: the first frame (``set_persona``), pending until then.
+        self._persona = persona
+        self._persona_pending = persona is not None
+        self._persona_refused = False
 
     # -- the reader task ---------------------------------------------------------------------------
 
@@ -252,6 +258,8 @@ class Reader:
     async def _submit(self, frame: np.ndarray) -> None:
         if self._at_frame_limit():
             return
+        if self._persona_pending and not self.set_persona():
+            return  # the session ends: no frame goes to the model without its persona
         credits = self._credits
         if (credits.submitted - credits.delivered >= credits.inbox_depth
                 or credits.in_flight >= credits.max_in_flight):
@@ -269,6 +277,39 @@ class Reader:
             await trio.lowlevel.checkpoint()  # the cancellation just requested lands here...
             raise  # ... so this only runs if the reader was shielded: the slot is gone either way
         self._submitted_one(started)
+
+    def set_persona(self) -> bool:
+        """Fix the session's persona and hand it to the slot, ahead of any frame (the first
+        frame's submit calls this; the session calls it at its start for a route whose persona
+        came in the URL).  False when the model refuses it: the session ends, and no frame goes
+        to the model."""
+        if self._persona_refused:
+            return False
+        choice = self._persona
+        assert choice is not None
+        try:
+            persona = choice.fix()
+        except PersonaError as exc:
+            # A persona is checked as it is asked (a URL's at admission): what fails here is the
+            # model's own default, or one handed to ``Runtime.serve`` unchecked.
+            self._persona_refused = True
+            if choice.request == PersonaRequest():
+                log.error("the model refused its default persona: %s", exc)
+                self._lifecycle.finish(FinishReason.ERROR, f"the model refused its default persona: {exc}",
+                                       CloseCode.INTERNAL_ERROR)
+            else:
+                self._lifecycle.finish(FinishReason.ERROR, f"the model refused the persona: {exc}",
+                                       CloseCode.POLICY_VIOLATION)
+            return False
+        self._persona_pending = False
+        assert persona is not None  # a model that takes a persona gives one
+        try:
+            self._lease.set_persona(persona)
+        except SlotClosedError:
+            self._persona_refused = True
+            self._lifecycle.finish(FinishReason.SHUTDOWN, "the runtime is stopping", CloseCode.GOING_AWAY)
+            return False
+        return True
 
     def _at_frame_limit(self) -> bool:
         if self._max_frames is not None and self._credits.submitted >= self._max_frames:

@@ -24,12 +24,13 @@ import numpy as np
 import trio
 
 from duplexrt.audio import make_decoder, make_encoder
+from duplexrt.backends.base import PersonaError
 from duplexrt.config import Config
 from duplexrt.core.handoffs import Handoffs
 from duplexrt.core.metrics import FrameMetrics
 from duplexrt.core.scheduler import BackendStepError, Scheduler, SlotLease, new_error_id
 from duplexrt.core.stage_meter import StageMeter
-from duplexrt.protocols.base import Translator
+from duplexrt.protocols.base import PersonaCheck, Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.session.credits import Credits
@@ -61,6 +62,9 @@ class SessionServices:
     max_session_frames: int | None = None
     #: Frames the model wants after the caller's input ends (``BackendInfo.flush_frames``).
     flush_frames: int = 0
+    #: ``Backend.check_persona`` for a model that takes a persona (``takes_persona``); None: the
+    #: model takes none, and the session never sets one.
+    persona_check: PersonaCheck | None = None
 
 
 class Session:
@@ -97,6 +101,8 @@ class Session:
         if isinstance(transport, ResumableTransport):
             transport.listener = self  # for DETACHED and back
         protocol.attach(self)
+        # Before ``start``: a translator echoes the persona in effect from its first message.
+        protocol.persona.check = services.persona_check
 
     @property
     def state(self) -> SessionState:
@@ -148,11 +154,13 @@ class Session:
             encoder=self._encoder, model_rate=config.audio.sample_rate, credits=self.credits,
             outgoing=self.outgoing, lifecycle=lifecycle, metrics=services.metrics, meter=self._meter,
             handoffs=services.handoffs if always_offload else None, coalesce=config.runtime.coalesce_output)
+        persona = self._protocol.persona
         reader = self.reader = Reader(
             config=config, transport=self._transport, protocol=self._protocol, lease=lease, decoder=self._decoder,
             credits=self.credits, outgoing=self.outgoing, writer=writer, lifecycle=lifecycle,
             handoffs=services.handoffs, metrics=services.metrics, meter=self._meter, max_frames=self._max_frames,
-            flush_frames=services.flush_frames, end_of_input=services.scheduler.end_of_input)
+            flush_frames=services.flush_frames, end_of_input=services.scheduler.end_of_input,
+            persona=persona if persona.taken else None)
         metrics = services.metrics
         metrics.sessions_opened += 1
         metrics.sessions_active += 1
@@ -165,6 +173,11 @@ class Session:
             async with trio.open_nursery() as nursery:
                 lifecycle.cancel_scope = nursery.cancel_scope
                 self.outgoing.queue(self._protocol.start())
+                if persona.taken and self._protocol.persona_at_start:
+                    # The persona came in the URL: it goes to the slot now, not at the first
+                    # frame, so its prompt runs before the caller speaks (and, on /api/chat,
+                    # before the handshake that tells the caller to).
+                    reader.set_persona()
                 nursery.start_soon(writer.run)
                 fill_scope = trio.CancelScope()
                 if reader.fills:
@@ -306,9 +319,19 @@ class Session:
         if self.writer is not None:
             self.writer.delivery_done()
 
+    def persona_set(self) -> None:
+        """The model took the session's persona: whatever the translator held back for it (the
+        Moshi handshake) goes out now, ahead of any output."""
+        if self.lifecycle.sending:
+            self.outgoing.queue(self._protocol.persona_ready())
+
     def step_failed(self, error: BaseException) -> None:
         # The client hears a generic message with an error id, never the backend's exception
         # text (paths, shapes, device messages): that is in the log under the same id.
+        if isinstance(error, PersonaError):  # the model refused the persona: its words are the caller's to read
+            self.lifecycle.finish(FinishReason.ERROR, f"the model refused the persona: {error}",
+                                  CloseCode.POLICY_VIOLATION)
+            return
         if isinstance(error, BackendStepError):
             message = str(error)
         else:
@@ -340,6 +363,9 @@ class _NoOwner:
         pass
 
     def step_failed(self, error: BaseException) -> None:
+        pass
+
+    def persona_set(self) -> None:
         pass
 
 
