@@ -10,9 +10,14 @@ Client events, and what this server does with them:
 * ``session.start`` must come first; nothing else is accepted before it (``session_not_started``,
   not fatal).  ``session.audio.format`` picks the format of both directions: ``audio/pcm`` (24 kHz
   unless ``rate`` says otherwise), ``audio/pcmu`` or ``audio/pcma`` (8 kHz unless ``rate`` says
-  otherwise).  ``model``, ``instructions``, ``input`` (history), ``audio.output.voice`` and
-  ``delegation`` are accepted and not used: no backend of duplexrt takes a text prompt or a voice.
-  A malformed ``session.start`` is fatal: the session could not start.  Answer: ``session.started``.
+  otherwise).  ``model``, ``input`` (history) and ``delegation`` are accepted and not used.
+  ``instructions`` and ``audio.output.voice`` are the persona (role prompt and voice) of a model
+  that takes one (PersonaPlex): checked at once, and fixed when the first audio frame reaches the
+  model; for any other model they are accepted and not used, as before.  A malformed
+  ``session.start`` is fatal: the session could not start; so is a persona the model refuses
+  (``invalid_persona``, with the model's reason: the voices there are).  Answer:
+  ``session.started``, which shows the persona in effect (``instructions``,
+  ``audio.output.voice``) for a model that takes one.
 * ``session.input_audio.append`` carries base64 audio (no ``event_id`` needed), bounded by
   ``audio.max_message_seconds`` like the Realtime route's appends.
 * ``session.input_audio.mute`` / ``unmute``: while muted each append reaches the model as silence
@@ -30,7 +35,11 @@ Client events, and what this server does with them:
   ``delegation_id`` (present, null or a string), as the protocol says.
 * ``session.update`` (delegation settings, sent when an agent's tools change) is acknowledged
   with ``session.updated`` carrying the complete resolved session, the one ``session.started``
-  showed: there is no delegation here, so nothing changes.  It needs a ``session`` object.
+  showed: there is no delegation here, so nothing changes.  It needs a ``session`` object.  For a
+  model that takes a persona, ``instructions`` / ``audio.output.voice`` in it may change the
+  persona until the first audio frame; after that a change gets a non-fatal ``persona_locked``
+  error and the call goes on as it was (repeating the persona in effect is no change, no error);
+  a persona the model refuses gets a non-fatal ``invalid_persona`` error.
 * ``response.item.create`` and ``response.create`` drive delegated Responses work, which this
   server does not have: each is answered with an ``unsupported_event`` error naming it, and the
   session goes on.
@@ -71,9 +80,10 @@ import numpy as np
 
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
 from duplexrt.audio.g711 import alaw_encode, ulaw_encode
+from duplexrt.backends.base import PersonaError
 from duplexrt.protocols.b64audio import Base64Audio
 from duplexrt.protocols.b64codec import encode
-from duplexrt.protocols.base import SessionProgress, Translator
+from duplexrt.protocols.base import PersonaLocked, SessionProgress, Translator
 from duplexrt.protocols.events import (
     AudioIn,
     Event,
@@ -143,6 +153,20 @@ _BINARY = ProtocolError(
 
 _session_ids = itertools.count(1)
 _MISSING = object()
+
+
+def _read_persona(session: dict[str, Any]) -> tuple[str | None, str | None] | str:
+    """``(instructions, voice)`` named in a session object (None: not named; strings exactly as
+    sent), or an error message."""
+    instructions = session.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        return f"session.instructions must be a string, got {quote(instructions)}"
+    audio = session.get("audio")
+    output = audio.get("output") if type(audio) is dict else None
+    voice = output.get("voice") if type(output) is dict else None
+    if voice is not None and not isinstance(voice, str):
+        return f"session.audio.output.voice must be a voice's name (a string), got {quote(voice)}"
+    return instructions, voice
 
 
 def close_reason(finish_reason: str) -> str:
@@ -315,7 +339,17 @@ class LiveTranslator(Translator):
                 if isinstance(parsed, str):
                     return invalid("invalid_value", parsed)
                 spec = parsed
-        # model, instructions, input, voice and delegation are accepted and not used (see above).
+        if self.persona.taken:
+            asked = _read_persona(session)
+            if isinstance(asked, str):
+                return invalid("invalid_type", asked)
+            try:
+                self.persona.ask(*asked)
+            except PersonaError as exc:
+                return invalid("invalid_persona", f"the persona (instructions and voice) was refused: "
+                                                  f"{clip(str(exc), 500)}")
+        # model, input and delegation are accepted and not used (see above); so are instructions and
+        # voice for a model that takes no persona.
         self.started = True
         self.input_spec = self.output_spec = spec
         self._silence = _SILENCE[spec.format]
@@ -395,14 +429,39 @@ class LiveTranslator(Translator):
         if type(session) is not dict:
             return ProtocolError("invalid_type" if "session" in data else "missing_required_parameter",
                                  "session.update needs a 'session' object", event_id=event_id)
+        errors: list[Message] = []
+        if self.persona.taken:  # the persona may change until the first audio frame
+            asked = _read_persona(session)
+            if isinstance(asked, str):
+                return ProtocolError("invalid_type", asked, event_id=event_id)
+            if asked != (None, None):
+                errors = self._ask_persona(*asked, event_id=event_id)
         # Only delegation settings may change once started, and there is no delegation here: the
-        # resolved session is the one session.started showed.
+        # resolved session is the one session.started showed (with the persona in effect).
         return Reply((json.dumps({"type": "session.updated", "client_event_id": event_id,
-                                  "session": self._session_resource()}),))
+                                  "session": self._session_resource()}), *errors))
+
+    def _ask_persona(self, text: str | None, voice: str | None, *, event_id: str | None) -> list[Message]:
+        try:
+            self.persona.ask(text, voice)
+        except PersonaLocked as exc:
+            return self.error(ProtocolError("persona_locked", f"{clip(str(exc), 500)}; the session goes on",
+                                            event_id=event_id))
+        except PersonaError as exc:
+            return self.error(ProtocolError("invalid_persona", f"the persona (instructions and voice) was refused: "
+                                            f"{clip(str(exc), 500)}; the persona in effect is unchanged and the "
+                                            "session goes on", event_id=event_id))
+        return []
 
     def _session_resource(self) -> dict[str, Any]:
         """The resolved session, as ``session.started`` and ``session.updated`` show it."""
-        return {"id": self.session_id, "model": self.model, "audio": {"format": self._format_object(self.input_spec)}}
+        audio: dict[str, Any] = {"format": self._format_object(self.input_spec)}
+        resource: dict[str, Any] = {"id": self.session_id, "model": self.model, "audio": audio}
+        persona = self.persona.shown()
+        if persona is not None:  # a model that takes one: the persona in effect
+            resource["instructions"] = persona.text
+            audio["output"] = {"voice": persona.voice}
+        return resource
 
     def _unsupported(self, data: dict[str, Any]) -> Event:
         kind = data["type"]

@@ -43,6 +43,18 @@ kyutai-labs/hibiki-zero's ``state.py`` and web page), and what this translator d
   constructor after the handshake, and a ``{"type": "session.end", ...}`` metadata message last.
   The web client parses every kind-4 payload with ``JSON.parse``, so it must be strict JSON (no NaN).
   The web client's decoder throws on kinds above 7 (we never send any).
+* Persona (NVIDIA's PersonaPlex, a Moshi-architecture model whose role prompt and voice are set per
+  call).  NVIDIA's server (``NVIDIA/personaplex``: ``moshi/moshi/server.py``) and web client
+  (``client/src/pages/Conversation/Conversation.tsx``) put it in the URL: ``text_prompt`` and
+  ``voice_prompt`` (a file name, ``NATF2.pt``), beside sampling values, seeds, ``worker_auth_id``
+  and ``email``.  For a model that takes a persona the two are its persona (``.pt`` dropped:
+  ``protocols/options.py``, ``moshi_persona``), checked when the connection is admitted (a refusal
+  is a 400 naming the reason, as for any bad option) and set when the session starts; every other
+  parameter is accepted and ignored, so that client works unmodified.  NVIDIA's server sends the
+  handshake only once the prompts have run, and its client sends no audio before the handshake: so
+  for such a model the handshake (and the metadata after it) waits until the model has taken the
+  persona (``persona_ready``), and the caller's first words are not queued behind the prompt.  For
+  a model that takes none, the parameters are ignored and the handshake goes at once, as before.
 * Errors go as kind 5 with the message.  Kyutai's servers skip text (``str``) WebSocket messages
   and empty ones silently; we are stricter: a text message is a fatal ``text_not_supported``
   (close code 1003), an empty one gets an ``empty_message`` error and the session goes on.
@@ -112,6 +124,8 @@ class MoshiTranslator(Translator):
     handshake; it must serialise to strict JSON, which is checked here, not mid-session.
     """
 
+    persona_at_start = True  # it comes in the URL
+
     def __init__(self, *, model_rate: int = 24000, metadata: Mapping[str, Any] | None = None) -> None:
         spec = AudioSpec.create(AudioFormat.OPUS, SAMPLE_RATE, model_rate=model_rate)
         self.input_spec = spec
@@ -121,17 +135,29 @@ class MoshiTranslator(Translator):
             if not isinstance(metadata, Mapping):
                 raise TypeError(f"metadata must be a mapping (a JSON object), got {type(metadata).__name__}")
             self._start.append(_metadata(dict(metadata)))
+        #: The handshake, held until the model has taken the session's persona.
+        self._held: list[Message] = []
 
     def start(self) -> list[Message]:
         if self.resume_token is None:
-            return list(self._start)
-        # The token rides in the handshake's metadata (kind 4), which clients already read.
-        metadata = json.loads(self._start[1][1:]) if len(self._start) > 1 else {}
-        return [HANDSHAKE_MESSAGE, _metadata({**metadata, "resume_token": self.resume_token})]
+            messages = list(self._start)
+        else:
+            # The token rides in the handshake's metadata (kind 4), which clients already read.
+            metadata = json.loads(self._start[1][1:]) if len(self._start) > 1 else {}
+            messages = [HANDSHAKE_MESSAGE, _metadata({**metadata, "resume_token": self.resume_token})]
+        if self.persona.taken:
+            self._held = messages  # the handshake says the prompt has run: ``persona_ready``
+            return []
+        return messages
+
+    def persona_ready(self) -> list[Message]:
+        messages, self._held = self._held, []
+        return messages
 
     def resumed(self, token: str, received: int) -> list[Message]:
         """A new connection starts with a handshake, as any Moshi connection does; the metadata
         after it carries the next token and how many client messages the session took."""
+        self._held = []  # a handshake goes now: one held for the persona would be a second
         return [HANDSHAKE_MESSAGE, _metadata({"resumed": True, "resume_token": token, "received": received})]
 
     def parse(self, message: Message) -> Event:

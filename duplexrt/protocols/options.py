@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from duplexrt.audio import AudioFormat, AudioFormatError, AudioSpec
+from duplexrt.backends.base import PersonaRequest
 
 
 def duplex_specs(query: Mapping[str, str], model_rate: int, *, default_format: str | None = None,
@@ -37,6 +38,34 @@ def wants_continuous(query: Mapping[str, str]) -> bool:
     not one response per burst of speech (for clients that count every output frame, such as
     ``duplexrt client``: silence between bursts is otherwise not sent)."""
     return query.get("continuous", "").lower() in ("1", "true", "yes")
+
+
+def duplex_persona(query: Mapping[str, str]) -> PersonaRequest:
+    """``/v1/duplex?instructions=...&voice=...``: the persona asked for (a parameter left out
+    keeps the model's default; one given, even empty, goes to the model's check as it is)."""
+    return PersonaRequest(query.get("instructions"), query.get("voice"))
+
+
+#: The query parameters NVIDIA's PersonaPlex web client sends to ``/api/chat`` besides its persona
+#: (``client/src/pages/Conversation/Conversation.tsx``).  Accepted and ignored, so that client
+#: works unmodified: sampling is the deployment's (``backend.options``), not each caller's, and
+#: the worker and e-mail fields belong to NVIDIA's own queue.  NVIDIA's server ignores the
+#: sampling values too (it has them commented out).
+MOSHI_IGNORED_PARAMETERS = (
+    "text_temperature", "text_topk", "audio_temperature", "audio_topk", "pad_mult", "text_seed",
+    "audio_seed", "repetition_penalty_context", "repetition_penalty", "worker_auth_id", "email",
+)
+
+
+def moshi_persona(query: Mapping[str, str]) -> PersonaRequest:
+    """``/api/chat?text_prompt=...&voice_prompt=NATF2.pt``: the persona as NVIDIA's client asks
+    for it.  Its voices are files (``NATF2.pt``), named here by the name alone: one trailing
+    ``.pt`` is dropped, nothing else is touched (a path stays a path, for the model's check to
+    refuse).  The other parameters its client sends are ignored (``MOSHI_IGNORED_PARAMETERS``)."""
+    voice = query.get("voice_prompt")
+    if voice is not None and voice.endswith(".pt") and len(voice) > 3:
+        voice = voice[:-3]
+    return PersonaRequest(query.get("text_prompt"), voice)
 
 
 def _rate(text: str | None, name: str) -> int | None:

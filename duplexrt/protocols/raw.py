@@ -3,6 +3,13 @@
 The cheapest framing there is: audio goes as is in the format chosen when the session opened.
 
 Client → server text: ``{"type": "input.end"}`` (no more audio), ``{"type": "ping"}``.
+
+The persona (a role prompt and a voice, for a model that takes one) comes in the URL
+(``?instructions=...&voice=...``), is checked when the connection is admitted (a refusal is a 400
+naming the reason) and set when the session starts; ``session.created`` shows it as
+``"persona": {"voice", "instructions", "prompt_tokens"}``.  For a model that takes none the two
+parameters are ignored and ``session.created`` has no ``persona``.  There is no event to change it.
+
 Server → client text: ``{"type": "session.created", "input": {...}, "output": {...}}`` first,
 ``{"type": "text", "text": ...}``, ``{"type": "error", "code": ..., "message": ...}``, and last
 ``{"type": "session.end", "reason": ..., "usage": {...}}``.
@@ -26,6 +33,8 @@ _PONG = json.dumps({"type": "pong"})
 class RawTranslator(Translator):
     """Binary audio in a fixed format, JSON control."""
 
+    persona_at_start = True  # it comes in the URL
+
     def __init__(self, input_spec: AudioSpec, output_spec: AudioSpec | None = None,
                  *, announce: bool = False) -> None:
         self.input_spec = input_spec
@@ -40,6 +49,9 @@ class RawTranslator(Translator):
             "input": {"format": self.input_spec.format.value, "sample_rate": self.input_spec.sample_rate},
             "output": {"format": self.output_spec.format.value, "sample_rate": self.output_spec.sample_rate},
         }
+        persona = self.persona.shown()
+        if persona is not None:
+            created["persona"] = persona.describe()
         if self.resume_token is not None:
             created["resume_token"] = self.resume_token
         return [json.dumps(created)]

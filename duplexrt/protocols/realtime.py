@@ -34,7 +34,24 @@ the user talks over (``interrupt_response``).  Conversation items are ids and ec
 created item is fed to the model, text is acknowledged but cannot reach a speech-only model.
 Settings that cannot be honoured (tools, input transcription, idle timeouts) get a non-fatal
 ``unsupported_setting`` error naming the field; others that change nothing audible (voice,
-instructions) are simply not in force, and ``session.updated`` shows only what is.
+instructions, for a model that takes no persona) are simply not in force, and ``session.updated``
+shows only what is.
+
+Persona (a model that takes one, such as PersonaPlex: ``Backend.takes_persona``).  ``session.update``
+sets it: ``instructions`` is the role prompt, the voice is GA's ``session.audio.output.voice`` or
+beta's ``session.voice``; a field left out keeps what was set before (at first, the model's
+default).  ``session.created`` and every ``session.updated`` show the persona in effect (GA:
+``instructions`` and ``audio.output.voice``; beta: ``instructions`` and ``voice``).  It is fixed
+when the session's first audio frame reaches the model.  A persona the model refuses (an unknown
+voice, a path as a voice, a prompt over the model's cap) gets a non-fatal ``invalid_persona``
+error with the model's reason (the voices there are); a change after the first audio gets a
+non-fatal ``persona_locked`` error; in both cases the rest of the ``session.update`` is applied and
+the call goes on with the persona it had.  pipecat treats every ``error`` event as fatal, and
+frameworks re-send their whole session (instructions and voice included) when one setting
+changes: so an update that repeats the persona in effect is no change and gets no error, and
+only an actual change after the first audio does.  A caller of such a model sets its persona in
+its first ``session.update``, before any audio, with a voice the model has (OpenAI's voice names,
+which frameworks send by default, are refused with the list of the model's voices).
 
 One "token" of usage is one model frame (80 ms).
 
@@ -55,8 +72,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioSpec
+from duplexrt.backends.base import PersonaError
 from duplexrt.protocols.b64audio import Base64Audio
-from duplexrt.protocols.base import Translator
+from duplexrt.protocols.base import PersonaLocked, Translator
 from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
@@ -67,6 +85,7 @@ from duplexrt.protocols.events import (
     Reconfigure,
     Reply,
     SessionEnd,
+    clip,
     json_object,
     quote,
 )
@@ -82,7 +101,7 @@ from duplexrt.protocols.realtime_client_events import (
 )
 from duplexrt.protocols.realtime_items import Items, client_item, message_item
 from duplexrt.protocols.realtime_server_events import END_CODES, END_STATUS, Response, ServerEvents, usage
-from duplexrt.protocols.realtime_session import render_turn_detection
+from duplexrt.protocols.realtime_session import read_persona, render_turn_detection
 from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
 from duplexrt.reasons import FinishReason
 from duplexrt.wire.transport import Message
@@ -541,9 +560,18 @@ class RealtimeTranslator(Translator):
             return update
         event_id = client_event_id(data)
         specs, detection = update.specs, update.turn_detection
+        persona = self.persona
+        asked: tuple[str | None, str | None] = (None, None)
+        if persona.taken:  # else instructions and voice are accepted and not in force, as ever
+            fields = read_persona(data["session"])
+            if isinstance(fields, str):
+                return ProtocolError("invalid_value", fields, event_id=event_id)
+            asked = fields
         warnings = [self._warning(field, why, event_id) for field, why in update.unsupported]
-        # Everything checked: apply.  Other fields (instructions, voice, ...) change nothing here,
+        # Everything checked: apply.  Other fields (tools, modalities, ...) change nothing here,
         # so they are neither kept nor echoed: session.updated shows what is in effect.
+        if asked != (None, None):
+            warnings += self._ask_persona(*asked, event_id=event_id)
         if detection is not UNSET:
             self._set_turn_detection(detection)
         new_input = specs.get("input", self.input_spec)
@@ -561,6 +589,22 @@ class RealtimeTranslator(Translator):
             return Reconfigure(input_spec=new_input, output_spec=new_output, messages=(updated, *warnings))
         # Same formats: the session's decoder and encoder keep their state (no resampler restart).
         return Reply((updated, *warnings))
+
+    def _ask_persona(self, text: str | None, voice: str | None, *, event_id: str | None) -> list[Message]:
+        """The caller asks for a persona: nothing to say when the model takes it (or it is the one
+        in effect), else a non-fatal error with the model's reason (see the module docstring)."""
+        try:
+            self.persona.ask(text, voice)
+        except PersonaLocked as exc:
+            error = ProtocolError("persona_locked", f"{clip(str(exc), 500)}; the rest of the session.update is "
+                                  "applied and the session goes on", event_id=event_id)
+        except PersonaError as exc:
+            error = ProtocolError("invalid_persona", f"the persona (instructions and voice) was refused: "
+                                  f"{clip(str(exc), 500)}; the persona in effect is unchanged, the rest of the "
+                                  "session.update is applied and the session goes on", event_id=event_id)
+        else:
+            return []
+        return self.error(error)
 
     def _set_turn_detection(self, settings: VadSettings | None) -> None:
         if settings is None:
@@ -591,7 +635,7 @@ class RealtimeTranslator(Translator):
 
     def _session_object(self) -> dict[str, Any]:
         return self._out.session_object(self.session_id, self.model, self.input_spec, self.output_spec,
-                                        self._turn_detection_object())
+                                        self._turn_detection_object(), self.persona.shown())
 
     def _open_response(self, target: int | None, fields: dict[str, Any] | None = None) -> list[Message]:
         """A new response and its one output item, announced before any of its deltas."""

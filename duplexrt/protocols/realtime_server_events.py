@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioSpec
+from duplexrt.backends.base import Persona
 from duplexrt.protocols.b64codec import encode
 from duplexrt.protocols.realtime_client_events import G711_RATE, PCM_RATE
 from duplexrt.protocols.realtime_items import message_item
@@ -144,7 +145,9 @@ class ServerEvents:
         return body
 
     def session_object(self, session_id: str, model: str, input_spec: AudioSpec, output_spec: AudioSpec,
-                       turn_detection: dict[str, Any] | None) -> dict[str, Any]:
+                       turn_detection: dict[str, Any] | None, persona: Persona | None = None) -> dict[str, Any]:
+        """The session in effect.  ``persona``: a model's that takes one, shown as the client would
+        set it (``instructions``, and the voice where its naming puts it); None: no such fields."""
         if self.beta:
             session: dict[str, Any] = {
                 "id": session_id,
@@ -159,8 +162,12 @@ class ServerEvents:
             for direction, spec in (("input", input_spec), ("output", output_spec)):
                 if spec.format is AudioFormat.PCM_S16LE and spec.sample_rate != PCM_RATE:
                     session[f"{direction}_audio_sample_rate"] = spec.sample_rate
+            if persona is not None:
+                session["instructions"] = persona.text
+                session["voice"] = persona.voice
             return session
-        return {
+        output: dict[str, Any] = {"format": self.format_object(output_spec)}
+        session = {
             "id": session_id,
             "object": "realtime.session",
             "type": "realtime",
@@ -168,9 +175,13 @@ class ServerEvents:
             "output_modalities": ["audio"],
             "audio": {
                 "input": {"format": self.format_object(input_spec), "turn_detection": turn_detection},
-                "output": {"format": self.format_object(output_spec)},
+                "output": output,
             },
         }
+        if persona is not None:
+            session["instructions"] = persona.text
+            output["voice"] = persona.voice
+        return session
 
     def response_object(self, response: Response, status: str, details: dict[str, Any] | None,
                         usage: dict[str, Any] | None, output: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The parts of a Realtime ``session.update`` beyond audio formats: turn detection, and the
-settings a speech-to-speech model cannot honour.
+"""The parts of a Realtime ``session.update`` beyond audio formats: turn detection, the persona
+(for a model that takes one), and the settings a speech-to-speech model cannot honour.
 
 Kept apart from the translator so that what is in force, and what is refused, reads in one place.
 """
@@ -11,7 +11,7 @@ from typing import Any
 from duplexrt.protocols.events import quote
 from duplexrt.protocols.vad import VadSettings
 
-__all__ = ["parse_turn_detection", "render_turn_detection", "unsupported_settings"]
+__all__ = ["parse_turn_detection", "read_persona", "render_turn_detection", "unsupported_settings"]
 
 #: Longest prefix padding or silence duration accepted (ms).
 _MAX_MS = 10_000
@@ -64,6 +64,32 @@ def render_turn_detection(settings: VadSettings, *, duplex: bool) -> dict[str, A
         "interrupt_response": settings.interrupt_response and not duplex,
         "idle_timeout_ms": None,
     }
+
+
+def read_persona(session: dict[str, Any]) -> tuple[str | None, str | None] | str:
+    """``(instructions, voice)`` asked for by a ``session.update`` (None: not named), or an error
+    message.  The voice is GA's ``session.audio.output.voice`` (a name, or ``{"id": name}``) or
+    beta's ``session.voice``; both may come if they agree.  Read only for a model that takes a
+    persona: for any other, these fields stay what they always were, accepted and not in force.
+    The strings are returned exactly as sent (the model's check judges them)."""
+    instructions = session.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        return f"session.instructions must be a string, got {quote(instructions)}"
+    audio = session.get("audio")
+    output = audio.get("output") if type(audio) is dict else None
+    named: list[tuple[str, str]] = []
+    for field, value in (("session.audio.output.voice", output.get("voice") if type(output) is dict else None),
+                         ("session.voice", session.get("voice"))):
+        if type(value) is dict and "id" in value:
+            field, value = f"{field}.id", value["id"]
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            return f"{field} must be a voice's name (a string), got {quote(value)}"
+        named.append((field, value))
+    if len(named) == 2 and named[0][1] != named[1][1]:
+        return f"{named[0][0]} ({quote(named[0][1])}) and {named[1][0]} ({quote(named[1][1])}) disagree"
+    return instructions, named[0][1] if named else None
 
 
 def unsupported_settings(session: dict[str, Any], audio_input: dict[str, Any]) -> list[tuple[str, str]]:

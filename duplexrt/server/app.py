@@ -17,17 +17,19 @@ import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import attrs
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
 
 from duplexrt.backends import Backend, SlotChoice
+from duplexrt.backends.base import PersonaError
 from duplexrt.config import Config
 from duplexrt.wire.resume import Claim, ResumableTransport, ResumeError, new_token, split_token
 from duplexrt.runtime import Runtime, open_runtime
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.events import ProtocolError
+from duplexrt.protocols.events import ProtocolError, clip
 from duplexrt.reasons import CloseCode
 from duplexrt.server.budget import journal_bytes
 from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
@@ -347,6 +349,10 @@ class Server:
             self.refused["bad_options"] += 1
             await self._respond(stream, exc.status, exc.reason)
             return
+        if (refusal := self._check_url_persona(translator)) is not None:
+            self.refused["bad_persona"] += 1
+            await self._respond(stream, 400, refusal)
+            return
         # Full: a detached session (its client gone, maybe for good) gives way to a caller who is
         # here now, the oldest first.  Without this, upgrades cut at once could hold every slot
         # for the resume window.
@@ -370,6 +376,22 @@ class Server:
             self._admitted -= 1
             if not self._admitted:
                 self._all_closed.unpark_all()
+
+    def _check_url_persona(self, translator: Translator) -> str | None:
+        """A persona that came in the URL (``/v1/duplex``, ``/api/chat``) is checked before the
+        upgrade, as the route's other options are: the reason to refuse it (400), or None.  The
+        checked persona stays with the translator for its session.  A model that takes no persona
+        ignores such parameters, as it always did."""
+        backend = self.runtime.backend if self.runtime is not None else None
+        if backend is None or not backend.takes_persona or not translator.persona_at_start:
+            return None
+        choice = translator.persona
+        choice.check = backend.check_persona
+        try:
+            choice.current()
+        except PersonaError as exc:
+            return f"persona refused: {clip(str(exc), 500)}"
+        return None
 
     def _evict_oldest_detached(self) -> _Resumable | None:
         """End the detached session that dropped first, for a new caller; None when none is."""
@@ -654,7 +676,8 @@ async def serve(config: Config, backend: Backend | None = None) -> None:
             await nursery.start(watch_signals, nursery)
             async with trio.open_nursery() as inner:
                 await inner.start(server.run)
-                _say_hello(config, server.ports, server.statistics().runtime.slot_choice)
+                runtime = server.statistics().runtime
+                _say_hello(config, server.ports, runtime.slot_choice, runtime.persona)
             nursery.cancel_scope.cancel()
         log.info("stopped")
     except BaseExceptionGroup as group:
@@ -695,7 +718,7 @@ class _ReplicaTag(logging.Filter):
         return True
 
 
-def _say_hello(config: Config, ports: list[int], slots: SlotChoice) -> None:
+def _say_hello(config: Config, ports: list[int], slots: SlotChoice, persona: dict[str, Any] | None = None) -> None:
     """One plain line on stderr whatever the log level (its own handler, no timestamp):
     where to point a browser, and what is served."""
     if not hello.handlers:
@@ -711,6 +734,20 @@ def _say_hello(config: Config, ports: list[int], slots: SlotChoice) -> None:
                "Listening on %s port(s) %s with WebSocket routes %s (backend %s, %d slots: %s).",
                browse, ports[0], host, ", ".join(map(str, ports)), ", ".join(ROUTES),
                config.backend.name, slots.slots, slots.reason)
+    if persona is not None:
+        hello.info("%s", persona_line(persona))
+
+
+def persona_line(persona: dict[str, Any]) -> str:
+    """What the start line says of a model that takes a persona: its voices and defaults, and
+    how a caller sets one."""
+    voices = persona.get("voices") or ()
+    default = persona.get("default_voice")
+    return (f"The model takes a persona (a role prompt and a voice) per call: voices "
+            f"{', '.join(map(str, voices)) or 'none listed'}"
+            f"{f' (default {default})' if default else ''}; set it with session.update instructions/voice "
+            "(/v1/realtime), session.start (/v1/live/sessions), ?instructions=&voice= (/v1/duplex) or "
+            "?text_prompt=&voice_prompt= (/api/chat).")
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

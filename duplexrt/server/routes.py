@@ -8,9 +8,10 @@ from functools import partial
 import attrs
 
 from duplexrt.audio import AudioFormatError
+from duplexrt.backends.base import PersonaRequest
 from duplexrt.config import Config
 from duplexrt.protocols.base import Translator
-from duplexrt.protocols.options import duplex_specs, wants_continuous, wants_duplex
+from duplexrt.protocols.options import duplex_persona, duplex_specs, moshi_persona, wants_continuous, wants_duplex
 from duplexrt.protocols.raw import RawTranslator
 from duplexrt.routes import ROUTE_TABLE, RouteInfo
 from duplexrt.server.http import BadRequest, RequestHead
@@ -29,12 +30,14 @@ class Route:
 
 
 def _duplex(head: RequestHead, config: Config) -> Translator:
-    """``/v1/duplex?format=pcm_s16le&rate=16000``: binary PCM both ways, JSON control."""
+    """``/v1/duplex?format=pcm_s16le&rate=16000``: binary PCM both ways, JSON control;
+    ``&instructions=...&voice=...``: the persona, for a model that takes one (checked by the
+    server at admission, ``Server._check_url_persona``)."""
     try:
         input_spec, output_spec = duplex_specs(head.query, config.audio.sample_rate)
     except AudioFormatError as exc:
         raise BadRequest(400, str(exc)) from None
-    return RawTranslator(input_spec, output_spec, announce=True)
+    return _with_persona(RawTranslator(input_spec, output_spec, announce=True), duplex_persona(head.query))
 
 
 def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Translator:
@@ -56,7 +59,13 @@ def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Tra
 def _moshi(head: RequestHead, config: Config) -> Translator:
     from duplexrt.protocols.moshi import MoshiTranslator
 
-    return MoshiTranslator(model_rate=config.audio.sample_rate)
+    return _with_persona(MoshiTranslator(model_rate=config.audio.sample_rate), moshi_persona(head.query))
+
+
+def _with_persona(translator: Translator, request: PersonaRequest) -> Translator:
+    """The persona a URL asked for, kept by the translator until the server checks it."""
+    translator.persona.request = request
+    return translator
 
 
 def _live(head: RequestHead, config: Config) -> Translator:

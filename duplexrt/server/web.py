@@ -76,7 +76,9 @@ def readyz_answer(stats: ServerStatistics, query: dict[str, str]) -> tuple[int, 
             "consecutive_step_failures": stats.runtime.scheduler.consecutive_step_failures,
             "replica_id": stats.replica_id, "admitted": stats.admitted, "detached": stats.detached,
             "pending_handshakes": stats.pending_handshakes,
-            "capacity": stats.runtime.capacity.as_dict(), "slot_choice": stats.runtime.slot_choice.as_dict()}
+            "capacity": stats.runtime.capacity.as_dict(), "slot_choice": stats.runtime.slot_choice.as_dict(),
+            # The persona a caller may set (voices, defaults, prompt cache); null: the model takes none.
+            "persona": stats.runtime.persona}
     return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
 
 
@@ -102,6 +104,8 @@ def stats_json(stats: ServerStatistics, config: Config) -> bytes:
         "slots": runtime.slots,
         # How the slot count came about: runtime.slots as given, or what "auto" chose and why.
         "slot_choice": runtime.slot_choice.as_dict(),
+        # The persona a caller may set (voices, defaults, prompt cache); null: the model takes none.
+        "persona": runtime.persona,
         # What admission lets in: the sessions the fitted step cost fits in a frame period (or
         # runtime.max_sessions), never above the slots.
         "capacity": runtime.capacity.limit,
