@@ -55,7 +55,7 @@ import numpy as np
 
 from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, Persona, PersonaError, PersonaRequest,
                                     SlotChoice, SlotSession)
-from duplexrt.backends.moshi import auto_slots, loading, memory, personaplex, ring, sampling
+from duplexrt.backends.moshi import auto_slots, compiler, loading, memory, personaplex, ring, sampling
 from duplexrt.backends.moshi.settings import (DEFAULTS, HIBIKI_FLUSH_FRAMES, MODEL_FRAME_SIZE, MODEL_SAMPLE_RATE,
                                               NAME, MoshiSettings)
 from duplexrt.backends.moshi.cuda import StepClock, select_device
@@ -134,6 +134,8 @@ class MoshiBackend(Backend):
         self._prompter: Prompter | None = None
         self._voices_folder: Any = None
         self.takes_persona = self.settings.persona
+        #: Why torch.compile was turned off at load (no C compiler on CUDA), or None.
+        self._compile_off: str | None = None
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -209,6 +211,8 @@ class MoshiBackend(Backend):
         import torch
 
         settings = self.settings
+        # torch.compile needs a C compiler on CUDA: without one, eager (one WARNING), not a crash.
+        self._compile_off = compiler.ensure_compiler(settings.device)
         import_moshi(settings.device)
         sampling.install()
         if settings.device.startswith("cuda"):
@@ -439,6 +443,7 @@ class MoshiBackend(Backend):
             "use_sampling": lm_gen.use_sampling, "temp": lm_gen.temp, "temp_text": lm_gen.temp_text,
             "top_k": lm_gen.top_k, "top_k_text": lm_gen.top_k_text, "cfg_coef": model.cfg_coef,
             "max_delay": lm_gen.max_delay, "text_card": model.lm.text_card, "slots": slots,
+            "torch_compile": "on" if compiler.compile_enabled() else self._compile_off or "off (NO_TORCH_COMPILE)",
         }
 
     def _release_rows(self) -> None:
