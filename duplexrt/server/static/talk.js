@@ -8,6 +8,11 @@
 const $ = (id) => document.getElementById(id);
 const KEY_PROTOCOL = 'openai-insecure-api-key.';
 const AUDIO_START_MS = 5000;
+// A request head holds at most 64 KiB (server/head_limits.py): room for the URL and the headers.
+const MAX_URL_BYTES = 48 * 1024;
+// What a role prompt has no use for, as the model's check refuses it (backends/moshi/persona.py):
+// control characters other than tab and newlines, unassigned code points, surrogates, private use.
+const NOT_TEXT = /[^\P{Cc}\t\n\r]|\p{Cn}|\p{Cs}|\p{Co}/u;
 
 // Everything the page measures, also read by the browser tests.
 const talk = window.duplexrt = {
@@ -15,6 +20,9 @@ const talk = window.duplexrt = {
   sentMessages: 0, sentSamples: 0, receivedMessages: 0, receivedSamples: 0, receivedPeak: 0,
   playedSamples: 0, playedPeak: 0, late: 0, dropped: 0, bufferMs: 0,
   ttfaMs: null, lagMs: null, text: '', textPieces: 0, end: null,
+  // A model that takes a persona: what the server offers (/stats "persona"), what this call asked
+  // for, and what session.created said is in effect.  All null for a model that takes none.
+  personaOffer: null, personaAsked: null, persona: null,
 };
 let ws = null, ctx = null, node = null, mic = null;
 let firstSentAt = null, sendLog = [];   // [cumulative samples sent, time] per message, for the lag
@@ -49,12 +57,66 @@ async function init() {
 
 function showServer(s) {
   $('info').textContent = `backend ${s.backend} · ${s.sample_rate} Hz · ${s.admitted}/${s.slots} slots in use`;
+  offerPersona(s.persona);
+}
+
+// -- the persona (a model that takes one: PersonaPlex) ---------------------------------------------
+
+// The persona box, once the server says its model takes a persona; nothing at all otherwise.
+function offerPersona(offer) {
+  if (!offer || talk.personaOffer) return;   // none, or offered already (the voices do not change)
+  talk.personaOffer = offer;
+  const menu = $('voice');
+  for (const name of offer.voices || []) menu.add(new Option(name, name, false, name === offer.default_voice));
+  $('instructions').value = offer.default_instructions || '';
+  $('instructions').oninput = personaHint;
+  $('persona').hidden = false;
+  personaHint();
+}
+
+function personaText() { return $('instructions').value; }
+
+// Characters typed, the model's limit (in tokens: the server counts them, the page cannot), and
+// the tokens the last call's prompt took.
+function personaHint() {
+  const offer = talk.personaOffer, text = personaText(), hint = $('prompthint');
+  const parts = [`${[...text].length} characters`];
+  if (!text.trim()) parts.push('empty: the default prompt');
+  if (offer.max_prompt_tokens) parts.push(`at most ${offer.max_prompt_tokens} tokens with the system tags`);
+  if (talk.persona && talk.persona.prompt_tokens !== undefined) parts.push(`last call: ${talk.persona.prompt_tokens} tokens`);
+  const problem = personaProblem();
+  hint.textContent = problem || parts.join(' · ');
+  hint.className = 'hint' + (problem ? ' warn' : '');
+}
+
+// What the page can tell is wrong with the prompt before sending it, or null.
+function personaProblem() {
+  const text = personaText(), bad = NOT_TEXT.exec(text);
+  if (bad) {
+    const code = bad[0].codePointAt(0).toString(16).toUpperCase().padStart(4, '0');
+    return `The prompt holds a character that is not text (U+${code} at ${bad.index}): remove it.`;
+  }
+  if (personaQuery().length > MAX_URL_BYTES) return 'The prompt is too long to send: shorten it.';
+  return null;
+}
+
+// The query parameters of the persona asked for ('' for a model that takes none).
+function personaQuery() {
+  if (!talk.personaOffer) return '';
+  return `&instructions=${encodeURIComponent(personaText())}&voice=${encodeURIComponent($('voice').value)}`;
+}
+
+function lockPersona(locked) {
+  $('instructions').disabled = locked;
+  $('voice').disabled = locked;
 }
 
 async function start() {
   $('start').disabled = true;
+  lockPersona(true);
   Object.assign(talk, { state: 'starting', error: null, sentMessages: 0, sentSamples: 0, receivedMessages: 0,
-    receivedSamples: 0, receivedPeak: 0, ttfaMs: null, lagMs: null, text: '', textPieces: 0, end: null });
+    receivedSamples: 0, receivedPeak: 0, ttfaMs: null, lagMs: null, text: '', textPieces: 0, end: null,
+    personaAsked: null, persona: null });
   $('text').textContent = '';
   firstSentAt = null; sendLog = []; lagHistory.length = 0;
   try {
@@ -66,6 +128,11 @@ async function start() {
   if (talk.server.free_slots <= 0) {
     fail(`The server is full: all ${talk.server.slots} session slots are in use. Try again in a moment.`);
     return reset();
+  }
+  if (talk.personaOffer) {
+    const problem = personaProblem();
+    if (problem) { fail(problem); return reset(); }
+    talk.personaAsked = { instructions: personaText(), voice: $('voice').value };
   }
   if (key) sessionStorage.setItem('duplexrt-key', key);
   if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
@@ -106,7 +173,8 @@ async function start() {
 
 function connect(key) {
   const scheme = location.protocol === 'https:' ? 'wss' : 'ws';
-  const url = `${scheme}://${location.host}/v1/duplex?format=pcm_f32le&rate=${talk.server.sample_rate}`;
+  const url = `${scheme}://${location.host}/v1/duplex?format=pcm_f32le&rate=${talk.server.sample_rate}` +
+    personaQuery();
   // The key rides in a subprotocol (browsers cannot set Authorization), never in the URL.
   try {
     ws = key ? new WebSocket(url, ['duplexrt', KEY_PROTOCOL + key]) : new WebSocket(url);
@@ -138,8 +206,15 @@ async function explainRefusal(key) {
   // A browser hides the HTTP status of a refused WebSocket: ask the server why it would refuse.
   let s = null;
   try { s = await serverInfo(); } catch (e) { /* the server is gone */ }
+  const refusedPersonas = (info) => (info && info.refused && info.refused.bad_persona) || 0;
   if (!s) fail('The server could not be reached.');
-  else if (s.free_slots <= 0) fail(`The server is full: all ${s.slots} session slots are in use. Try again in a moment.`);
+  else if (talk.personaAsked && refusedPersonas(s) > refusedPersonas(talk.server)) {
+    // The server says why in its 400, which a browser does not show: the page can only name the
+    // likely causes (the page checked the characters and the voice is from the server's list).
+    const limit = talk.personaOffer.max_prompt_tokens;
+    fail('The server refused the persona (voice and instructions): most likely the instructions are too long' +
+         (limit ? ` (at most ${limit} tokens)` : '') + '. Shorten them and press Start again.');
+  } else if (s.free_slots <= 0) fail(`The server is full: all ${s.slots} session slots are in use. Try again in a moment.`);
   else if (s.api_key_required) fail(key ? 'The server refused the API key: check it and try again.'
     : 'This server needs an API key: enter it first.');
   else if (!s.ready) fail('The server is not ready (the model is loading, or it is shutting down).');
@@ -150,8 +225,15 @@ function onControl(m) {
   if (m.type === 'text') {
     talk.text += m.text; talk.textPieces++;
     $('text').textContent = talk.text;
+  } else if (m.type === 'session.created') {
+    talk.persona = m.persona || null;
+    if (talk.persona) {
+      show(`Connected as voice ${talk.persona.voice} (a role prompt of ${talk.persona.prompt_tokens} tokens): talk now.`, 'ok');
+      personaHint();
+    }
   } else if (m.type === 'error') {
-    fail(`The server reported: ${m.message}`);
+    if (/persona/.test(m.code || '')) fail(`The server refused the persona: ${m.message}`);
+    else fail(`The server reported: ${m.message}`);
   } else if (m.type === 'session.end') {
     talk.end = m;
     if (m.reason !== 'client_end' && m.reason !== 'input_end' && m.error) fail(`The session ended: ${m.error.message || m.reason}`);
@@ -209,6 +291,7 @@ function teardown() {
 function reset() {
   talk.state = talk.error ? 'failed' : 'idle';
   $('start').disabled = false; $('stop').disabled = true;
+  lockPersona(false);
 }
 
 function ms(v) { return v === null ? '–' : `${v.toFixed(0)}<small> ms</small>`; }
