@@ -8,6 +8,7 @@ the screenshots of both pages are kept there (docs/ holds the README's).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import wave
@@ -21,6 +22,7 @@ import trio_websocket
 from bidi import FIREFOX, open_browser as open_firefox
 from cdp import CHROMIUM, open_browser
 from conftest import backend_info, wait_until
+from duplexrt import presets
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
@@ -28,6 +30,9 @@ from pulse import PULSEAUDIO
 
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (CI installs Debian's)")
 needs_firefox = pytest.mark.skipif(FIREFOX is None, reason="no Firefox on this machine (CI installs Debian's firefox-esr)")
+needs_personaplex = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None or importlib.util.find_spec("moshi") is None,
+    reason="the personaplex-tiny preset needs torch and moshi")
 needs_pulseaudio = pytest.mark.skipif(PULSEAUDIO is None, reason="no PulseAudio on this machine, for headless Firefox's"
                                       " audio output (CI installs Debian's pulseaudio)")
 
@@ -126,12 +131,14 @@ async def test_the_pages_on_the_real_echo_model_have_their_icon_and_explain_the_
         await talk.wait_for(f"duplexrt.playedSamples > {rate}", "a second of echo played")
         assert await talk.evaluate("document.getElementById('text').textContent.trim()") == ""
         assert "backend echo" in await talk.evaluate("document.getElementById('info').textContent")
+        assert await talk.evaluate("document.getElementById('persona').hidden")  # echo takes no persona
         dashboard = await browser.open(f"{base}/dashboard", height=1120)  # every panel in the shot
         await dashboard.wait_for("dashboard.readings >= 6 && dashboard.current.stepsPerSecond > 0",
                                  "dashboard readings while the session runs")
-        # Every panel says in a line what it shows.
+        # Every panel says in a line what it shows (the prompt cache's stays hidden: echo takes no persona).
         panels = await dashboard.evaluate(
-            "[...document.querySelectorAll('.panel')].map(p => [p.querySelector('h2').textContent, "
+            "[...document.querySelectorAll('.panel')].filter(p => !p.hidden)"
+            ".map(p => [p.querySelector('h2').textContent, "
             "(p.querySelector('.explain') || {}).textContent || ''])")
         assert len(panels) == 8 and all(len(text) > 30 for _, text in panels), panels
         await talk.wait_for("duplexrt.lagMs !== null && document.getElementById('lag').textContent !== '–'",
@@ -177,6 +184,84 @@ async def test_talk_page_with_an_api_key_a_full_server_and_a_denied_microphone(n
                             "echo with the right key")
         assert "s3cret" not in await talk.evaluate("location.href")
         assert server.refused["unauthorized"] == 1
+
+
+PIRATE = "You are Lou, a pirate & boat seller (50% off?) in a harbour town: say « ahoy » #1 + smile."
+
+
+@needs_chromium
+@needs_personaplex
+async def test_talk_page_offers_the_persona_of_personaplex_tiny_and_the_call_takes_it(nursery, tmp_path):
+    """The real ``personaplex-tiny`` preset (a persona per call, on the CPU): the page offers its
+    voices and its default prompt, sends the ones chosen URL-encoded, and the server takes them
+    (``session.created`` names them; the prompt cache counts a new persona, prefilled); the
+    dashboard shows the cache.  A prompt the model refuses is said to be refused.  The README's
+    ``docs/talk-page-persona.png`` comes from here."""
+    config = load_config(presets.resolve("personaplex-tiny"),
+                         ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
+                          "backend.options.warmup_steps=1"])
+    server = Server(config)
+    await nursery.start(server.run)
+    offer = server.statistics().runtime.persona
+    assert offer is not None and "NATM1" in offer["voices"]
+    base = f"http://127.0.0.1:{server.ports[0]}"
+    rate = config.audio.sample_rate
+    start = "document.getElementById('start').click()"
+    async with open_browser(_tone(tmp_path / "tone.wav")) as browser:
+        talk = await browser.open(f"{base}/", height=900)
+        await talk.wait_for("!document.getElementById('persona').hidden", "the persona box")
+        assert await talk.evaluate("[...document.getElementById('voice').options].map(o => o.value)") == \
+            offer["voices"]
+        assert await talk.evaluate("document.getElementById('voice').value") == offer["default_voice"]
+        assert await talk.evaluate("document.getElementById('instructions').value") == offer["default_instructions"]
+        hint = await talk.evaluate("document.getElementById('prompthint').textContent")
+        assert f"{len(offer['default_instructions'])} characters" in hint and "at most 384 tokens" in hint
+
+        # A character that is not text is caught on the page, before any connection.
+        await talk.evaluate("document.getElementById('instructions').value = 'ring \\u0007 the bell'; " + start)
+        error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the page to refuse U+0007")
+        assert "not text (U+0007" in error and server.runtime.metrics.sessions_opened == 0
+
+        await talk.evaluate(f"document.getElementById('voice').value = 'NATM1'; "
+                            f"const box = document.getElementById('instructions'); box.value = {PIRATE!r}; "
+                            "box.dispatchEvent(new Event('input')); duplexrt.error = null; " + start)
+        await talk.wait_for(f"duplexrt.persona && duplexrt.receivedSamples > {rate}", "the call, a second of it")
+        state = await talk.evaluate("window.duplexrt")
+        assert state["error"] is None and state["state"] == "talking"
+        # What the server says it took: the voice and the prompt, exactly as chosen.
+        assert state["persona"]["voice"] == "NATM1" and state["persona"]["instructions"] == PIRATE
+        assert state["persona"]["prompt_tokens"] > 0
+        assert await talk.evaluate("[document.getElementById('instructions').disabled, "
+                                   "document.getElementById('voice').disabled]") == [True, True]
+        # The model ran that prompt: a new persona is a miss and a prefill (the default was the first).
+        cache = server.statistics().runtime.persona["prompt_cache"]
+        assert cache["misses"] == 1 and cache["hits"] == 0 and cache["prefills"] == 2
+
+        dashboard = await browser.open(f"{base}/dashboard", height=1300)
+        await dashboard.wait_for("!document.getElementById('promptcache').hidden && dashboard.promptCache",
+                                 "the prompt cache panel")
+        board = await dashboard.evaluate("dashboard.promptCache")
+        assert board["misses"] == 1 and board["prefills"] == 2 and board["hitRate"] == 0
+        table = await dashboard.evaluate("document.getElementById('cache').textContent")
+        assert "hit rate0.0 %" in table and "of 64.0 MB" in table
+
+        await talk.wait_for("document.getElementById('lag').textContent !== '–'", "the lag tile")
+        await talk.screenshot(tmp_path / "talk-page-persona.png")
+        await talk.evaluate("document.getElementById('stop').click()")
+        await talk.wait_for("duplexrt.state === 'idle'", "the call to end")
+        assert await talk.evaluate("document.getElementById('instructions').disabled") is False
+        assert "last call: %d tokens" % state["persona"]["prompt_tokens"] in \
+            await talk.evaluate("document.getElementById('prompthint').textContent")
+
+        # A prompt over the model's 384 tokens: the server refuses it (400) and the page says so.
+        await talk.evaluate("document.getElementById('instructions').value = 'Talk like a pirate. '.repeat(60); "
+                            + start)
+        error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the long prompt refused")
+        assert "refused the persona" in error and "at most 384 tokens" in error
+        assert server.refused["bad_persona"] == 1
+    assert server.runtime.metrics.sessions_opened == 1
+    assert (tmp_path / "talk-page-persona.png").read_bytes().startswith(b"\x89PNG")
+    _keep(tmp_path / "talk-page-persona.png")
 
 
 @needs_firefox

@@ -27,6 +27,23 @@ function rows(table, entries) {
   }
 }
 
+function megabytes(bytes) { return `${(bytes / 2 ** 20).toFixed(bytes < 2 ** 20 ? 2 : 1)} MB`; }
+
+// The prompt cache of a model that takes a persona (PersonaPlex); hidden for one that takes none.
+function promptCache(persona) {
+  const cache = persona && persona.prompt_cache;
+  $('promptcache').hidden = !cache;
+  if (!cache) return;
+  const asked = cache.hits + cache.misses;
+  board.promptCache = { ...cache, hitRate: asked ? cache.hits / asked : null };
+  rows($('cache'), [
+    ['hits', cache.hits], ['misses', cache.misses],
+    ['hit rate', asked ? `${(100 * cache.hits / asked).toFixed(1)} %` : '–'],
+    ['bytes of max', `${megabytes(cache.bytes)} of ${megabytes(cache.max_bytes)}`],
+    ['entries', cache.entries], ['evictions', cache.evictions], ['prefills', cache.prefills],
+  ]);
+}
+
 async function tick() {
   let s;
   try {
@@ -78,6 +95,7 @@ async function tick() {
   $('refusedtotal').textContent = Object.values(s.refused).reduce((a, b) => a + b, 0).toLocaleString();
   rows($('handoffs'), Object.entries(s.handoffs));
   rows($('refused'), Object.entries(s.refused));
+  promptCache(s.persona);
 
   const o = { points: POINTS };
   drawChart($('c-sessions'), [{ values: history.sessions, color: COLORS[0], label: 'active' },
