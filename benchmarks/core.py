@@ -97,7 +97,8 @@ def main() -> None:
     print(f"5. burst 96 x {args.frames}: host threads pinned vs not, {args.pairs} pairs", file=sys.stderr)
     pin_pairs = []
     for i in range(args.pairs):
-        pinned = _run(["runtime.slots=96"], concurrency=96, frames=args.frames, warmup_frames=8)
+        pinned = _run(["runtime.slots=96", "runtime.pin_host_threads=true"], concurrency=96, frames=args.frames,
+                      warmup_frames=8)
         loose = _run(["runtime.slots=96", "runtime.pin_host_threads=false"], concurrency=96, frames=args.frames,
                      warmup_frames=8)
         pin_pairs.append({"pinned": pinned["cpu_us_per_frame"], "unpinned": loose["cpu_us_per_frame"],

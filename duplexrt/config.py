@@ -63,6 +63,11 @@ def _is_bool(key: str) -> Validator:
     return check
 
 
+def _pin_mode(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool) and value != "auto":
+        raise ConfigError(f'runtime.pin_host_threads must be true, false or "auto", got {value!r}')
+
+
 def _slots_value(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
     if value == AUTO_SLOTS:
         return
@@ -132,8 +137,9 @@ class RuntimeConfig:
     #: Pin the trio thread and the scheduler thread to one CPU.  Both run Python under the GIL,
     #: so they never run Python at once anyway; on separate cores every GIL handoff crosses
     #: cores, which costs more CPU per frame and wakes the threads more often (benchmarks/core.py
-    #: measures both ways).
-    pin_host_threads: bool = attrs.field(default=True, validator=_is_bool("runtime.pin_host_threads"))
+    #: measures both ways).  ``"auto"``: only on CPUs given to this process, never on a set it
+    #: shares with the rest of the box; ``true``: always (``core/affinity.py``).
+    pin_host_threads: bool | str = attrs.field(default="auto", validator=_pin_mode)
     #: The CPUs this process runs on (empty: chosen, see ``core/affinity.py``): the process keeps
     #: to them, and its two host threads share the first.  Give each replica on a box its own
     #: (one replica per GPU: the CPUs near that GPU, ``nvidia-smi topo -m``).  Every one must be

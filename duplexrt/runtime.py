@@ -105,7 +105,7 @@ class Runtime:
         self.handoffs = Handoffs()
         self.backend = backend if backend is not None else create_backend(config)
         #: The CPUs this replica runs on (``runtime.cpus``, else from its GPU; ``core/affinity.py``).
-        self.cpu_plan = plan_for(config.runtime.cpus, self.backend.info.device)
+        self.cpu_plan = plan_for(config.runtime.cpus, self.backend.info.device, config.runtime.pin_host_threads)
         self.scheduler = Scheduler(self.backend, config.runtime, self.handoffs)
         self.metrics = FrameMetrics()
         self.sessions: set[Session] = set()
@@ -116,6 +116,8 @@ class Runtime:
         cpu = plan.host if self.config.runtime.pin_host_threads else None
         if plan.process is not None or cpu is not None:
             log.info("CPUs: %s%s", plan.reason, "" if cpu is not None else " (host threads not pinned)")
+        elif self.config.runtime.pin_host_threads == "auto":
+            log.info("CPUs: %s", plan.reason)
         original = confine(plan.process)  # the threads started from here on inherit it
         previous = pin_this_thread(cpu)
         self.scheduler.pin_cpu = cpu
@@ -125,6 +127,7 @@ class Runtime:
         finally:
             restore(previous)
             restore(original)
+            plan.release()
 
     def audio_spec(self, format: str | AudioFormat = AudioFormat.PCM_F32LE,
                    sample_rate: int | None = None) -> AudioSpec:

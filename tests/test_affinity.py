@@ -68,3 +68,71 @@ def test_two_replicas_on_one_box_run_their_host_threads_on_different_cpus():
     for threads, cpu in ((threads_a, first), (threads_b, second)):
         # The trio thread, the scheduler thread and whatever else the process runs: all on its CPU.
         assert len(threads) >= 2 and all(cpus == {cpu} for cpus in threads.values()), threads
+
+
+def _claims(taken: set[int]):
+    """FAKE ``claim_cpu``: the CPUs in ``taken`` are held by other replicas."""
+    def claim(cpu: int):
+        return None if cpu in taken else f"claim {cpu}"
+    return claim
+
+
+def test_auto_pins_only_on_cpus_given_to_this_process():
+    from duplexrt.core.affinity import Box
+
+    box = Box(frozenset(range(16)))
+    # Every CPU of the box: shared with whatever else runs there, so not pinned, and the log says how to pin.
+    shared = plan_cpus((), "cuda:0", set(range(16)), pin="auto", box=box, claim=_claims(set()))
+    assert shared.host is None and shared.process is None
+    assert "shared with whatever else runs on it" in shared.reason and "runtime.cpus" in shared.reason
+    # A set given to it (taskset, a cpuset, docker --cpuset-cpus): pinned within it, the GPU's position first.
+    given = plan_cpus((), "cuda:1", {4, 5, 6, 7}, pin="auto", box=box, claim=_claims(set()))
+    assert given.host == 5 and "given to this process" in given.reason
+    # Another replica that sees this one holds that CPU: the next free one; all held: not pinned.
+    assert plan_cpus((), "cuda:1", {4, 5, 6, 7}, pin="auto", box=box, claim=_claims({5})).host == 6
+    assert plan_cpus((), "cpu", {4, 5}, pin="auto", box=box, claim=_claims({4, 5})).host is None
+    # Kubernetes: a Burstable Pod's set is the node's shared pool, even where it is narrower than the
+    # node (other Pods hold CPUs of their own); a Guaranteed Pod's whole CPUs (quota = set) are its own.
+    pool = set(range(2, 16))
+    burstable = plan_cpus((), "cuda:0", pool, pin="auto", box=Box(frozenset(range(16)), None, kubernetes=True),
+                          claim=_claims(set()))
+    assert burstable.host is None and "shared pool" in burstable.reason
+    limited = Box(frozenset(range(16)), 4.0, kubernetes=True)
+    assert plan_cpus((), "cuda:0", pool, pin="auto", box=limited, claim=_claims(set())).host is None
+    guaranteed = plan_cpus((), "cuda:0", {6, 7, 8, 9}, pin="auto", box=limited, claim=_claims(set()))
+    assert guaranteed.host == 6 and "static CPU manager" in guaranteed.reason
+    # true pins as before, whatever the set; false never; runtime.cpus always.
+    assert plan_cpus((), "cuda:3", set(range(16)), pin=True, box=box).host == 3
+    assert plan_cpus((), "cuda:3", set(range(16)), pin=False, box=box).host is None
+    assert plan_cpus((2,), "cuda:3", set(range(16)), pin="auto", box=box).host == 2
+
+
+def test_auto_is_the_default_and_claims_are_held_until_released():
+    from duplexrt.core.affinity import claim_cpu
+
+    assert load_config(None, []).runtime.pin_host_threads == "auto"
+    assert load_config(None, ["runtime.pin_host_threads=true"]).runtime.pin_host_threads is True
+    with pytest.raises(ConfigError, match='runtime.pin_host_threads must be true, false or "auto"'):
+        load_config(None, ['runtime.pin_host_threads="maybe"'])
+    cpu = 10_000 + os.getpid() % 1000  # a CPU number no real replica claims
+    first = claim_cpu(cpu)
+    assert first is not None and claim_cpu(cpu) is None
+    first.close()
+    again = claim_cpu(cpu)
+    assert again is not None
+    again.close()
+
+
+def _pinned(threads: dict[int, set[int]]) -> set[int]:
+    return {next(iter(cpus)) for cpus in threads.values() if len(cpus) == 1}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs this process may use")
+def test_two_replicas_with_the_defaults_never_pin_to_one_cpu():
+    """The issue's case on this box: two ``duplexrt serve`` with nothing set both took CPU 0."""
+    with ServeProcess() as a, ServeProcess() as b:
+        pinned_a, pinned_b = _pinned(_cpus_of(a.proc.pid)), _pinned(_cpus_of(b.proc.pid))
+        logged = a.wait_for_line("CPUs: ")
+    assert not pinned_a & pinned_b, (pinned_a, pinned_b)
+    assert "CPUs: " in logged
