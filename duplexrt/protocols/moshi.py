@@ -47,8 +47,8 @@ kyutai-labs/hibiki-zero's ``state.py`` and web page), and what this translator d
   call).  NVIDIA's server (``NVIDIA/personaplex``: ``moshi/moshi/server.py``) and web client
   (``client/src/pages/Conversation/Conversation.tsx``) put it in the URL: ``text_prompt`` and
   ``voice_prompt`` (a file name, ``NATF2.pt``), beside sampling values, seeds, ``worker_auth_id``
-  and ``email``.  For a model that takes a persona the two are its persona (``.pt`` dropped:
-  ``protocols/options.py``, ``moshi_persona``), checked when the connection is admitted (a refusal
+  and ``email``.  For a model that takes a persona the two are its persona, as sent
+  (``protocols/options.py``, ``moshi_persona``), checked when the connection is admitted (a refusal
   is a 400 naming the reason, as for any bad option) and set when the session starts; every other
   parameter is accepted and ignored, so that client works unmodified.  NVIDIA's server sends the
   handshake only once the prompts have run, and its client sends no audio before the handshake: so

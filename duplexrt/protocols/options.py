@@ -59,13 +59,10 @@ MOSHI_IGNORED_PARAMETERS = (
 
 def moshi_persona(query: Mapping[str, str]) -> PersonaRequest:
     """``/api/chat?text_prompt=...&voice_prompt=NATF2.pt``: the persona as NVIDIA's client asks
-    for it.  Its voices are files (``NATF2.pt``), named here by the name alone: one trailing
-    ``.pt`` is dropped, nothing else is touched (a path stays a path, for the model's check to
-    refuse).  The other parameters its client sends are ignored (``MOSHI_IGNORED_PARAMETERS``)."""
-    voice = query.get("voice_prompt")
-    if voice is not None and voice.endswith(".pt") and len(voice) > 3:
-        voice = voice[:-3]
-    return PersonaRequest(query.get("text_prompt"), voice)
+    for it, exactly as sent (its voices are files, ``NATF2.pt``: the model's check takes a voice by
+    that name or without the ``.pt``, and refuses a path).  The other parameters its client sends
+    are ignored (``MOSHI_IGNORED_PARAMETERS``)."""
+    return PersonaRequest(query.get("text_prompt"), query.get("voice_prompt"))
 
 
 def _rate(text: str | None, name: str) -> int | None:
