@@ -4,8 +4,8 @@
 half of ``backends/base.py`` added, the way a test can watch it:
 
 * ``check_persona`` records every request exactly as it came (``requests``), refuses a voice
-  that looks like a path, a voice not in ``VOICES`` (naming them) and a prompt over ``MAX_TEXT``
-  characters, and fills in the defaults; the "tokens" are the prompt's code points.  Nothing
+  that looks like a path, a voice not in ``VOICES`` (naming them; ``NAME.pt`` is ``NAME``, as
+  the moshi backend takes it) and a prompt over ``MAX_TEXT`` characters, and fills in the defaults; the "tokens" are the prompt's code points.  Nothing
   else about the strings is judged: empty, control characters, any Unicode pass.
 * ``set_persona`` records each call as ``(slot, persona, frames the slot had been stepped since it
   opened)``, so a test sees that the persona came before the first frame; it raises PersonaError
@@ -65,8 +65,9 @@ class PersonaEcho(EchoBackend):
         voice = DEFAULT_VOICE if request.voice is None else request.voice
         if "/" in voice or "\\" in voice or voice.startswith("."):
             raise PersonaError(f"a voice is a name, not a path: {voice[:40]!r}; the voices are {', '.join(VOICES)}")
-        if voice not in VOICES:
+        if voice.removesuffix(".pt") not in VOICES:  # NVIDIA's client names the file: NATF2.pt
             raise PersonaError(f"unknown voice {voice[:40]!r}; the voices are {', '.join(VOICES)}")
+        voice = voice.removesuffix(".pt")
         text = DEFAULT_TEXT if request.text is None else request.text
         if len(text) > MAX_TEXT:
             raise PersonaError(f"the prompt is {len(text)} tokens, over this model's {MAX_TEXT}")

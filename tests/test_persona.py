@@ -12,7 +12,9 @@ reach the model's check untouched.  A model that takes no persona keeps every ro
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
+import os
 import urllib.parse
 
 import numpy as np
@@ -20,8 +22,11 @@ import pytest
 import trio
 import trio_websocket
 
-from conftest import FRAME, PATIENCE, ClientLog, RecordingOwner, frame_of, make_config, run_client, wait_until
+from conftest import (FRAME, PATIENCE, ClientLog, RecordingOwner, Served, frame_of, make_config, run_client,
+                      wait_until)
+from duplexrt import presets
 from duplexrt.backends.base import Persona, PersonaError, PersonaRequest
+from duplexrt.config import load_config
 from duplexrt.core.scheduler import BackendStepError, SlotClosedError
 from duplexrt.protocols.moshi import HANDSHAKE_MESSAGE, MoshiTranslator
 from duplexrt.protocols.options import MOSHI_IGNORED_PARAMETERS, moshi_persona
@@ -29,6 +34,7 @@ from duplexrt.protocols.base import PersonaChoice, PersonaLocked
 from duplexrt.protocols.raw import RawTranslator
 from duplexrt.protocols.realtime import RealtimeTranslator
 from duplexrt.runtime import open_runtime
+from duplexrt.server import Server
 from duplexrt.server.app import persona_line
 from duplexrt.wire.transport import memory_transport_pair
 from persona_backend import DEFAULT_TEXT, DEFAULT_VOICE, VOICES, PersonaEcho
@@ -91,12 +97,9 @@ def test_after_the_lock_the_default_voice_by_its_name_is_no_change():
     assert choice.ask(voice=DEFAULT_VOICE).voice == DEFAULT_VOICE
 
 
-def test_the_moshi_route_reads_nvidias_query_and_drops_only_the_pt():
-    assert moshi_persona({"text_prompt": "hi", "voice_prompt": "NATF2.pt"}) == check("hi", "NATF2")
-    assert moshi_persona({"text_prompt": "", "voice_prompt": "NATF2"}) == check("", "NATF2")
-    assert moshi_persona({"voice_prompt": "../x.pt"}) == check(None, "../x")  # still a path: the model refuses it
-    assert moshi_persona({"voice_prompt": "/etc/passwd"}) == check(None, "/etc/passwd")
-    assert moshi_persona({"voice_prompt": ".pt"}) == check(None, ".pt")
+def test_the_moshi_route_reads_nvidias_query_as_it_is():
+    assert moshi_persona({"text_prompt": "hi", "voice_prompt": "NATF2.pt"}) == check("hi", "NATF2.pt")
+    assert moshi_persona({"text_prompt": "", "voice_prompt": "../x.pt"}) == check("", "../x.pt")
     assert moshi_persona({}) == check()
     assert "text_temperature" in MOSHI_IGNORED_PARAMETERS and "email" in MOSHI_IGNORED_PARAMETERS
 
@@ -620,7 +623,7 @@ async def test_api_chat_takes_nvidias_query_and_the_handshake_waits_for_the_pers
     await free_slots_come_back(running)
 
 
-@pytest.mark.parametrize("voice, said", [("alloy.pt", b"unknown voice 'alloy'"), ("../x.pt", b"not a path"),
+@pytest.mark.parametrize("voice, said", [("alloy.pt", b"unknown voice 'alloy.pt'"), ("../x.pt", b"not a path"),
                                          ("/etc/passwd", b"not a path")])
 async def test_api_chat_refused_persona_is_a_400_naming_the_voices(start_server, voice, said):
     running, backend = await persona_server(start_server)
@@ -698,3 +701,54 @@ async def test_readyz_and_stats_say_null_for_a_model_without_persona(start_serve
     _, ready = await running.readyz()
     assert ready["persona"] is None
     assert json.loads((await running.get("/stats"))[2])["persona"] is None
+
+
+# -- the real PersonaPlex (the tiny preset) -------------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("moshi") is None or importlib.util.find_spec("torch") is None,
+                    reason="the personaplex-tiny preset needs torch and moshi")
+async def test_personaplex_tiny_takes_the_persona_from_each_route(nursery):
+    """The routes against the real moshi backend's persona (``personaplex-tiny``): NVIDIA's query on
+    ``/api/chat`` (its handshake once the prompt is in), a Realtime ``session.update``, and the
+    backend's own refusals passed on as they are."""
+    os.environ.setdefault("NO_TORCH_COMPILE", "1")
+    config = load_config(presets.resolve("personaplex-tiny"),
+                         ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
+                          "backend.options.warmup_steps=1"])
+    server = Server(config)
+    await nursery.start(server.run)
+    served = Served(server)
+    _, ready = await served.readyz()
+    voices = ready["persona"]["voices"]
+    assert "NATF2" in voices and ready["persona"]["default_voice"] == "NATF2"
+
+    async with trio_websocket.open_websocket_url(
+            chat_url(served, text_prompt="You enjoy having a good conversation.", voice_prompt="NATM1.pt")) as ws:
+        with trio.fail_after(60):
+            assert await ws.get_message() == HANDSHAKE_MESSAGE
+    for voice, said in (("alloy.pt", b"alloy"), ("../x.pt", b"path"), ("/etc/passwd", b"path")):
+        with pytest.raises(trio_websocket.ConnectionRejected) as refused:
+            async with trio_websocket.open_websocket_url(chat_url(served, text_prompt="hi", voice_prompt=voice)):
+                pass
+        assert refused.value.status_code == 400 and said in refused.value.body and b"NATF2" in refused.value.body
+
+    async with trio_websocket.open_websocket_url(served.url(REALTIME)) as ws:
+        call = JsonCall(ws)
+        created = await call.next("session.created")
+        assert voice_of(created["session"]) == "NATF2"
+        await call.send("session.update", session={"instructions": UNUSUAL.replace("\x00", "").replace("\u202e", "")
+                                                   .replace("\u202c", ""), "voice": "VARF1"})
+        updated = await call.next("session.updated")
+        assert voice_of(updated["session"]) == "VARF1"
+        await call.send("session.update", event_id="bad", session={"voice": "alloy"})
+        await call.next("session.updated")
+        error = (await call.next("error"))["error"]
+        assert error["code"] == "invalid_persona" and "NATF2" in error["message"]
+        await call.append(pcm_frames(2))
+        with trio.fail_after(60):
+            await call.wait_audio(2)
+        await call.send("session.update", event_id="late", session={"voice": "NATF0"})
+        await call.next("session.updated")
+        assert (await call.next("error"))["error"]["code"] == "persona_locked"
+    await free_slots_come_back(served, 2)
