@@ -34,6 +34,7 @@ from duplexrt.reasons import CloseCode
 from duplexrt.server.budget import journal_bytes
 from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
+from duplexrt.server.liveness import Liveness
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.origin import origin_refusal
 from duplexrt.server.routes import ROUTES
@@ -118,6 +119,8 @@ class Server:
         self.replica_id = config.server.replica_id
         #: Sessions a client may resume, by their token's secret.
         self._resumable: dict[str, _Resumable] = {}
+        #: What /healthz answers: 503 once the model has failed every step for a while.
+        self.liveness = Liveness()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(lambda: self.statistics() if self.runtime is not None else None))
         # process_cpu_seconds_total and friends: how `simulate --url` measures server CPU per frame.
@@ -579,9 +582,10 @@ class Server:
         runtime = self.runtime
         assert runtime is not None
         text = "text/plain; charset=utf-8"
-        if path == "/healthz":
-            return 200, b"ok\n", text
+        if path == "/healthz":  # fails once the model has failed every step for a while (liveness)
+            return self.liveness.answer(runtime.scheduler.failing)
         if path == "/readyz":
+            self.liveness.observe(runtime.scheduler.failing)  # a balancer's checks count too
             return readyz_answer(self.statistics(), query)
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
