@@ -112,6 +112,12 @@ def _kubernetes() -> dict[str, dict]:
     return {d["kind"]: d for d in documents}
 
 
+def _claims() -> dict[str, dict]:
+    """The manifest's PersistentVolumeClaims, by name."""
+    documents = yaml.safe_load_all((DEPLOY / "kubernetes" / "duplexrt.yaml").read_text())
+    return {d["metadata"]["name"]: d for d in documents if d["kind"] == "PersistentVolumeClaim"}
+
+
 def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container["env"]}
 
@@ -139,11 +145,9 @@ def test_kubernetes_runs_one_process_per_gpu_probed_drained_and_scraped():
     assert pod["spec"]["terminationGracePeriodSeconds"] > grace + 2 * 3
     # The weights cache: a volume where the image keeps them (its HF_HOME).
     hf_home = re.search(r"HF_HOME=(\S+)", (DEPLOY.parent / "Dockerfile").read_text()).group(1)
-    (mount,) = container["volumeMounts"]
-    assert mount["mountPath"] == hf_home
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == hf_home]
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
-    claim = objects["PersistentVolumeClaim"]
-    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert volume["persistentVolumeClaim"]["claimName"] in _claims()
     assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"]
     labels = pod["metadata"]["labels"]
     for selector in (deployment["spec"]["selector"]["matchLabels"], budget["spec"]["selector"]["matchLabels"],
@@ -195,3 +199,94 @@ async def test_the_kubernetes_prestop_hook_begins_the_drain_with_the_key_and_the
         while isinstance(message := await ws.get_message(), bytes):
             pass
         assert json.loads(message)["reason"] == "stop"
+
+
+# -- the image (no Docker here: what the Dockerfile and the README's run lines say) -------------------
+
+DOCKERFILE = DEPLOY.parent / "Dockerfile"
+README = DEPLOY.parent / "README.md"
+
+
+def _image_stage() -> str:
+    """The Dockerfile's last stage (the image), comments left out, continuation lines joined."""
+    text = DOCKERFILE.read_text()
+    stage = text[text.rindex("\nFROM "):]
+    lines = [line for line in stage.splitlines() if not line.lstrip().startswith("#")]
+    return "\n".join(lines).replace("\\\n", " ")
+
+
+def _image_env() -> dict[str, str]:
+    (block,) = re.findall(r"^ENV (.*)$", _image_stage(), re.M)
+    return dict(pair.split("=", 1) for pair in block.split())
+
+
+def test_the_image_has_a_c_compiler_for_torch_compile():
+    """Triton compiles a C launcher at run time for the moshi package's torch.compiled kernels: a
+    CUDA runtime base has no compiler, and no Python headers."""
+    installs = " ".join(re.findall(r"apt-get install ([^&]*)", _image_stage()))
+    for package in ("gcc", "libc6-dev", "python3-dev"):
+        assert re.search(rf"(^|\s){re.escape(package)}(\s|$)", installs), package
+
+
+def test_the_images_user_owns_its_cache_folders_so_fresh_volumes_are_writable():
+    stage = _image_stage()
+    env = _image_env()
+    folders = [env["HF_HOME"], env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]]
+    (run,) = [r for r in re.findall(r"^RUN (.*)$", stage, re.M) if "useradd" in r]
+    made = re.search(r"mkdir -p ([^&]*)", run).group(1).split()
+    owned = re.search(r"chown -R duplexrt:duplexrt (\S+)", run).group(1)
+    for folder in folders:
+        assert folder in made, folder
+        assert folder.startswith(owned + "/"), folder
+    assert stage.index("chown -R duplexrt") < stage.index("\nUSER duplexrt")
+
+
+def test_the_compile_cache_is_a_volume_in_the_manifest_and_the_run_lines():
+    env = _image_env()
+    cache = os.path.commonpath([env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]])
+    assert cache.endswith("/compile")
+    pod = _kubernetes()["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == cache]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] in _claims()
+    for line in _docker_run_lines():
+        if "--gpus" in line:
+            assert f":{cache}" in line, line
+
+
+def _docker_run_lines() -> list[str]:
+    """Every ``docker run`` of the image in the README and the Dockerfile's own comments."""
+    found = []
+    for text in (README.read_text(), DOCKERFILE.read_text()):
+        text = re.sub(r"\\\n[#\s]*", " ", text)
+        found += [line for line in text.splitlines() if "docker run" in line and "duplexrt:" in line]
+    return found
+
+
+def test_the_run_lines_give_the_drain_its_time_and_the_health_check_a_first_load():
+    """``docker stop`` waits 10 s before SIGKILL: the drain wants shutdown_grace_s (300 s by
+    default) and two close timeouts.  A first start downloads ~15 GB and compiles before the port
+    opens: the health check's start period is as long as Kubernetes' startup probe."""
+    from duplexrt.config import Config
+
+    server = Config().server
+    lines = _docker_run_lines()
+    assert len(lines) >= 4
+    for line in lines:
+        stop = re.search(r"--stop-timeout (\d+)", line)
+        assert stop and int(stop.group(1)) >= server.shutdown_grace_s + 2 * server.close_timeout_s, line
+    start = re.search(r"HEALTHCHECK .*--start-period=(\d+)(s|m)", _image_stage()).groups()
+    seconds = int(start[0]) * (60 if start[1] == "m" else 1)
+    probe = _kubernetes()["Deployment"]["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert seconds >= probe["periodSeconds"] * probe["failureThreshold"] >= 1800
+
+
+def test_the_docs_call_working_only_what_has_run():
+    """HAProxy runs in CI (tests/test_deploy_haproxy.py); the Envoy file and the manifest are parsed
+    and checked, never run: no sentence calls them working."""
+    texts = [README.read_text(), (DEPLOY / "README.md").read_text()]
+    for text in texts:
+        for sentence in re.split(r"(?<=[.:;])\s", text.replace("\n", " ")):
+            if "Envoy" in sentence or "Kubernetes configuration" in sentence:
+                assert not re.search(r"\bworking\b", sentence), sentence
