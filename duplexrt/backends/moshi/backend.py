@@ -212,7 +212,7 @@ class MoshiBackend(Backend):
 
         settings = self.settings
         # torch.compile needs a C compiler on CUDA: without one, eager (one WARNING), not a crash.
-        self._compile_off = compiler.ensure_compiler(settings.device)
+        self._compile_off = compiler.ensure_compiler(settings.device) or self._compile_off
         import_moshi(settings.device)
         sampling.install()
         if settings.device.startswith("cuda"):
