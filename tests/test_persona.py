@@ -77,7 +77,7 @@ def test_a_choice_merges_what_is_asked_checks_it_and_locks_once_fixed():
     assert choice.ask(voice="NATF2").voice == "NATF2"
     assert choice.ask(text="be brief") == Persona("NATF2", "be brief", tuple(map(ord, "be brief")))  # voice kept
     with pytest.raises(PersonaError, match="NATF0, NATF2"):
-        choice.ask(voice="alloy")
+        choice.ask(voice="nobody")
     assert choice.current().voice == "NATF2"  # a refused ask leaves the persona in effect
     fixed = choice.fix()
     assert choice.fixed and fixed == choice.current()
@@ -86,8 +86,18 @@ def test_a_choice_merges_what_is_asked_checks_it_and_locks_once_fixed():
     with pytest.raises(PersonaLocked, match="fixed"):
         choice.ask(voice="NATM1")
     with pytest.raises(PersonaLocked):
-        choice.ask(voice="alloy")  # after the lock, even a bad one is simply "locked"
+        choice.ask(voice="nobody")  # after the lock, even a bad one is simply "locked"
     assert choice.current() is fixed
+
+
+def test_an_openai_stock_voice_the_model_lacks_is_its_default_voice():
+    choice = PersonaChoice()
+    choice.check = _check
+    assert choice.ask(voice="alloy").voice == DEFAULT_VOICE  # what LiveKit and pipecat send by default
+    assert choice.ask(voice="Shimmer").voice == DEFAULT_VOICE
+    assert choice.ask(voice="NATF2").voice == "NATF2"
+    with pytest.raises(PersonaError, match="nobody"):
+        choice.ask(voice="nobody")
 
 
 def test_after_the_lock_the_default_voice_by_its_name_is_no_change():
@@ -245,7 +255,7 @@ async def test_a_persona_handed_to_runtime_serve_unchecked_is_refused_before_any
     backend = PersonaEcho(config)
     async with open_runtime(config, backend=backend) as runtime:
         protocol = RawTranslator(runtime.audio_spec("pcm_s16le"))
-        protocol.persona.request = PersonaRequest("hi", "alloy")
+        protocol.persona.request = PersonaRequest("hi", "nobody")
         client, server = memory_transport_pair()
         outcome: dict = {}
 
@@ -257,7 +267,7 @@ async def test_a_persona_handed_to_runtime_serve_unchecked_is_refused_before_any
                 nursery.start_soon(serve)
                 log = await run_client(client, [pcm_frames(3)], ClientLog())
     end = outcome["end"]
-    assert end.reason == "error" and "refused the persona" in end.error and "alloy" in end.error
+    assert end.reason == "error" and "refused the persona" in end.error and "nobody" in end.error
     assert log.close_code == 1008 and log.end["reason"] == "error"
     assert backend.set_calls == [] and backend.stepped_slots == set()
 
@@ -370,7 +380,7 @@ async def test_realtime_defaults_when_the_caller_sets_nothing(start_server):
     assert set_personas(backend) == [(DEFAULT_VOICE, DEFAULT_TEXT, 0)]
 
 
-@pytest.mark.parametrize("voice, said", [("alloy", "unknown voice 'alloy'"), ("../x.pt", "not a path"),
+@pytest.mark.parametrize("voice, said", [("nobody", "unknown voice 'nobody'"), ("../x.pt", "not a path"),
                                          ("/etc/passwd", "not a path")])
 async def test_realtime_refused_voice_is_a_non_fatal_error_naming_the_voices(start_server, voice, said):
     running, backend = await persona_server(start_server)
@@ -502,10 +512,10 @@ async def test_live_defaults_and_a_refused_voice_at_start_is_fatal_with_the_voic
     running, backend = await persona_server(start_server)
     async with trio_websocket.open_websocket_url(running.url(LIVE)) as ws:
         call = JsonCall(ws, live=True)
-        await call.send("session.start", session={"audio": {"output": {"voice": "marin"}}})
+        await call.send("session.start", session={"audio": {"output": {"voice": "nobody"}}})
         await call.read_to_close()
     [error] = call.errors()
-    assert error["code"] == "invalid_persona" and "unknown voice 'marin'" in error["message"]
+    assert error["code"] == "invalid_persona" and "unknown voice 'nobody'" in error["message"]
     assert ", ".join(VOICES) in error["message"] and "cannot start" in error["message"]
     assert call.closed.reason.code == 1008
     async with trio_websocket.open_websocket_url(running.url(LIVE)) as ws:
@@ -553,7 +563,7 @@ async def test_duplex_query_sets_the_persona_at_start_and_created_shows_it(start
     assert backend.unprompted == []
 
 
-@pytest.mark.parametrize("voice, said", [("alloy", b"unknown voice 'alloy'"), ("../x.pt", b"not a path"),
+@pytest.mark.parametrize("voice, said", [("nobody", b"unknown voice 'nobody'"), ("../x.pt", b"not a path"),
                                          ("/etc/passwd", b"not a path")])
 async def test_duplex_refused_persona_is_a_400_before_the_upgrade(start_server, voice, said):
     running, backend = await persona_server(start_server)
@@ -741,10 +751,15 @@ async def test_personaplex_tiny_takes_the_persona_from_each_route(nursery):
                                                    .replace("\u202c", ""), "voice": "VARF1"})
         updated = await call.next("session.updated")
         assert voice_of(updated["session"]) == "VARF1"
-        await call.send("session.update", event_id="bad", session={"voice": "alloy"})
+        await call.send("session.update", event_id="bad", session={"voice": "Nobody"})
         await call.next("session.updated")
         error = (await call.next("error"))["error"]
         assert error["code"] == "invalid_persona" and "NATF2" in error["message"]
+        # OpenAI's stock voice (what SDKs send unasked) is the model's default voice, no error.
+        await call.send("session.update", session={"voice": "alloy"})
+        assert voice_of((await call.next("session.updated"))["session"]) == "NATF2"
+        await call.send("session.update", session={"voice": "VARF1"})
+        assert voice_of((await call.next("session.updated"))["session"]) == "VARF1"
         await call.append(pcm_frames(2))
         with trio.fail_after(60):
             await call.wait_audio(2)

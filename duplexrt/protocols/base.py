@@ -44,6 +44,12 @@ class PersonaLocked(PersonaError):
     goes on with the persona it has."""
 
 
+#: OpenAI's stock voice names (Realtime and GPT-Live): on a model that takes a persona and has no
+#: voice of that name, the model's default voice (see ``PersonaChoice.ask``).
+STOCK_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx",
+                          "sage", "shimmer", "verse"})
+
+
 class PersonaChoice:
     """What one session's caller asked to be, checked, until the session fixes it."""
 
@@ -71,6 +77,14 @@ class PersonaChoice:
         check = self.check
         if check is None:
             raise PersonaError("this model takes no persona")
+        if voice is not None and voice.strip().lower() in STOCK_VOICES:
+            # OpenAI's own voice names are what the SDKs and agent frameworks send when their
+            # user chose nothing (LiveKit and pipecat send "alloy"; pipecat ends the call on any
+            # error): one the model does not have means "the model's default voice".
+            try:
+                check(PersonaRequest(None, voice))
+            except PersonaError:
+                voice = ""
         request = PersonaRequest(text if text is not None else self.request.text,
                                  voice if voice is not None else self.request.voice)
         current = self._persona

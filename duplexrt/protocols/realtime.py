@@ -50,8 +50,9 @@ the call goes on with the persona it had.  pipecat treats every ``error`` event 
 frameworks re-send their whole session (instructions and voice included) when one setting
 changes: so an update that repeats the persona in effect is no change and gets no error, and
 only an actual change after the first audio does.  A caller of such a model sets its persona in
-its first ``session.update``, before any audio, with a voice the model has (OpenAI's voice names,
-which frameworks send by default, are refused with the list of the model's voices).
+its first ``session.update``, before any audio, with a voice the model has; OpenAI's stock voice
+names (``alloy``...), which SDKs and frameworks send when their user chose none, mean the model's
+default voice (``protocols.base.STOCK_VOICES``), and ``session.updated`` shows which that is.
 
 One "token" of usage is one model frame (80 ms).
 
