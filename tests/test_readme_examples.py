@@ -61,3 +61,43 @@ async def test_the_openai_sdk_example_sends_a_turn_and_writes_the_reply(nursery,
         assert (reply.getframerate(), reply.getnchannels(), reply.getsampwidth()) == (24000, 1, 2)
         heard = reply.readframes(reply.getnframes())
     assert heard == samples.tobytes(), "the echo model answers the turn with the same audio"
+
+
+def test_the_readme_names_the_personaplex_example():
+    assert readme_block("personaplex_example.py").startswith("# personaplex_example.py: python ")
+
+
+async def test_the_personaplex_example_sets_its_persona_and_gets_a_reply(nursery, tmp_path):
+    """The README's PersonaPlex example against ``personaplex-tiny``: the voice and the role prompt
+    it asks for are the ones the server took, and the turn is answered frame for frame."""
+    import pytest
+
+    pytest.importorskip("moshi")
+    from duplexrt import presets
+
+    config = load_config(presets.path("personaplex-tiny"), ["server.port=0", "runtime.slots=2",
+                                                            f'server.api_key="{KEY}"', "metrics.log_stats=false"])
+    server = Server(config)
+    await nursery.start(server.run)
+    script = tmp_path / "personaplex_example.py"
+    script.write_text(readme_block("personaplex_example.py"))
+    samples = (np.random.default_rng(31).standard_normal(24000) * 3000).astype("<i2")  # 1 s: 12.5 frames
+    with wave.open(str(tmp_path / "in.wav"), "wb") as source:
+        source.setnchannels(1)
+        source.setsampwidth(2)
+        source.setframerate(24000)
+        source.writeframes(samples.tobytes())
+    with trio.fail_after(120):
+        done = await trio.run_process(
+            [sys.executable, str(script), f"http://127.0.0.1:{server.ports[0]}/v1", KEY,
+             str(tmp_path / "in.wav"), str(tmp_path / "out.wav")], capture_stdout=True, capture_stderr=True,
+            check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    persona_line, reply_line = done.stdout.decode().strip().splitlines()
+    assert persona_line == "NATM1 | You are Lou, a patient pirate who sells second-hand boats."
+    status, frames, _ = reply_line.split()
+    assert status == "completed" and int(frames) >= 12
+    with wave.open(str(tmp_path / "out.wav")) as reply:
+        assert reply.getnframes() == int(frames) * 1920
+    stats = server.statistics().runtime.persona
+    assert stats is not None and stats["prompt_cache"]["misses"] == 1
