@@ -112,3 +112,24 @@ def test_the_licence_file_matches_the_metadata():
     assert pyproject["project"]["license-files"] == ["LICENSE"]
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def test_every_moshi_preset_slides_past_its_ring_and_ending_is_an_explicit_choice_with_a_cap():
+    """A dialogue does not hang up at four minutes (Kyutai's and NVIDIA's servers slide on): every
+    preset of the moshi backend sets beyond_context = "slide" itself, and where a preset ends calls
+    instead it also caps them.  PersonaPlex's says that sliding forgets the persona prompt too."""
+    found = []
+    for name in presets.names():
+        config = load_config(presets.resolve(name))
+        if config.backend.name != "moshi":
+            continue
+        options = config.backend.options
+        found.append(name)
+        assert options.get("beyond_context") in ("slide", "end"), f"{name}: beyond_context is not chosen"
+        if options["beyond_context"] == "end":
+            assert options.get("context_seconds") or config.runtime.max_session_seconds, name
+    assert {"moshiko", "moshi-7b-random", "personaplex"} <= set(found)
+    for name in ("moshiko", "moshi-7b-random", "personaplex"):
+        assert load_config(presets.resolve(name)).backend.options["beyond_context"] == "slide", name
+    text = (ROOT / "configs" / "personaplex.toml").read_text()
+    assert "forgets its role prompt" in text
