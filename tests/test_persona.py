@@ -767,3 +767,65 @@ async def test_personaplex_tiny_takes_the_persona_from_each_route(nursery):
         await call.next("session.updated")
         assert (await call.next("error"))["error"]["code"] == "persona_locked"
     await free_slots_come_back(served, 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("moshi") is None or importlib.util.find_spec("torch") is None,
+                    reason="the personaplex-tiny preset needs torch and moshi")
+async def test_personaplex_tiny_join_storm_leaves_nothing_held(nursery):
+    """64 callers in one second on 8 slots, each with its own uncached persona, half of them
+    hanging up at once (mid-prefill or before): the ones admitted are prompted and answered,
+    the rest refused, and afterwards every slot is free, the prompt cache within its bound and
+    a new caller served as on a fresh server."""
+    os.environ.setdefault("NO_TORCH_COMPILE", "1")
+    config = load_config(presets.resolve("personaplex-tiny"),
+                         ["server.port=0", "runtime.slots=8", "metrics.log_stats=false",
+                          "backend.options.warmup_steps=1", "backend.options.prompt_cache_mb=1"])
+    server = Server(config)
+    await nursery.start(server.run)
+    served = Served(server)
+    outcomes: dict[str, int] = {}
+
+    async def caller(i: int) -> None:
+        await trio.sleep(i / 64)
+        url = duplex_url(served, instructions=f"You are caller {'ka lo mi ne ru sa'.split()[i % 6]} " * (1 + i % 9),
+                         voice=["NATF0", "NATM1", "VARF2", "VARM3"][i % 4])
+        try:
+            async with trio_websocket.open_websocket_url(url) as ws:
+                created = json.loads(await ws.get_message())
+                assert created["type"] == "session.created"
+                if i % 2:  # hangs up at once: its prompt may still be running
+                    outcomes["hung up"] = outcomes.get("hung up", 0) + 1
+                    return
+                await ws.send_message(pcm_frames(2, seed=i))
+                await ws.send_message(json.dumps({"type": "input.end"}))
+                heard = 0
+                with trio.fail_after(120):
+                    while True:
+                        message = await ws.get_message()
+                        if isinstance(message, bytes):
+                            heard += len(message)
+                        elif json.loads(message)["type"] == "session.end":
+                            break  # the model's text comes as "text" events before it
+                assert heard == 2 * PCM_FRAME
+                outcomes["answered"] = outcomes.get("answered", 0) + 1
+        except trio_websocket.ConnectionRejected as exc:
+            assert exc.status_code == 503
+            outcomes["refused"] = outcomes.get("refused", 0) + 1
+
+    async with trio.open_nursery() as storm:
+        for i in range(64):
+            storm.start_soon(caller, i)
+    print("join storm:", outcomes)
+    assert sum(outcomes.values()) == 64 and outcomes.get("answered", 0) >= 1, outcomes
+    await free_slots_come_back(served, 8)
+    info = server.statistics().runtime.persona
+    assert info is not None and info["prompt_cache"]["bytes"] <= info["prompt_cache"]["max_bytes"]
+    async with trio_websocket.open_websocket_url(duplex_url(served, instructions="You are calm.", voice="NATF2")) as ws:
+        assert json.loads(await ws.get_message())["persona"]["voice"] == "NATF2"
+        await ws.send_message(pcm_frames(3))
+        await ws.send_message(json.dumps({"type": "input.end"}))
+        heard = 0
+        with trio.fail_after(120):
+            while isinstance(message := await ws.get_message(), bytes) or json.loads(message)["type"] != "session.end":
+                heard += len(message) if isinstance(message, bytes) else 0
+    assert heard == 3 * PCM_FRAME and json.loads(message)["reason"] == "stop"
