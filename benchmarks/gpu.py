@@ -12,9 +12,12 @@ small sizes, so that CI keeps it working (``tests/test_gpu_script.py``); those a
 
 Phases, each under its own time limit, the JSON (``DIR/gpu.json``) rewritten after each:
 
-1. ``device``: what ran (torch, CUDA, the GPU, its memory, whether torch.compile and graphs are on).
+1. ``device``: what ran (torch, CUDA, the GPU, its memory, whether torch.compile and graphs are on,
+   and whether a C compiler is there for torch.compile).
 2. ``build``: the model built once; its weights and per-slot state (the arithmetic of
-   ``backends/moshi/memory.py``) and how many slots fit the free memory.
+   ``backends/moshi/memory.py``) and how many slots fit the free memory; ``model_s`` (building the
+   weights) and ``warmup_s`` (allocation, torch.compile's cold compile, graph capture) apart.  It
+   gets up to 5 minutes on a GPU: a cold compile is slow, and without the model nothing else runs.
 3. ``steps``: for each batch size (1, 8, 16, 32, 48, 64, 80; sizes that cannot fit are skipped),
    the backend sized to it (CUDA graphs captured, torch.compile as served) and a full batch
    stepped: step time p50/p99, per stage, this thread's CPU per step (the wait is the backend's
@@ -22,16 +25,24 @@ Phases, each under its own time limit, the JSON (``DIR/gpu.json``) rewritten aft
    the last row, for a few frames: ``exact`` says whether its audio is bit for bit the largest
    batch's row 0 (what a step over only the rows in use would change) and the same in both rows
    (what moving a session between rows would change).
-4. ``wait``: the CPU one thread spends waiting for 50 ms of GPU work, with a spinning event
+4. ``variants``: at 8 rows and at the largest batch within the budget, the step with CUDA graphs and
+   torch.compile each on and off (four runs a size, the rows' state allocated again for each):
+   ``columns`` gives each combination's p50 step by size, the first thing a GPU reader asks.
+5. ``wait``: the CPU one thread spends waiting for 50 ms of GPU work, with a spinning event
    (CUDA's default) and with a blocking one (what the backend uses).
-5. ``ring``: each row's K/V ring (``backend.options.context_seconds``) at 750 positions (a call
+6. ``ring``: each row's K/V ring (``backend.options.context_seconds``) at 750 positions (a call
    cap of 60 s) against the model's own 3000 (240 s), at 32 and 64 rows, alternated: the step, its
    stages, the state per slot and how many slots fit the memory at each ring, and the ratio of
    the short ring's step to the full one's at the same rows.
-6. ``masked``: the largest batch measured, with one and with an eighth of its rows active.
-7. ``serve``: ``duplexrt serve`` on that model at the largest batch whose step leaves the capacity
-   margin (5 % of the 80 ms frame), and paced callers over real WebSockets from another process
-   (``benchmarks/bare_cli.py simulate --url``): frames late, lag p50/p99, host CPU per frame.
+7. ``masked``: the largest batch measured, with one and with an eighth of its rows active.
+8. ``serve``: ``duplexrt serve`` on that model at the largest batch whose step leaves the capacity
+   margin (5 % of the 80 ms frame), its host threads pinned to one CPU, and paced callers over
+   real WebSockets from another process kept off that CPU (``benchmarks/bare_cli.py simulate
+   --url``): frames late, lag p50/p99, host CPU per frame.
+
+Every phase writes ``{"running": true}`` when it starts and its result when it ends, so a run cut
+short says where it was.  The output folder gets ``gpu.json`` and nothing else: the clients'
+report goes to a temporary folder.
 """
 
 from __future__ import annotations
@@ -68,8 +79,10 @@ CPU_SIZES = (1, 2, 4)
 GPU_RING = ((32, 64), (750, 3000))
 CPU_RING = ((2, 4), (16, 64))
 #: Seconds each phase may take (GPU, CPU); the whole run is also bounded by --budget-s.
-LIMITS = {"build": (120, 120), "steps": (150, 120), "wait": (20, 10), "ring": (90, 60), "masked": (40, 60),
-          "serve": (90, 120)}
+LIMITS = {"build": (300, 120), "steps": (150, 120), "variants": (90, 60), "wait": (20, 10), "ring": (90, 60),
+          "masked": (40, 60), "serve": (90, 120)}
+#: The ``variants`` phase: (CUDA graphs, torch.compile) for each run, all on first.
+VARIANTS = ((True, True), (False, True), (True, False), (False, False))
 FRAME = 1920
 #: Frames of the one session the steps phase hears alone at each batch size.
 PROBE_FRAMES = 8
@@ -115,6 +128,10 @@ def device_phase(cuda: bool) -> dict:
             "machine": platform.machine(), "cuda": cuda,
             "torch_compile": not os.environ.get("NO_TORCH_COMPILE"),
             "cuda_graphs": cuda and os.environ.get("NO_CUDA_GRAPH", "").lower() in ("", "0", "no", "n")}
+    from duplexrt.backends.moshi import compiler
+
+    info["c_compiler"] = compiler.find_c_compiler()
+    info["python_headers"] = str(compiler.python_headers() or "")
     if cuda:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda_version=torch.version.cuda,
@@ -127,12 +144,26 @@ def build_phase(options: dict, first: int) -> tuple[object, dict]:
     from duplexrt.backends.moshi import MoshiBackend, memory
 
     backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, first), options)
+    build = backend._build  # noqa: SLF001 - timed apart: the weights, then the warm-up
+    parts: dict = {}
+
+    def timed_build(torch):
+        began = time.perf_counter()
+        try:
+            return build(torch)
+        finally:
+            parts["model_s"] = round(time.perf_counter() - began, 2)
+
+    backend._build = timed_build  # type: ignore[method-assign]
     started = time.perf_counter()
     backend.load()
     seconds = time.perf_counter() - started
     model = backend._model  # noqa: SLF001 - the benchmark reads what it built
     fit = backend.slot_choice.details.get("fit_memory")
-    return backend, {"load_s": round(seconds, 2), "weights_bytes": memory.weight_bytes(model.lm, model.mimi),
+    model_s = parts.get("model_s", 0.0)
+    return backend, {"load_s": round(seconds, 2), "model_s": model_s, "warmup_s": round(seconds - model_s, 2),
+                     "torch_compile": backend.description.get("torch_compile"),
+                     "weights_bytes": memory.weight_bytes(model.lm, model.mimi),
                      "bytes_per_slot": backend.slot_bytes.as_dict(), "fit_memory": fit,
                      "free_bytes": backend.slot_choice.details.get("free_bytes"),
                      "reserve_bytes": backend.slot_choice.details.get("reserve_bytes")}
@@ -244,6 +275,50 @@ def steps_phase(backend, sizes: tuple[int, ...], fit: int | None, steps: int, cu
     return {"budget_ms": budget_ms, "steps_per_size": steps, "rows": rows}
 
 
+def variants_phase(backend, sizes: list[int], steps: int, cuda: bool, deadline: float, on_run) -> dict:
+    """The step at each of ``sizes`` with CUDA graphs and torch.compile each on and off.  Graphs
+    are the package's ``NO_CUDA_GRAPH`` (read at every call), compilation its own switch (read
+    at every call of a compiled function); both are put back after."""
+    import moshi.utils.compile as package_compile
+
+    from duplexrt.backends.moshi import compiler
+
+    compiled_here = compiler.compile_enabled()  # off at import (NO_TORCH_COMPILE, no compiler): no "on" run
+    saved_env, saved_flag = os.environ.get("NO_CUDA_GRAPH"), package_compile._compile_disabled
+    runs: list[dict] = []
+    try:
+        for size in sizes:
+            for graphs, compiled in VARIANTS:
+                run: dict = {"rows": size, "cuda_graphs": graphs and cuda, "torch_compile": compiled and compiled_here}
+                if (graphs and not cuda) or (compiled and not compiled_here):
+                    run["skipped"] = "not available here" + ("" if cuda else ": no GPU, no graphs")
+                    if not compiled_here and compiled:
+                        run["skipped"] = "torch.compile is off in this process"
+                elif time.monotonic() > deadline:
+                    run["skipped"] = "the phase's time ran out"
+                else:
+                    os.environ["NO_CUDA_GRAPH"] = "" if graphs else "1"
+                    package_compile._compile_disabled = not compiled
+                    started = time.perf_counter()
+                    backend.resize(size)
+                    run["resize_s"] = round(time.perf_counter() - started, 2)
+                    run.update(_timed_steps(backend, size, steps, cuda))
+                runs.append(run)
+                on_run(runs)
+    finally:
+        if saved_env is None:
+            os.environ.pop("NO_CUDA_GRAPH", None)
+        else:
+            os.environ["NO_CUDA_GRAPH"] = saved_env
+        package_compile._compile_disabled = saved_flag
+    columns: dict = {}
+    for run in runs:
+        if "step_ms" in run:
+            name = f"graphs_{'on' if run['cuda_graphs'] else 'off'}_compile_{'on' if run['torch_compile'] else 'off'}"
+            columns.setdefault(name, {})[str(run["rows"])] = run["step_ms"]["p50"]
+    return {"runs": runs, "columns": columns}
+
+
 def wait_phase(cuda: bool) -> dict:
     """CPU a thread spends waiting for ~50 ms of GPU work: spinning event against blocking one."""
     if not cuda:
@@ -330,11 +405,16 @@ def serve_phase(backend, slots: int, seconds: float, out: Path, limit_s: float) 
     from duplexrt.config import load_config
     from duplexrt.server import Server
 
+    import tempfile
+
     backend.info = attrs.evolve(backend.info, slots=slots)  # the scheduler's load sizes it again
+    # The server's host threads pinned to one CPU, as on CPUs given to it; the clients kept off it.
     config = load_config(None, ["server.port=0", 'backend.name="moshi"', f"runtime.slots={slots}",
-                                'runtime.late_input="fill"', "metrics.log_stats=false"])
+                                'runtime.late_input="fill"', "metrics.log_stats=false",
+                                "runtime.pin_host_threads=true"])
     frames = max(4, int(seconds * 1000 / FRAME_MS))
-    report = out / "serve-clients.json"
+    report = Path(tempfile.mkdtemp(prefix="duplexrt-gpu-serve-")) / "serve-clients.json"  # not in OUT
+    allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
     result: dict = {"slots": slots, "sessions": slots, "frames_per_session": frames}
 
     async def main() -> None:
@@ -347,8 +427,19 @@ def serve_phase(backend, slots: int, seconds: float, out: Path, limit_s: float) 
                        f"ws://127.0.0.1:{server.ports[0]}/v1/duplex", "--concurrency", str(slots),
                        "--mode", "paced", "--frames", str(frames), "--message-ms", "80", "--no-progress",
                        "--json", str(report)]
+            # A process started from the pinned trio thread would inherit its one CPU: the clients
+            # get every other CPU instead (all of them, where there is no other).
+            server_cpu = server.runtime.scheduler.pin_cpu if server.runtime is not None else None
+            clients = (allowed - {server_cpu}) or allowed
+            result.update(server_cpu=server_cpu, clients_cpus=sorted(clients))
+
+            def place_clients() -> None:
+                if clients:
+                    os.sched_setaffinity(0, clients)
+
             with trio.move_on_after(limit_s) as guard:
-                done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+                done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False,
+                                              preexec_fn=place_clients)
             result["server_process_cpu_s"] = round(time.process_time() - cpu, 3)
             after = server.statistics().runtime
             if guard.cancelled_caught:
@@ -383,6 +474,8 @@ def run_phase(results: Results, name: str, limit_s: float, work):
     """``work()`` as phase ``name``: its result (or its error) written at once.  Past ``limit_s``
     the process dumps every thread's stack and exits (faulthandler): a hung GPU call cannot take
     the next phases' time, and what was written so far stays."""
+    results.put(name, {"running": True, "limit_s": round(limit_s, 1)})  # a run cut short says where it was
+    began = time.monotonic()
     faulthandler.dump_traceback_later(limit_s, exit=True)
     try:
         value = work()
@@ -390,6 +483,7 @@ def run_phase(results: Results, name: str, limit_s: float, work):
         value = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
     finally:
         faulthandler.cancel_dump_traceback_later()
+    value.setdefault("phase_s", round(time.monotonic() - began, 2))
     results.put(name, value)
     print(f"{name}:", json.dumps({k: v for k, v in value.items() if k not in ("clients_output", "traceback")}),
           flush=True)
@@ -399,7 +493,7 @@ def run_phase(results: Results, name: str, limit_s: float, work):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmark-gpu"))
-    parser.add_argument("--budget-s", type=float, default=420.0, help="the whole run's seconds")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="the whole run's seconds")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per size (0: 20 on a GPU, 3 on a CPU)")
     parser.add_argument("--serve-seconds", type=float, default=0.0, help="the paced round (0: 30 s GPU, 3 s CPU)")
     args = parser.parse_args()
@@ -446,6 +540,14 @@ def main() -> int:
         backend, sizes, built["fit_memory"], steps, cuda, deadline("steps"), budget_ms,
         lambda rows: results.put("steps", {"budget_ms": budget_ms, "rows": rows})))
     measured = [r for r in table.get("rows", []) if "step_ms" in r]
+    within = [r["rows"] for r in measured if r["within_budget"]]
+    if measured and time.monotonic() < end:
+        largest = max(within) if within else measured[0]["rows"]
+        variant_sizes = sorted({size for size in (8 if cuda else sizes[0], largest)
+                                if any(r["rows"] == size for r in measured)})
+        run_phase(results, "variants", LIMITS["variants"][which] + hard + 30, lambda: variants_phase(
+            backend, variant_sizes, steps, cuda, deadline("variants"),
+            lambda runs: results.put("variants", {"running": True, "runs": runs})))
     run_phase(results, "wait", LIMITS["wait"][which] + hard, lambda: wait_phase(cuda))
     if measured and time.monotonic() < end:
         ring_rows, rings = GPU_RING if cuda else CPU_RING
@@ -455,7 +557,6 @@ def main() -> int:
     if measured and time.monotonic() < end:
         run_phase(results, "masked", LIMITS["masked"][which] + hard,
                   lambda: masked_phase(backend, measured[-1]["rows"], steps, cuda))
-    within = [r["rows"] for r in measured if r["within_budget"]]
     if measured and time.monotonic() < end:
         serve_slots = max(within) if within else 1
         seconds = args.serve_seconds or (30.0 if cuda else 3.0)

@@ -88,8 +88,19 @@ def test_the_script_runs_every_phase_in_the_bare_layout(bare):
     assert serve["frames_out"] == serve["sessions"] * serve["frames_per_session"] and not serve["failures"]
     assert serve["lag_p50_ms"] > 0 and serve["host_cpu_us_per_frame"] > 0
     assert "done" in phases
-    # What a bare checkout must not grow: nothing named cli importable from where it ran.
-    assert not (out / "site" / "cli").exists()
+    build = phases["build"]
+    assert build["model_s"] > 0 and build["warmup_s"] >= 0 and build["phase_s"] >= build["load_s"] > 0
+    variants = phases["variants"]
+    assert {(r["rows"], r["cuda_graphs"], r["torch_compile"]) for r in variants["runs"] if "step_ms" in r} == {
+        (1, False, False), (4, False, False)}  # no GPU: graphs and compile off, the rest said skipped
+    assert variants["columns"]["graphs_off_compile_off"].keys() == {"1", "4"}
+    assert len(variants["runs"]) == 8 and all("skipped" in r or "step_ms" in r for r in variants["runs"])
+    assert serve["server_cpu"] is not None and serve["server_cpu"] not in serve["clients_cpus"] or \
+        serve["clients_cpus"] == [serve["server_cpu"]]
+    # What comes back from a device is the output folder: the results alone, never the installed
+    # wheels (a remote run brings back a few small files).
+    assert sorted(path.name for path in out.iterdir()) == ["gpu.json"]
+    assert (out / "gpu.json").stat().st_size < 1 << 20
 
 
 def test_the_script_fails_at_once_naming_what_is_missing(bare):
