@@ -28,6 +28,7 @@ ATTACKS = {
     "big-json": "/v1/realtime",  # 2 MiB JSON events
     "metrics": "/metrics",  # GET /metrics in a loop, a connection each
     "big-heads": "/v1/duplex",  # four clients in parallel, each upgrade head ~6,200 tiny fields (60 KiB)
+    "close-flood": "/v1/duplex",  # a frame and input.end; once the server's Close comes, 1 MiB messages
 }
 
 
@@ -159,6 +160,38 @@ def _big_heads(port: int, seconds: float, clients: int = 4) -> dict:
     return {"heads": len(answers), "answers": sorted({answer.decode("latin-1") for answer in answers})}
 
 
+def _close_flood(port: int, seconds: float) -> dict:
+    """Ends its input so that the server closes, never answers the server's Close, and streams
+    1 MiB binary messages into the closing handshake until the server hangs up (or the time
+    is up): what a server that keeps the messages of a closing peer holds until its close
+    timeout."""
+    sock, rest = _open_websocket(port, ATTACKS["close-flood"])
+    reader = _ServerFrames(sock, rest)
+    reader.start()
+    print("go", flush=True)
+    deadline = time.monotonic() + seconds
+    sock.sendall(_frame(0x2, bytes(4 * 1920)) + _frame(0x1, b'{"type": "input.end"}'))
+    while reader.close is None and reader.is_alive() and time.monotonic() < deadline:
+        reader.join(0.01)
+    closed_at = time.monotonic()
+    message = _frame(0x2, bytes(1 << 20))
+    sent = 0
+    try:
+        while reader.close is not None and time.monotonic() < deadline:
+            sock.sendall(message)
+            sent += len(message)
+    except OSError:  # the server hung up: its close timeout, or reset
+        pass
+    hung_up = time.monotonic() - closed_at
+    while time.monotonic() < deadline and reader.is_alive():
+        reader.join(0.05)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    code, reason = reader.close or (None, "")
+    return {"sent": sent, "received": reader.received, "close_code": code, "close_reason": reason,
+            "hung_up_after_s": round(hung_up, 2)}
+
+
 def _flood(kind: str, port: int, seconds: float) -> dict:
     sock, rest = _open_websocket(port, ATTACKS[kind])
     reader = _ServerFrames(sock, rest)
@@ -190,6 +223,8 @@ def _main(kind: str, port: int, seconds: float) -> None:
         report = _scrape(port, seconds)
     elif kind == "big-heads":
         report = _big_heads(port, seconds)
+    elif kind == "close-flood":
+        report = _close_flood(port, seconds)
     else:
         report = _flood(kind, port, seconds)
     print(json.dumps(report), flush=True)

@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from duplexrt.wire.frames import Close, FrameParser, Opcode, frame
+from duplexrt.wire.native import NativeWebSocket
 from attack import FRAME_PERIOD_S, assert_nothing_held, hostile, paced_victim, server_rss_mib
 
 #: How long each attacker floods, with the caller's session inside it.
@@ -133,3 +134,52 @@ async def test_a_client_that_never_finishes_a_frame_or_a_message_is_idle(start_s
 
 def _not_final(data: bytes) -> bytes:
     return bytes((data[0] & 0x7F,)) + data[1:]
+
+
+# -- a peer that streams into the server's closing handshake ---------------------------------------
+
+#: The most the server may hold of one closing connection's bytes: a read's room and one message
+#: under way (the 1 MiB messages of the attack are under the message limit).  Kept, the messages
+#: of a peer streaming into the handshake came to hundreds of MiB in a few seconds.
+CLOSING_HELD_BYTES = 4 << 20
+
+
+async def test_messages_sent_into_the_servers_closing_handshake_are_dropped_not_kept(start_server, monkeypatch):
+    import duplexrt.server.app as app
+
+    connections: list[NativeWebSocket] = []
+
+    class Recorded(NativeWebSocket):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            connections.append(self)
+
+    monkeypatch.setattr(app, "NativeWebSocket", Recorded)
+    served = await start_server("runtime.resume_window_s=0", "server.close_timeout_s=2")
+    await paced_victim(served.port, 0.4, seed=2)
+    rss_before = server_rss_mib()
+    held = 0
+
+    async def watch_held() -> None:
+        nonlocal held
+        while True:
+            held = max([held, *(connection.held_bytes for connection in connections)])
+            await trio.sleep(0.005)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_held)
+        async with hostile(served.port, "close-flood", ATTACK_SECONDS) as attack:
+            await trio.sleep(0.2)  # the server's Close has gone, the flood is under way
+            victim = await paced_victim(served.port, VICTIM_SECONDS)
+            rss_during = server_rss_mib()
+        nursery.cancel_scope.cancel()
+    report = attack.report
+    assert report["close_code"] == 1000 and report["sent"] >= 8 << 20, report  # the flood did flow
+    assert held < CLOSING_HELD_BYTES, f"the server held {held / 2**20:.0f} MiB of a closing peer's messages"
+    assert sum(connection.discarded for connection in connections) > 0
+    # The handshake stays bounded: the server hangs up at its close timeout.
+    assert report["hung_up_after_s"] < 2 + 1, report
+    assert victim.exact, "the caller's echo is not what it sent"
+    assert victim.p99_ms < FRAME_PERIOD_S * 1e3, f"caller p99 lag {victim.p99_ms:.1f} ms (p50 {victim.p50_ms:.1f} ms)"
+    assert max(rss_during, server_rss_mib()) - rss_before < RSS_GROWTH_MIB
+    await assert_nothing_held(served)

@@ -429,3 +429,28 @@ async def test_a_close_reads_past_a_backlog_the_session_never_took_and_ends():
             await server.close()
         close = await peer.next_event()
         assert isinstance(close, Close) and close.code == 1000
+
+
+# -- the closing handshake ----------------------------------------------------------------------------
+
+
+async def test_messages_that_come_after_this_end_sent_its_close_are_dropped_as_they_are_parsed():
+    # RFC 6455 1.4: after sending Close, data may be ignored.  Kept, they were all held until
+    # the peer's Close or the close timeout, however many the peer sent.
+    async with _receiving(close_timeout=5.0) as (server, peer, nursery):
+        nursery.start_soon(server.close)
+        close = await peer.next_event()
+        assert isinstance(close, Close) and close.code == 1000
+        held: list[int] = []
+        for _ in range(40):
+            await peer.stream.send_all(frame(Opcode.BINARY, bytes(1 << 16), masked=True))
+            await trio.testing.wait_all_tasks_blocked()
+            held.append(server.held_bytes)
+        await peer.send(Opcode.BINARY, b"part", fin=False)  # a message under way is held, then dropped
+        await peer.send(Opcode.CONTINUATION, b" and the rest")
+        await peer.send(Opcode.CLOSE, struct.pack("!H", 1000))
+        with trio.fail_after(2):
+            while server.discarded < 41:
+                await trio.sleep(0.01)
+    assert max(held) < 1 << 17  # one message's bytes at most, never the 40 that came
+    assert server.discarded == 41 and server.held_bytes == 0

@@ -99,6 +99,8 @@ class Connection:
         self.pongs = 0
         #: ``receive_into`` stopped at ``PARSE_BATCH`` messages: bytes read wait to be parsed.
         self.backlog = False
+        #: Data messages parsed after this end's Close went, and thrown away (``receive_into``).
+        self.discarded = 0
         self.parser = FrameParser(masked=not client, max_message=max_message)
         self._mask_keys = MaskKeys() if client else None
         #: The control-frame rate: ``clock`` (seconds) is read once per window's worth of
@@ -153,7 +155,8 @@ class Connection:
 
     def receive_into(self, messages: deque[Message]) -> Ping | Close | FrameError | None:
         """Append every whole message parsed so far to ``messages`` (at most ``PARSE_BATCH`` a
-        call: ``backlog`` says more may be parsed) and count pongs; return what
+        call: ``backlog`` says more may be parsed; once this end's Close went, none: they are
+        counted in ``discarded`` and dropped) and count pongs; return what
         needs an answer, its meaning already recorded: the latest ``Ping`` once the bytes run out
         (``answer_pings`` answers it and those before it), else a ``Close`` (the peer's end) or a
         ``FrameError`` (this end's).  A Close or a FrameError that follows a ping is handed back
@@ -164,11 +167,15 @@ class Connection:
             self._held = None
             return held
         parser = self.parser
-        append = messages.append
+        # Once this end's Close went, no one takes another message: each one parsed is dropped
+        # at once (RFC 6455 1.4: data after sending Close may be ignored).  Kept, a peer that
+        # streams large messages into the closing handshake held all of them until the close
+        # timeout, hundreds of MiB a connection (``tests/test_under_attack_wire.py``).
+        append = self._discard if self.state is _CLOSE_SENT else messages.append
         ping: Ping | None = None
-        batch_end = len(messages) + PARSE_BATCH
+        batch = PARSE_BATCH
         while True:
-            if len(messages) >= batch_end:
+            if not batch:
                 self.backlog = True
                 return ping
             try:
@@ -182,6 +189,7 @@ class Connection:
             kind = type(event)
             if kind is bytes or kind is str:  # exactly: a Ping and a Pong are bytes too
                 append(event)  # type: ignore[arg-type]
+                batch -= 1
                 continue
             if isinstance(event, Close):
                 self._peer_closed(event)
@@ -197,6 +205,9 @@ class Connection:
             else:
                 ping = event  # type: ignore[assignment]  # a Ping, by elimination
                 self._unanswered.append(event)  # type: ignore[arg-type]
+
+    def _discard(self, message: Message) -> None:
+        self.discarded += 1
 
     def _after(self, ping: Ping | None, event: Close | FrameError) -> Ping | Close | FrameError:
         """``event`` now, or ``ping`` now and ``event`` from the next call."""

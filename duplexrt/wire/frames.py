@@ -244,6 +244,12 @@ class FrameParser:
         """Bytes received and not yet parsed into an event."""
         return self._end - self._pos
 
+    @property
+    def held(self) -> int:
+        """Bytes of the peer's this parser keeps: those not yet parsed, and the fragments of a
+        message under way."""
+        return self._end - self._pos + self._size
+
     def room(self, at_least: int = MIN_ROOM) -> memoryview:
         """Where the next read goes: at least ``at_least`` bytes at the end of the buffer (more
         when the frame under way needs it).  Tell ``received`` how many were written there.

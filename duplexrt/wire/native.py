@@ -11,13 +11,14 @@ messages at a time; messages already parsed are taken with ``poll`` (or ``receiv
 the same wake-up, up to a turn's share (``_TURN_MESSAGES``, ``_TURN_NS``) before it yields.  A
 message goes out as one ``send_all`` of header and payload.
 
-What keeps working when the session is not reading (its input ended, or it waits for the client
-to read): the keepalive reads by itself while it waits for a pong, and a close reads until the
-peer's Close; both stop reading ahead once ``queue_limit`` messages wait unread, as trio-websocket
-does.  On a server it also bounds how long a connection may hold its slot without doing its part:
-a first message that never comes, a peer that stops answering pings or sends nothing for too long,
-and a closing handshake the peer never finishes all end the connection, each with a finish reason
-of its own (``TransportClosed.finish_reason``) so that the log tells a limit from a hang-up.
+What keeps working when the session is not reading (its input ended, or it waits for the client to
+read): the keepalive reads by itself while it waits for a pong, and stops reading ahead once
+``queue_limit`` messages wait unread, as trio-websocket does; a close reads until the peer's Close
+and drops the messages that come meanwhile (no one takes them).  On a server it also bounds how long
+a connection may hold its slot without doing its part: a first message that never comes, a peer
+that stops answering pings or sends nothing for too long, and a closing handshake the peer never
+finishes all end the connection, each with a finish reason of its own
+(``TransportClosed.finish_reason``) so that the log tells a limit from a hang-up.
 """
 
 from __future__ import annotations
@@ -149,6 +150,20 @@ class NativeWebSocket:
         self._turn_messages += 1
         return messages.popleft()
 
+    @property
+    def held_bytes(self) -> int:
+        """What this connection holds of the peer's, in bytes: messages read and not yet taken,
+        the fragments of a message under way, and bytes read and not yet parsed (a text message
+        counted by its characters).  A statistic (it sums the queue when asked): what a peer can
+        make the server keep is bounded by the queue and message limits, in the closing
+        handshake too."""
+        return sum(len(message) for message in self._messages) + self._parser.held
+
+    @property
+    def discarded(self) -> int:
+        """Messages the peer sent after this end's Close, dropped unread."""
+        return self._connection.discarded
+
     def _turn_spent(self) -> bool:
         """This connection has had its share of the trio thread since it last yielded.  On a
         server only: the peer there may be hostile, and every session shares the thread."""
@@ -215,7 +230,14 @@ class NativeWebSocket:
             with trio.move_on_at(self._close_deadline) as self._close_scope:
                 await self._send_close(code, reason)
                 # After a broken frame no Close of the peer's can be found: hang up at once.
+                # What the peer sends meanwhile is parsed only to find its Close: its messages
+                # are dropped as they come (``Connection.receive_into``), so a peer streaming
+                # into the handshake costs a parse, not memory, and no more than its share of
+                # the trio thread (the turn, as for ``receive``).
                 while self._connection.reading:
+                    if not self._client and _now_ns() - self._turn_start > _TURN_NS:
+                        await trio.lowlevel.checkpoint()
+                        self._new_turn()
                     await self._read_more(limit=False)
         finally:
             self._drop_stream()
