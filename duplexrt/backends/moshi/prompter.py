@@ -130,12 +130,17 @@ class Prompter:
 
     def warm(self) -> None:
         """The default persona's state, prefilled at load (the first default caller copies it;
-        the lane's kernels are warm)."""
+        the lane's kernels are warm).  On a GPU a second prompt of another length is read too:
+        the package's compiled kernels specialise on the first shape they see and recompile for
+        the second as dynamic, which is then paid here, not by a caller."""
         persona = self.check(PersonaRequest())
         key = (persona.voice, persona.tokens)
         if key not in self.cache:
             self.cache.put(key, prefill.run(self.lm, self.frames(persona), self.mode))
             self.prefills += 1
+        if next(self.lm.parameters()).device.type == "cuda" and len(persona.tokens) > 1:
+            shorter = Persona(persona.voice, persona.text, persona.tokens[: len(persona.tokens) // 2])
+            prefill.run(self.lm, self.frames(shorter), self.mode)
 
     def prompt(self, lm_gen: Any, row: int, persona: Persona, session_key: int, widths: list[int]) -> None:
         """``row`` (just reset) starts its conversation as ``persona``."""
