@@ -55,7 +55,7 @@ class Server:
         command = [str(BIN), "serve", "--config", config, "--port", "0", "--slots", str(TALKERS + JOINERS),
                    "--no-log-stats", *[item for option in options for item in ("-o", option)]]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "NO_TORCH_COMPILE": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "NO_TORCH_COMPILE": "1", "OMP_NUM_THREADS": "1"})
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             if "port(s)" in line:
