@@ -34,6 +34,7 @@ from duplexrt.reasons import CloseCode
 from duplexrt.server.budget import journal_bytes
 from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
+from duplexrt.server.listen import check_free, open_listeners
 from duplexrt.server.liveness import Liveness
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.origin import origin_refusal
@@ -160,9 +161,10 @@ class Server:
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, listen, serve.  Returns after ``shutdown()`` has drained."""
         settings = self.config.server
+        check_free(settings.host, settings.port)  # a taken port is said now, not after a load of minutes
         async with open_runtime(self.config, self._backend) as runtime:
             self.runtime = runtime
-            listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
+            listeners = await open_listeners(settings.port, settings.host)
             self.ports = sorted({listener.socket.getsockname()[1] for listener in listeners})
             self.replica_id = self.replica_id or f"{socket.gethostname()}:{self.ports[0]}"
             await self._serve(runtime, listeners, task_status)
