@@ -55,7 +55,7 @@ import numpy as np
 
 from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, Persona, PersonaError, PersonaRequest,
                                     SlotChoice, SlotSession)
-from duplexrt.backends.moshi import auto_slots, compiler, loading, memory, personaplex, ring, sampling
+from duplexrt.backends.moshi import auto_slots, compiler, loading, memory, personaplex, presize, ring, sampling
 from duplexrt.backends.moshi.settings import (DEFAULTS, HIBIKI_FLUSH_FRAMES, MODEL_FRAME_SIZE, MODEL_SAMPLE_RATE,
                                               NAME, MoshiSettings)
 from duplexrt.backends.moshi.cuda import StepClock, select_device
@@ -85,6 +85,46 @@ class _Model:
     cfg_coef: float
     #: The temporal transformer's context as built, before any ring was applied to it.
     model_positions: int
+
+
+class _Staged:
+    """Rows for the device (a mask, their indices, a value per row), written into page-locked host
+    buffers and copied without blocking: the host does not wait for the GPU's queued work (a
+    pageable ``.to()`` would), and a later ``put`` waits only for this group's own last copy before
+    writing the buffers again.  On a CPU the host buffers are the device's."""
+
+    def __init__(self, torch: Any, slots: int, device: Any, host: Any) -> None:
+        self._cuda = device.type == "cuda"
+        self._mask_t = host((slots,), torch.bool)
+        self._rows_t = host((slots,), torch.int64)
+        self._values_t = host((slots,), torch.int64)
+        self._mask, self._rows, self._values = self._mask_t.numpy(), self._rows_t.numpy(), self._values_t.numpy()
+        if self._cuda:
+            self._mask_dev = torch.zeros(slots, dtype=torch.bool, device=device)
+            self._rows_dev = torch.zeros(slots, dtype=torch.int64, device=device)
+            self._values_dev = torch.zeros(slots, dtype=torch.int64, device=device)
+            self._copied = torch.cuda.Event()
+        else:
+            self._mask_dev, self._rows_dev, self._values_dev = self._mask_t, self._rows_t, self._values_t
+
+    def put(self, rows: np.ndarray, values: np.ndarray | None = None) -> tuple[Any, Any, Any]:
+        """``(mask, indices, values[rows])`` of ``rows`` on the device (views of this group's buffers,
+        good until its next ``put``)."""
+        count = len(rows)
+        if self._cuda:
+            self._copied.synchronize()  # the last copy from these buffers is done (long since, as a rule)
+        self._mask[:] = False
+        self._mask[rows] = True
+        self._rows[:count] = rows
+        if values is not None:
+            self._values[:count] = values[rows]
+        if self._cuda:
+            self._mask_dev.copy_(self._mask_t, non_blocking=True)
+            self._rows_dev[:count].copy_(self._rows_t[:count], non_blocking=True)
+            if values is not None:
+                self._values_dev[:count].copy_(self._values_t[:count], non_blocking=True)
+            self._copied.record()
+        return self._mask_dev, self._rows_dev[:count], self._values_dev[:count]
 
 
 def _streaming_roots(module: Any) -> list[Any]:
@@ -219,6 +259,8 @@ class MoshiBackend(Backend):
             select_device(torch.cuda, settings.device)  # before anything is built or captured
         with torch.no_grad():
             if self._model is None:
+                if self.info.slots != CHOSEN_AT_LOAD:
+                    self._refuse_before_building(torch)  # seconds, not the minutes of a 7B build
                 self._model = self._build(torch)
             mimi, lm, cfg_coef = self._model.mimi, self._model.lm, self._model.cfg_coef
             self._release_rows()  # sized again from the weights alone
@@ -251,9 +293,11 @@ class MoshiBackend(Backend):
                 if fit is not None and slots > fit:
                     raise ConfigError(self._does_not_fit(slots, fit, device_memory))
                 self._allocate(slots)
-                self._warm_up(settings.warmup_steps)
+                step = self._warm_up(settings.warmup_steps)
                 self.slot_choice = SlotChoice(slots, "configured", "runtime.slots",
                                               self._memory_details(fit, device_memory))
+                if step:  # a full batch over the frame keeps no call in real time: say so, loudly
+                    self.slot_choice = self._check_clock(self.slot_choice, step * 1e3)
             # The ring in the reason too: the start line shows the reason, and the ring is half of it.
             self.slot_choice = attrs.evolve(self.slot_choice,
                                             reason=f"{self.slot_choice.reason}; {self.ring.describe()}")
@@ -366,6 +410,52 @@ class MoshiBackend(Backend):
                 f"{gb(slots * per.total)} for {slots}, and {free}: at most {fit} slot{'s' if fit != 1 else ''} "
                 f"fit; {advice}")
 
+    def _refuse_before_building(self, torch: Any) -> None:
+        """A configured slot count that cannot fit, refused from the model's configuration on the
+        meta device before any weight is built (``presize``); the check after the build stays."""
+        early = presize.before_building(self.settings, self._torch_dtype(torch),
+                                        max_session_seconds=self.info.max_session_seconds,
+                                        memory_source=self._memory_source or memory.device_memory)
+        if early is None or early.fit is None or self.info.slots <= early.fit:
+            return
+        self.slot_bytes, self.ring = early.slot_bytes, early.ring  # what the message names
+        raise ConfigError(self._does_not_fit(self.info.slots, early.fit, early.after_weights)
+                          + " (found from the model's configuration, before building it)")
+
+    def _check_clock(self, choice: SlotChoice, step_ms: float) -> SlotChoice:
+        """``runtime.slots`` as given, against the frame: a full batch stepping over the budget
+        keeps no call in real time.  Then smaller batches are timed, as ``"auto"`` times them, to
+        name the largest that keeps it, in an ERROR and in ``slot_choice`` (``/readyz``), and the
+        configured rows are allocated again."""
+        info, slots = self.info, choice.slots
+        budget = info.frame_ms * (1.0 - info.capacity_margin)
+        clock: dict[str, Any] = {"step_ms": round(step_ms, 3), "budget_ms": round(budget, 3),
+                                 "within_budget": step_ms <= budget}
+        if step_ms <= budget:
+            return attrs.evolve(choice, details={**choice.details, "real_time": clock})
+        steady = max(self.settings.warmup_steps - self._unsettled_steps, 3)
+
+        def time_at(rows: int) -> float:
+            self._allocate(rows)
+            return self._warm_up(self._unsettled_steps + steady) * 1e3
+
+        found = auto_slots.search(time_at, slots - 1, budget) if slots > 1 else None
+        self._allocate(slots)
+        self._warm_up(self.settings.warmup_steps)
+        largest = found.slots if found is not None and found.within_budget else 0
+        clock.update(largest_slots=largest,
+                     timed=[{"rows": rows, "step_ms": round(ms, 3)} for rows, ms in (found.timings if found else ())])
+        advice = (f"the largest batch timed within it is {largest} rows: set runtime.slots = {largest} "
+                  f"(--slots {largest}) or \"auto\"" if largest else
+                  "not even one row steps within it: no session keeps real time on this device")
+        message = (f"runtime.slots = {slots} is too many for this device's clock: a full batch steps in "
+                   f"{step_ms:.1f} ms, over the {budget:.1f} ms budget (the {info.frame_ms:g} ms frame less "
+                   f"{info.capacity_margin:.0%}), so no call keeps real time; {advice}")
+        log.error("moshi backend: %s", message)
+        return attrs.evolve(choice, reason=f"{choice.reason}; TOO SLOW: {step_ms:.1f} ms a step over the {budget:.1f} "
+                                           f"ms budget, {largest} slots keep real time",
+                            details={**choice.details, "real_time": clock})
+
     def _choose_slots(self, fit: int | None, device_memory: memory.DeviceMemory | None) -> SlotChoice:
         """``runtime.slots = "auto"``: time full batches of a few sizes up to what fits the memory
         (``auto_slots``), keep the largest whose step leaves the margin."""
@@ -451,7 +541,8 @@ class MoshiBackend(Backend):
             return
         self._loaded_rows = False
         self._rows_stack.close()  # every module's streaming state (and its CUDA graphs) goes
-        for name in ("_lm_gen", "_sampler", "_pcm_dev", "_exec", "_clock", "_wiper", "_encoder_wiper", "_mover"):
+        for name in ("_lm_gen", "_sampler", "_pcm_dev", "_exec", "_clock", "_wiper", "_encoder_wiper", "_mover",
+                     "_join", "_first"):
             setattr(self, name, None)
         import gc
 
@@ -506,6 +597,12 @@ class MoshiBackend(Backend):
         self._out = self._out_t.numpy()
         self._text_t = host((slots,), torch.int64)
         self._text = self._text_t.numpy()
+        # A join's rows (``_apply_resets``) and a first frame's rows (the encoder's reset), staged:
+        # written into page-locked buffers and copied to the device without blocking, so the host
+        # never waits there for the GPU's queued work; each group is written again only once its
+        # last copy is done (its event).  On a CPU the model reads the host buffers themselves.
+        self._join = _Staged(torch, slots, device, host)
+        self._first = _Staged(torch, slots, device, host)
         if cuda:
             self._exec = torch.zeros(slots, dtype=torch.bool, device=device)
             self._pcm_dev = torch.zeros((slots, 1, frame), dtype=torch.float32, device=device)
@@ -623,15 +720,12 @@ class MoshiBackend(Backend):
         self._pending_end = True
 
     def _apply_resets(self) -> None:
-        torch = self._torch
-        # A plain copy: the host mask is cleared right after.
-        mask = self._reset_t.to(self._exec.device) if self._cuda else self._reset_t
+        # Staged copies (``_Staged``): the host mask is cleared right after, the copy is not waited for.
+        mask, index, keys = self._join.put(np.flatnonzero(self._reset), self._keys)
         self._lm_gen.reset_streaming(mask)
         self._mimi.reset_streaming(mask)
-        rows = np.flatnonzero(self._reset)
-        index = torch.from_numpy(rows).to(self._sampler.keys.device)
         self._wiper.wipe(index)
-        self._sampler.keys.index_copy_(0, index, torch.from_numpy(self._keys[rows]).to(index.device))
+        self._sampler.keys.index_copy_(0, index, keys)
         self._sampler.counters.index_fill_(0, index, 0)
         self._reset[:] = False
         self._pending_reset = False
@@ -662,15 +756,19 @@ class MoshiBackend(Backend):
         exec_mask = self._exec
         mimi = self._mimi
 
+        # A session's first frame: its row's encoder is reset once the frame is encoded; the mask
+        # goes to the device now, before the encoder is queued, so that nothing waits for it.
+        first = rows[self._frames[rows] == 0]
+        first_reset = self._first.put(first) if len(first) else None
+
         # encode: every row's frame through Mimi's encoder; only the given rows' states advance.
         ending = self._take_ending(torch) if self._pending_end else None
         mimi.set_exec_mask(exec_mask if ending is None else exec_mask & ~ending)
         codes = mimi.encode(self._pcm_dev)
         if ending is not None:
             codes = torch.where(ending[:, None, None], mimi.cardinality, codes)
-        first = rows[self._frames[rows] == 0]
-        if len(first):
-            self._reset_encoder(torch, first)
+        if first_reset is not None:
+            self._reset_encoder(*first_reset[:2])
         if cuda:
             marks.mark(1)
         t1 = clock()
@@ -729,15 +827,12 @@ class MoshiBackend(Backend):
         self._pending_end = False
         return ending
 
-    def _reset_encoder(self, torch: Any, rows: np.ndarray) -> None:
-        """Forget the encoder's state for ``rows`` (their first frame has been encoded)."""
-        index = torch.from_numpy(rows)
-        reset = torch.zeros(self.info.slots, dtype=torch.bool)
-        reset[index] = True
-        reset = reset.to(self._exec.device)
+    def _reset_encoder(self, reset: Any, index: Any) -> None:
+        """Forget the encoder's state for the rows of ``reset`` (a mask on the model's device) and
+        ``index`` (the same rows): their first frame has been encoded."""
         for module in self._encoder_side:
             module.reset_streaming(reset)
-        self._encoder_wiper.wipe(index.to(self._exec.device))
+        self._encoder_wiper.wipe(index)
 
     def stage_means_ms(self) -> dict[str, float]:
         """Mean duration of each stage per step so far, in milliseconds."""
