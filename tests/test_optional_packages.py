@@ -20,14 +20,20 @@ def present(monkeypatch, *modules: str) -> None:
 ALL = ("torch", "moshi", "safetensors", "huggingface_hub", "einops", "sentencepiece", "tqdm")
 
 
-def test_nothing_installed_names_every_package_and_the_extra(monkeypatch):
+def test_nothing_installed_names_every_package_and_the_tested_route_for_cpu_and_cuda(monkeypatch):
     present(monkeypatch)
     with pytest.raises(ConfigError) as caught:
         env.check_installed()
     message = str(caught.value)
     assert ("needs packages that are not installed: torch, safetensors, huggingface-hub, einops, "
             "sentencepiece, tqdm, moshi.") in message
-    assert message.endswith("Install them with: pip install 'duplexrt[moshi]'")
+    # The tested route (packaging/install.sh), torch pinned first: never the extra, whose moshi pins
+    # pull torch<2.10 with ~3 GB of CUDA wheels even on a CPU machine.
+    assert "duplexrt[moshi]" not in message and "packaging/install.sh" in message
+    rest = ("pip install 'safetensors>=0.4,<0.8' 'huggingface-hub>=0.24,<1.0' 'einops>=0.7,<0.9' "
+            "'sentencepiece>=0.2,<0.3' 'tqdm>=4.48' && pip install --no-deps moshi==0.2.13")
+    assert (f"on a CPU machine pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && {rest}; "
+            f"on a CUDA machine pip install torch==2.13.0 && {rest}") in message
 
 
 def test_beside_an_installed_torch_moshi_goes_in_without_its_pins_after_its_light_dependencies(monkeypatch):
@@ -67,3 +73,11 @@ def test_the_install_script_installs_the_same_requirements():
     script = (Path(__file__).resolve().parent.parent / "packaging" / "install.sh").read_text()
     for _, requirement in (*env.LIGHT, env.MOSHI):
         assert requirement in script, requirement
+
+
+def test_the_hint_pins_the_torch_the_install_script_pins():
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parent.parent / "packaging" / "install.sh").read_text()
+    assert f': "${{TORCH:={env.TORCH_PIN}}}"' in script
+    assert env.TORCH_CPU_INDEX in script

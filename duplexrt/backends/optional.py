@@ -18,6 +18,10 @@ from duplexrt.config import ConfigError
 #: requirement that installs it.  The light ones are the moshi package's own dependencies that
 #: serving needs (its audio-device and web-server ones are not), with the ranges it runs with.
 TORCH = ("torch", "torch")
+#: The torch the tested route installs first (packaging/install.sh's default), and the index of its
+#: CPU build (PyPI's Linux torch is the CUDA build, ~3 GB of CUDA wheels even on a CPU machine).
+TORCH_PIN = "torch==2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 MOSHI = ("moshi", "moshi==0.2.13")
 LIGHT = (
     ("safetensors", "safetensors>=0.4,<0.8"),
@@ -40,17 +44,20 @@ def missing_packages() -> list[str]:
     return [requirement for module, requirement in (TORCH, *LIGHT, MOSHI) if not _importable(module)]
 
 
-def install_command(missing: list[str]) -> str:
-    """The one command line that installs ``missing``.
+def install_command(missing: list[str], *, cuda: bool = False) -> str:
+    """The one command line that installs ``missing``, the tested way (packaging/install.sh).
 
-    Without torch, the ``moshi`` extra brings everything, moshi's own pins included (torch<2.10,
-    numpy<2.3).  Beside a torch that is there already, the moshi package goes in without its pins
-    (``--no-deps``), after its light dependencies, as packaging/install.sh does: its pins would
-    otherwise replace that torch."""
+    torch first, pinned (``TORCH_PIN``): from its CPU index on a CPU machine, PyPI's CUDA build
+    on a CUDA one (``cuda``).  The ``moshi`` extra is not the way: it resolves to the moshi
+    package's own pins (torch<2.10, numpy<2.3), ~3 GB of CUDA wheels even on a CPU and numpy
+    downgraded.  Then the moshi package goes in without its pins (``--no-deps``), after its
+    light dependencies: its pins would otherwise replace that torch."""
+    steps = []
     if TORCH[1] in missing:
-        return "pip install 'duplexrt[moshi]'"
-    light = [requirement for requirement in missing if requirement != MOSHI[1]]
-    steps = [f"pip install {' '.join(repr(r) if '<' in r or '>' in r else r for r in light)}"] if light else []
+        steps.append(f"pip install {TORCH_PIN}" + ("" if cuda else f" --index-url {TORCH_CPU_INDEX}"))
+    light = [requirement for requirement in missing if requirement not in (MOSHI[1], TORCH[1])]
+    if light:
+        steps.append(f"pip install {' '.join(repr(r) if '<' in r or '>' in r else r for r in light)}")
     if MOSHI[1] in missing:
         steps.append(f"pip install --no-deps {MOSHI[1]}")
     return " && ".join(steps)
@@ -61,5 +68,8 @@ def check_installed() -> None:
     missing = missing_packages()
     if missing:
         names = ", ".join(re.split("[<>=]", requirement)[0] for requirement in missing)
-        raise ConfigError(f"backend.name = \"moshi\" needs packages that are not installed: {names}. "
-                          f"Install them with: {install_command(missing)}")
+        advice = f"Install them with: {install_command(missing)}"
+        if TORCH[1] in missing:
+            advice = (f"Install them as packaging/install.sh does, torch first: on a CPU machine "
+                      f"{install_command(missing)}; on a CUDA machine {install_command(missing, cuda=True)}")
+        raise ConfigError(f"backend.name = \"moshi\" needs packages that are not installed: {names}. {advice}")
