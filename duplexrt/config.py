@@ -7,6 +7,7 @@ an invalid one stops start-up with a message naming the key, the allowed range a
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -213,12 +214,20 @@ def _stripped(value: object) -> object:
     return value.strip() if isinstance(value, str) else value
 
 
-def _stripped_key(value: object) -> object:
-    """``server.api_key`` without surrounding whitespace; one of whitespace only is refused, not
-    read as "no key" (which an operator who wrote a key never meant)."""
+def _stripped_secret(key: str, value: object) -> object:
+    """A key (``server.api_key``, ``server.admin_key``) without surrounding whitespace; one of
+    whitespace only is refused, not read as "no key" (which an operator who wrote a key never meant)."""
     if isinstance(value, str) and value and not value.strip():
-        raise ConfigError("server.api_key is only whitespace: give the key, or leave it empty for no key")
+        raise ConfigError(f"{key} is only whitespace: give the key, or leave it empty for no key")
     return _stripped(value)
+
+
+def _stripped_key(value: object) -> object:
+    return _stripped_secret("server.api_key", value)
+
+
+def _stripped_admin_key(value: object) -> object:
+    return _stripped_secret("server.admin_key", value)
 
 
 def _is_replica_id(key: str) -> Validator:
@@ -260,6 +269,36 @@ def _origins(value: object) -> tuple[str, ...]:
 
 
 _ORIGIN = re.compile(r"(?i)(https?|wss?)://[^/\s?#@]+/?")
+
+#: Loopback, IPv4 and IPv6: the default of ``server.drain_from`` and ``server.unlimited_peers``.
+LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
+
+
+def _networks(key: str, value: object) -> tuple[str, ...]:
+    """A list of IP networks (``"10.0.0.0/8"``, ``"::1/128"``) or single addresses, checked and
+    written in their normal form (``"10.1.2.3"`` becomes ``"10.1.2.3/32"``)."""
+    if not isinstance(value, list | tuple) or not all(isinstance(item, str) for item in value):
+        raise ConfigError(f"{key} must be a list of IP networks like \"10.0.0.0/8\", got {value!r}")
+    found = []
+    for item in value:
+        try:
+            found.append(str(ipaddress.ip_network(item.strip(), strict=False)))
+        except ValueError:
+            raise ConfigError(f"{key}: {item!r} is not an IP network or address "
+                              '(write "10.0.0.0/8", "192.0.2.7" or "::1/128")') from None
+    return tuple(found)
+
+
+def _drain_from(value: object) -> tuple[str, ...]:
+    return _networks("server.drain_from", value)
+
+
+def _trusted_proxies(value: object) -> tuple[str, ...]:
+    return _networks("server.trusted_proxies", value)
+
+
+def _unlimited_peers(value: object) -> tuple[str, ...]:
+    return _networks("server.unlimited_peers", value)
 
 
 def _as_table(value: object) -> dict[str, Any]:
@@ -327,6 +366,28 @@ class ServerConfig:
     #: This replica's name behind a load balancer, shown in /readyz, /metrics and the log.
     #: Empty: the host name and the bound port (``gpu-node-3:8000``).
     replica_id: str = attrs.field(default="", converter=_stripped, validator=_is_replica_id("server.replica_id"))
+    #: ``POST /drain`` stops the replica: it is not for whoever may use the model.  It is served
+    #: to a peer in these networks (loopback: a Kubernetes preStop hook, an operator on the host),
+    #: with the API key when there is one, and to any peer that sends ``server.admin_key``.
+    drain_from: tuple[str, ...] = attrs.field(default=LOOPBACK_NETWORKS, converter=_drain_from)
+    #: A second key, for ``POST /drain`` from anywhere (empty: none); not for sessions.
+    admin_key: str = attrs.field(default="", converter=_stripped_admin_key, validator=_is_api_key("server.admin_key"))
+    #: Balancers whose ``X-Forwarded-For`` is believed: a connection from one of them counts as
+    #: the client it names (the per-peer cap, who may drain).  Empty: none, the header is ignored.
+    trusted_proxies: tuple[str, ...] = attrs.field(default=(), converter=_trusted_proxies)
+    #: Connections one client address may hold open at once (sessions, request heads being
+    #: read, plain HTTP); more are refused with 429 (0: no cap).  Behind a balancer every client
+    #: has its address: list it in ``trusted_proxies``, or the cap counts the balancer.
+    max_connections_per_peer: int = attrs.field(
+        default=16, validator=_int_range("server.max_connections_per_peer", 0, 1_000_000))
+    #: Peers the per-peer cap leaves alone (loopback: benchmarks and a balancer on the same host).
+    unlimited_peers: tuple[str, ...] = attrs.field(
+        default=LOOPBACK_NETWORKS, converter=_unlimited_peers)
+
+    def __attrs_post_init__(self) -> None:
+        if self.admin_key and self.admin_key == self.api_key:
+            raise ConfigError("server.admin_key must differ from server.api_key: draining the server is "
+                              "not for every client that may use the model")
 
 @attrs.frozen(kw_only=True)
 class RealtimeConfig:

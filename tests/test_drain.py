@@ -10,6 +10,7 @@ import json
 import logging
 import signal
 import time
+from ipaddress import ip_address
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ import trio
 import trio_websocket
 
 from conftest import PATIENCE, ServeProcess
-from duplexrt.server.drain import Signals, drain_answer, progress_line, wait_for_calls
+from duplexrt.config import load_config
+from duplexrt.server.drain import Signals, drain_answer, drain_refusal, progress_line, wait_for_calls
+from duplexrt.server.peers import client_address, parse_address
 from conftest import http_get
 
 FRAME = 1920
@@ -71,11 +74,56 @@ async def test_no_calls_no_wait(autojump_clock):
 
 
 def test_the_drain_request_is_a_post_with_the_key():
-    assert drain_answer("GET", True, False, 0, 300)[0] == 405
-    assert drain_answer("POST", False, False, 0, 300)[:1] == (401,)
-    status, body, _ = drain_answer("POST", True, True, 4, 300)
+    assert drain_answer("GET", None, False, 0, 300)[0] == 405
+    status, body, headers = drain_answer("POST", (401, "a key"), False, 0, 300)
+    assert (status, json.loads(body), headers) == (401, {"error": "a key"}, [("www-authenticate", "Bearer")])
+    assert drain_answer("POST", (403, "not here"), False, 0, 300)[::2] == (403, [])
+    status, body, _ = drain_answer("POST", None, True, 4, 300)
     assert status == 202
     assert json.loads(body) == {"draining": True, "already_draining": True, "calls": 4, "shutdown_grace_s": 300}
+
+
+def _settings(*overrides: str):
+    return load_config(None, list(overrides)).server
+
+
+def test_only_the_host_itself_or_the_admin_key_may_drain():
+    """Issue 38, item 1: stopping the server is not using the model.  Keyless, a loopback peer
+    may drain and a peer on the network may not; with an API key, that key is no drain key off
+    the host; the admin key drains from anywhere."""
+    public, loopback = ip_address("203.0.113.9"), ip_address("127.0.0.1")
+    keyless = _settings()
+    assert drain_refusal(loopback, False, "", keyless) is None
+    assert drain_refusal(ip_address("::1"), False, "", keyless) is None
+    assert drain_refusal(public, False, "", keyless)[0] == 403
+    assert drain_refusal(None, False, "", keyless)[0] == 403  # an unknown peer is not the host
+    # A balancer on the same host connects from loopback: what it forwards is not the host's.
+    assert drain_refusal(loopback, True, "", keyless)[0] == 403
+    keyed = _settings(f'server.api_key="{KEY}"', 'server.admin_key="sk-admin"')
+    assert drain_refusal(public, False, KEY, keyed)[0] == 403
+    assert drain_refusal(loopback, False, "", keyed)[0] == 401
+    assert drain_refusal(loopback, False, KEY, keyed) is None
+    assert drain_refusal(public, False, "sk-admin", keyed) is None
+    assert drain_refusal(public, True, "sk-admin", keyed) is None
+    assert drain_refusal(public, False, "sk-admin-", keyed)[0] == 403
+    wider = _settings('server.drain_from=["10.0.0.0/8"]')
+    assert drain_refusal(ip_address("10.1.2.3"), False, "", wider) is None
+    assert drain_refusal(loopback, False, "", wider)[0] == 403
+
+
+def test_the_client_behind_a_trusted_proxy_is_the_one_its_header_names():
+    proxy = ip_address("10.0.0.5")
+    trusted = ("10.0.0.0/24",)
+    headers = {"x-forwarded-for": "127.0.0.1, 198.51.100.7"}  # the client wrote the first one
+    assert client_address(proxy, headers, trusted) == ip_address("198.51.100.7")
+    assert client_address(proxy, {"x-forwarded-for": "198.51.100.7, 10.0.0.9"}, trusted) == ip_address("198.51.100.7")
+    assert client_address(proxy, {}, trusted) == proxy
+    assert client_address(proxy, {"x-forwarded-for": "nonsense"}, trusted) is None
+    # Not trusted: the header is anyone's to write.
+    assert client_address(ip_address("203.0.113.9"), headers, trusted) == ip_address("203.0.113.9")
+    assert client_address(proxy, headers, ()) == proxy
+    assert parse_address("::ffff:127.0.0.1") == ip_address("127.0.0.1")
+    assert parse_address("[::1]") == ip_address("::1")
 
 
 def test_the_second_signal_is_the_one_that_cuts(caplog):
@@ -139,6 +187,106 @@ async def test_a_flood_of_drain_requests_and_half_sent_ones_leave_the_server_ser
     with trio.fail_after(PATIENCE):
         async with trio_websocket.open_websocket_url(url, extra_headers=[("authorization", f"Bearer {KEY}")]) as ws:
             assert json.loads(await ws.get_message())["type"] == "session.created"
+
+
+async def _post_drain(port: int, *, source: str = "127.0.0.1", target: str = "127.0.0.1",
+                      headers: str = "") -> int:
+    """POST /drain from the local address ``source`` to ``target``: the status."""
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    await sock.bind((source, 0))
+    await sock.connect((target, port))
+    async with trio.SocketStream(sock) as stream:
+        await stream.send_all(f"POST /drain HTTP/1.1\r\nhost: x\r\n{headers}\r\n".encode())
+        data = b""
+        with trio.fail_after(PATIENCE):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    return int(data.split(b" ")[1])
+
+
+def _network_address() -> str | None:
+    """This host's own address on its network (not loopback), or None where it has none."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("203.0.113.1", 9))  # a route lookup: nothing is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ip_address(address).is_loopback or ip_address(address).is_unspecified else address
+
+
+async def test_a_peer_outside_drain_from_cannot_drain_and_one_inside_can(start_server):
+    """The peer's real address decides, read from the socket: drain_from narrowed to 127.0.0.1,
+    a request from 127.0.0.2 (another address, loopback too) is refused and drains nothing."""
+    server = (await start_server('server.drain_from=["127.0.0.1"]')).server
+    port = server.ports[0]
+    assert await _post_drain(port, source="127.0.0.2") == 403
+    assert not server.draining and server.refused["drain_refused"] == 1
+    assert await _post_drain(port, headers="x-forwarded-for: 127.0.0.1\r\n") == 403  # came through a proxy
+    assert not server.draining
+    assert await _post_drain(port) == 202
+    assert server.draining
+
+
+@pytest.mark.skipif(_network_address() is None, reason="this host has no address but loopback")
+async def test_a_keyless_server_on_the_network_cannot_be_drained_from_the_network(start_server):
+    """Issue 38, item 1: a keyless POST /drain from a peer on the network (here this host's own
+    network address, which is not loopback) is refused 403; the server goes on serving."""
+    address = _network_address()
+    server = (await start_server("server.host=0.0.0.0")).server
+    port = server.ports[0]
+    assert await _post_drain(port, source=address, target=address) == 403
+    assert not server.draining
+    assert json.loads((await http_get(port, "/readyz"))[2])["ready"] is True
+    async with trio_websocket.open_websocket_url(f"ws://{address}:{port}/v1/duplex") as ws:
+        assert json.loads(await ws.get_message())["type"] == "session.created"
+
+
+async def test_the_admin_key_drains_from_anywhere_and_the_api_key_does_not(start_server):
+    server = (await start_server(f'server.api_key="{KEY}"', 'server.admin_key="sk-admin"',
+                                 'server.drain_from=["127.0.0.1"]')).server
+    port = server.ports[0]
+    assert await _post_drain(port, source="127.0.0.2", headers=f"authorization: Bearer {KEY}\r\n") == 403
+    assert not server.draining
+    assert await _post_drain(port, source="127.0.0.2", headers="authorization: Bearer sk-admin\r\n") == 202
+    assert server.draining
+
+
+async def test_a_call_dropped_during_the_drain_resumes_and_ends_normally(start_server):
+    """Issue 38, item 3: the drain waits for the calls under way, so a call whose connection
+    drops during it must be able to come back (a new session is still refused)."""
+    running = await start_server("server.shutdown_grace_s=600", "server.close_timeout_s=0.5")
+    server = running.server
+    stream = await trio.open_tcp_stream("127.0.0.1", running.port)
+    first, second = _noise(1, seed=21), _noise(2, seed=22)
+    async with trio.open_nursery() as nursery:
+        ws = await trio_websocket.wrap_client_stream(nursery, stream, "127.0.0.1", "/v1/duplex")
+        token = json.loads(await ws.get_message())["resume_token"]
+        await ws.send_message(first.tobytes())
+        assert await ws.get_message() == first.tobytes()
+        assert await _post_drain(running.port) == 202 and server.draining
+        stream.socket.close()  # the phone blinks: no Close frame
+        nursery.cancel_scope.cancel()
+    with trio.fail_after(PATIENCE):
+        while server.statistics().detached != 1:
+            await trio.sleep(0.01)
+    with pytest.raises(trio_websocket.ConnectionRejected) as refused:
+        async with trio_websocket.open_websocket_url(running.url("/v1/duplex")):
+            pass
+    assert refused.value.status_code == 503  # new sessions are still refused
+    heard = b""
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(running.url(f"/v1/duplex?resume={token}&received=2")) as ws:
+            assert json.loads(await ws.get_message())["type"] == "session.resumed"
+            await ws.send_message(second.tobytes())
+            while len(heard) < second.nbytes:
+                heard += await ws.get_message()
+            await ws.send_message(json.dumps({"type": "input.end"}))
+            end = json.loads(await ws.get_message())
+    assert heard == second.tobytes()
+    assert (end["type"], end["reason"], end["usage"]["frames_out"]) == ("session.end", "stop", 3)
 
 
 # -- the real command --------------------------------------------------------------------------------

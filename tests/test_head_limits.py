@@ -101,3 +101,55 @@ async def test_a_real_server_answers_431_and_goes_on(nursery):
         await ask(UPGRADE + _fields(6200) + b"\r\n")
     assert (await ask(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 200")
     assert server.refused["bad_handshake"] == 0  # refused as requests, before any session work
+
+
+def _pieces(data: bytes, seed: int) -> list[bytes]:
+    import random
+
+    rng = random.Random(seed)
+    pieces, at = [], 0
+    while at < len(data):
+        size = rng.choice([1, 2, 3, 7, 100, 4000])
+        pieces.append(data[at:at + size])
+        at += size
+    return pieces
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_scan_of_a_head_in_pieces_says_what_the_whole_check_says(seed):
+    """Issue 38, item 8: ``HeadScan`` (each byte looked at once) against ``head_limit_error``
+    (the whole head every time), piece by piece, for heads at and past each limit, with the
+    blank line and the frames behind it cut anywhere."""
+    from duplexrt.server.head_limits import HeadScan, head_limit_error
+
+    heads = [UPGRADE + _fields(MAX_HEADER_FIELDS - 5) + b"\r\n" + b"\n\n\n" * 50,
+             UPGRADE + _fields(MAX_HEADER_FIELDS - 4) + b"\r\n",
+             UPGRADE.replace(b"\r\n", b"\n") + b"\n" + b"\r\n" * 300,
+             UPGRADE + b"x-big: " + b"a" * (MAX_HEAD_BYTES - len(UPGRADE) - 11) + b"\r\n\r\nrest",
+             UPGRADE + b"x-big: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n"]
+    for head in heads:
+        scan = HeadScan()
+        received = bytearray()
+        for piece in _pieces(head, seed):
+            received += piece
+            assert scan.check(received) == head_limit_error(received), len(received)
+
+
+def test_a_head_sent_a_byte_at_a_time_is_scanned_once():
+    """The limits looked at every byte of the head so far on every read: a 58 KiB head sent a
+    byte at a time cost 58 K reads x up to 58 KiB (O(n^2)); now each byte is looked at once."""
+    from duplexrt.server.head_limits import HeadScan
+
+    head = UPGRADE + b"x-big: " + b"a" * (58 * 1024) + b"\r\n\r\n"
+    scan = HeadScan()
+    received = bytearray()
+    for byte in head:
+        received.append(byte)
+        assert scan.check(received) is None
+    assert scan.examined <= 5 * len(head)  # a few bytes a read (where a blank line may begin), not all
+
+
+async def test_read_request_head_reports_each_read_as_it_comes():
+    reads: list[int] = []
+    head, _ = await read_request_head(ChunkedStream(UPGRADE + b"\r\n", 10), reads.append)
+    assert sum(reads) == len(UPGRADE) + 2 and set(reads[:-1]) == {10}

@@ -21,6 +21,7 @@ import trio_websocket
 
 import attack
 from duplexrt.reasons import FinishReason
+from duplexrt.wire.resume import ResumeError
 from conftest import http_get
 
 PATIENCE = 15.0
@@ -324,3 +325,120 @@ async def test_a_resumer_that_reads_nothing_is_given_up_and_the_real_client_resu
     assert refusals and set(refusals) == {409}
     assert resumed_after < 1 + 1.0
     assert session.summary().reason == FinishReason.STOP
+
+
+# -- issue 38: upgrades that evict, resumes mid-way, slow heads under a flood ---------------------
+
+
+async def _resume_and_end(running, token: str, received: int) -> dict:
+    """Resume the session of ``token``, send one frame, hear it, end it: its session.end."""
+    frame = _frames(1, seed=12)[0]
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(
+                running.url(f"/v1/duplex?resume={token}&received={received}")) as ws:
+            assert json.loads(await ws.get_message())["type"] == "session.resumed"
+            await ws.send_message(frame)
+            assert await ws.get_message() == frame
+            await ws.send_message(json.dumps({"type": "input.end"}))
+            return json.loads(await ws.get_message())
+
+
+async def test_a_malformed_upgrade_on_a_full_server_evicts_no_detached_session(start_server):
+    """Issue 38, item 4: on a full server, an upgrade refused for what it is (426: a version
+    this server does not speak; 400: no key) takes nobody's slot: the detached session stays
+    resumable and ends normally."""
+    running = await start_server("runtime.slots=1", "server.close_timeout_s=0.5")
+    token, received = await _detached_session(running)
+    for head, status in ((UPGRADE.replace("version: 13", "version: 8"), 426),
+                         (UPGRADE.replace("sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n", ""), 400)):
+        sock = _raw_socket(running.port)
+        sock.sendall(head.format(path="/v1/duplex").encode())
+        assert await trio.to_thread.run_sync(_read_status, sock) == status
+        sock.close()
+    assert running.server.refused["evicted_detached"] == 0
+    assert running.server.statistics().detached == 1
+    end = await _resume_and_end(running, token, received)
+    assert (end["type"], end["reason"]) == ("session.end", "stop")
+
+
+async def test_a_session_being_resumed_is_not_evicted_for_a_new_caller(start_server):
+    """Issue 38, item 8: a detached session whose client is resuming it (token claimed, replay
+    going out to a client slow to read it) is not given up for a new caller on a full server:
+    the caller is refused, and the resume goes through."""
+    running = await start_server("runtime.slots=1", "server.handshake_timeout_s=3")
+    server = running.server
+    token, received = await _detached_session(running)
+    (entry,) = server._resumable.values()
+    for _ in range(80):  # output made while away: more than the socket buffers of a slow reader
+        await entry.transport.send(b"\x00" * 16384)
+    slow = _raw_socket(running.port, receive_buffer=4096)
+    slow.sendall(UPGRADE.format(path=f"/v1/duplex?resume={token}&received={received}").encode())
+
+    def claimed() -> bool:
+        try:
+            entry.transport.check(received)
+        except ResumeError as exc:
+            return exc.status == 409
+        return False
+
+    await _wait_for(claimed, "the resume to claim the session")
+    caller = _raw_socket(running.port)
+    caller.sendall(UPGRADE.format(path="/v1/duplex").encode())
+    assert await trio.to_thread.run_sync(_read_status, caller) == 503
+    caller.close()
+    assert server.refused["evicted_detached"] == 0
+
+    def read_all() -> bytes:  # the slow client reads its replay after all
+        slow.settimeout(PATIENCE)
+        data = b""
+        while len(data) < 80 * 16384:
+            chunk = slow.recv(1 << 20)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    replay = await trio.to_thread.run_sync(read_all)
+    assert replay.startswith(b"HTTP/1.1 101") and len(replay) > 80 * 16384
+    await _wait_for(lambda: entry.transport.resumes == 1, "the resume to finish")
+    slow.close()
+
+
+async def test_a_slow_head_that_keeps_coming_outlives_a_flood_of_idle_half_heads(start_server):
+    """Issue 38, item 6: with the pending heads at their cap and idle half-heads arriving all the
+    time, a client whose head takes 1.6 s (a piece every 0.1 s, a phone on a poor link) is still
+    served: the head let go is the one silent for longest, not the oldest, and a head that
+    keeps coming is not held to the short deadline a flood brings."""
+    cap = 32
+    running = await start_server(f"server.max_pending_handshakes={cap}")
+    server = running.server
+    port = running.port
+    idle = b"GET /v1/duplex HTTP/1.1\r\nhost: 127.0.0.1\r\nupgrade: websocket\r\n"
+    flood: list[socket.socket] = []
+
+    def half_head() -> None:
+        sock = _raw_socket(port)
+        sock.sendall(idle)
+        flood.append(sock)
+
+    try:
+        for _ in range(cap):
+            half_head()
+        await _wait_for(lambda: server.pending_handshakes == cap, "the heads to be pending")
+        slow = _raw_socket(port)
+        head = UPGRADE.format(path="/v1/duplex").encode()
+        pieces = [head[i:i + len(head) // 16 + 1] for i in range(0, len(head), len(head) // 16 + 1)]
+        for piece in pieces:  # 16 or 17 pieces, 0.1 s apart; 4 new idle heads between two pieces
+            slow.sendall(piece)
+            for _ in range(4):
+                half_head()
+            await trio.sleep(0.1)
+        assert await trio.to_thread.run_sync(_read_status, slow) == 101
+        # The flood turned over around it: idle heads let go for new ones, or cut for their silence.
+        assert server.refused["too_many_pending"] > 0
+        assert server.refused["too_many_pending"] + server.refused["handshake_timeout"] >= 4 * len(pieces) - cap
+        slow.close()
+    finally:
+        for sock in flood:
+            sock.close()
+    await _wait_for(lambda: server.pending_handshakes == 0 and server.admitted == 0, "the heads to go")

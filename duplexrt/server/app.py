@@ -32,16 +32,18 @@ from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import ProtocolError, clip
 from duplexrt.reasons import CloseCode
 from duplexrt.server.budget import journal_bytes
-from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, keep_cutting, wait_for_calls
+from duplexrt.server.drain import DRAIN_PATH, Signals, drain_answer, drain_refusal, keep_cutting, wait_for_calls
 from duplexrt.server.http import BadRequest, RequestHead, read_request_head, response_bytes
 from duplexrt.server.listen import check_free, open_listeners
 from duplexrt.server.liveness import Liveness
 from duplexrt.server.metrics import RuntimeCollector, metrics_text
 from duplexrt.server.origin import origin_refusal
+from duplexrt.server.peers import Address, PeerCounts, client_address, forwarded, in_networks, peer_address
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
-from duplexrt.server.web import readyz_answer, static_answer, stats_json
+from duplexrt.server.page_budget import PageBudget
+from duplexrt.server.web import FULL_OK, readyz_answer, static_answer, stats_json
 from duplexrt.wire.transport import Transport, TransportClosed
 from duplexrt.wire.handshake import HandshakeRefused, accept_response, check_request, proposed_subprotocols
 from duplexrt.wire.native import NativeWebSocket
@@ -57,6 +59,10 @@ KEY_SUBPROTOCOL = "openai-insecure-api-key."
 #: The shortest time a request head gets under pressure (pending heads near the cap): plenty for
 #: a client that sends its head with the connection, as every real one does.
 _MIN_HEAD_READ_S = 0.5
+#: How old a ``/readyz`` or ``/stats`` page may be when requests come faster than their budget
+#: renders them (``page_budget``): a balancer checks readiness every half second or so.
+_READYZ_MAX_AGE_S = 0.25
+_STATS_MAX_AGE_S = 1.0
 #: TCP keepalive on accepted sockets: a peer gone without a FIN is noticed after
 #: idle + interval x count seconds even where no WebSocket ping runs (plain HTTP, pings off).
 _TCP_KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
@@ -64,9 +70,15 @@ _TCP_KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3
 
 @attrs.define(eq=False)
 class _PendingHead:
-    """A connection still sending its request head: what the oldest-first eviction cancels."""
+    """A connection still sending its request head: what the eviction cancels, the one that
+    has sent nothing for longest first (``Server._read_head``)."""
 
     scope: trio.CancelScope
+    #: When it connected, and when the whole head is due at the latest (``handshake_timeout_s``).
+    started: float
+    due: float
+    #: Bytes of head received so far.
+    received: int = 0
     evicted: bool = False
 
 
@@ -80,6 +92,8 @@ class _Resumable:
     path: str
     over: trio.Event = attrs.Factory(trio.Event)
     evicted: bool = False
+    #: A client is resuming it now (its token claimed, the replay going out): not evicted.
+    resuming: bool = False
 
 
 def head_deadline_s(timeout_s: float, pending: int, cap: int) -> float:
@@ -103,8 +117,13 @@ class Server:
         self.refused: Counter[str] = Counter()
         self._admitted = 0
         self._open_connections = 0
-        #: Connections still reading their request head, oldest first (see ``_serve_connection``).
+        #: Connections still reading their request head, the one whose last bytes came longest
+        #: ago first (see ``_read_head``).
         self._pending: dict[int, _PendingHead] = {}
+        #: Connections open per client address (``server.max_connections_per_peer``).
+        self._peers = PeerCounts(config.server.max_connections_per_peer)
+        #: What /readyz and /stats may take of the trio thread (``duplexrt.server.page_budget``).
+        self.pages: PageBudget[tuple[int, bytes, str]] = PageBudget()
         self._connection_ids = 0
         #: Detached sessions evicted for a new caller, not yet over: their admissions are the
         #: new callers' already (see ``_admit``).
@@ -233,7 +252,13 @@ class Server:
         self._streams.add(stream)
         try:
             _enable_tcp_keepalive(stream)
-            await self._serve_connection(stream)
+            peer = peer_address(stream)
+            # A trusted proxy carries many clients: each is counted once its head names it.
+            if self._peer_is_capped(peer) and not in_networks(peer, self.config.server.trusted_proxies):
+                assert peer is not None
+                await self._serve_counted(stream, peer, peer)
+            else:
+                await self._serve_connection(stream, peer)
         except BaseException as exc:
             _reraise_cancellation_only(exc)
         finally:
@@ -244,17 +269,50 @@ class Server:
             if not self._open_connections:
                 self._all_closed.unpark_all()
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        head, received = await self._read_head(stream)
-        if head is None:
+    def _peer_is_capped(self, address: Address | None) -> bool:
+        """Connections from ``address`` count against ``server.max_connections_per_peer``."""
+        settings = self.config.server
+        return (address is not None and settings.max_connections_per_peer > 0
+                and not in_networks(address, settings.unlimited_peers))
+
+    async def _serve_counted(self, stream: trio.SocketStream, counted: Address, peer: Address | None,
+                             head: tuple[RequestHead, bytes] | None = None) -> None:
+        """Serve a connection that counts as one of ``counted``'s, or refuse it (429) when that
+        client already holds ``server.max_connections_per_peer``: one client's connections cannot
+        crowd out everyone else's, whether they send heads slowly, open sessions or poll pages.
+        Refused before its head is read (unless a trusted proxy's head named the client): it
+        costs a counter and one small write."""
+        if not self._peers.take(counted):
+            self.refused["too_many_from_peer"] += 1
+            await self._respond(stream, 429, f"too many connections from {counted} (the cap is "
+                                             f"{self._peers.cap} at once); try again later",
+                                [("retry-after", "1")])
             return
+        try:
+            await self._serve_connection(stream, peer, head)
+        finally:
+            self._peers.give_back(counted)
+
+    async def _serve_connection(self, stream: trio.SocketStream, peer: Address | None,
+                                read: tuple[RequestHead, bytes] | None = None) -> None:
+        if read is None:
+            head_read = await self._read_head(stream)
+            if head_read[0] is None:
+                return
+            read = head_read[0], head_read[1]
+            # Behind a trusted proxy: the client its head names is the one counted.
+            if in_networks(peer, self.config.server.trusted_proxies):
+                client = client_address(peer, read[0].headers, self.config.server.trusted_proxies)
+                if client is not None and client != peer and self._peer_is_capped(client):
+                    return await self._serve_counted(stream, client, peer, read)
+        head, received = read
         route = ROUTES.get(head.path)
         if not head.wants_websocket:
             if route is not None:
                 await self._respond(stream, 426, f"{head.path} is a WebSocket endpoint",
                                     [("upgrade", "websocket")])
             else:
-                await self._plain_http(stream, head)
+                await self._plain_http(stream, head, peer)
             return
         if route is None:
             self.refused["not_found"] += 1
@@ -269,39 +327,61 @@ class Server:
                                              f"?api_key=KEY, or the subprotocol {KEY_SUBPROTOCOL}KEY)",
                                 [("www-authenticate", "Bearer")])
             return
-        if "resume" in head.query:  # a session that lives here already: no admission
-            await self._serve_resume(stream, received, head)
+        # The upgrade itself is checked before anything is done for it (admission, a detached
+        # session evicted for it, a resume claimed): a malformed one costs nobody anything.
+        try:
+            key = check_request(head.method, head.headers)
+        except HandshakeRefused as exc:
+            self.refused["bad_handshake"] += 1
+            await self._respond(stream, exc.status, str(exc),
+                                [("sec-websocket-version", "13")] if exc.status == 426 else None)
             return
-        await self._serve_new_session(stream, received, head)
+        if "resume" in head.query:  # a session that lives here already: no admission
+            await self._serve_resume(stream, received, head, key)
+            return
+        await self._serve_new_session(stream, received, head, key)
 
     async def _read_head(self, stream: trio.SocketStream) -> tuple[RequestHead | None, bytes]:
         """The connection's request head, or None once it has been answered (malformed, too slow,
         let go for a newer connection).
 
         Each connection still sending its head holds a task, buffers and a descriptor, so at
-        most ``max_pending_handshakes`` are kept waiting.  A new one past that lets the oldest go
-        (503 ``too_many_pending``): a client that sends its head with the connection, as real
-        ones do, is read at once whatever the number of half-sent heads, and a flood of them
-        only turns over faster.  The nearer the cap, the less time a new head gets
-        (``head_deadline_s``)."""
+        most ``max_pending_handshakes`` are kept waiting.  A new one past that lets go (503
+        ``too_many_pending``) the one that has sent nothing for longest: ``pending`` is kept in
+        that order, a head that brings bytes moving to its end.  A client that sends its head
+        with the connection, as real ones do, is read at once whatever the number of half-sent
+        heads; a flood of idle ones only turns over faster, and a slow head that keeps coming
+        (a phone on a poor link) outlives the idle ones around it.  The nearer the cap, the
+        shorter the silence a head is allowed (``head_deadline_s``), never its whole time
+        (``handshake_timeout_s``) while its bytes keep coming."""
         settings = self.config.server
         cap = settings.max_pending_handshakes
         pending = self._pending
         while len(pending) >= cap:
-            oldest = pending.pop(next(iter(pending)))
-            oldest.evicted = True
-            oldest.scope.cancel()
-        timeout = head_deadline_s(settings.handshake_timeout_s, len(pending), cap)
-        entry = _PendingHead(trio.CancelScope(deadline=trio.current_time() + timeout))
+            idlest = pending.pop(next(iter(pending)))
+            idlest.evicted = True
+            idlest.scope.cancel()
+        now = trio.current_time()
+        due = now + settings.handshake_timeout_s
+        quiet = head_deadline_s(settings.handshake_timeout_s, len(pending), cap)
+        entry = _PendingHead(trio.CancelScope(deadline=min(due, now + quiet)), started=now, due=due)
         self._connection_ids += 1
         key = self._connection_ids
         pending[key] = entry
+
+        def progressed(size: int) -> None:
+            entry.received += size
+            if pending.pop(key, None) is not None:
+                pending[key] = entry  # to the end: the last to be let go
+            quiet = head_deadline_s(settings.handshake_timeout_s, len(pending), cap)
+            entry.scope.deadline = min(entry.due, trio.current_time() + quiet)
+
         head: RequestHead | None = None
         received = b""
         bad: BadRequest | None = None
         try:
             with entry.scope:
-                head, received = await read_request_head(stream)
+                head, received = await read_request_head(stream, progressed)
         except BadRequest as exc:
             bad = exc
         finally:
@@ -318,7 +398,8 @@ class Server:
             await self._respond(stream, 408, "the request head did not arrive in time")
         return None, b""
 
-    async def _serve_new_session(self, stream: trio.SocketStream, received: bytes, head: RequestHead) -> None:
+    async def _serve_new_session(self, stream: trio.SocketStream, received: bytes, head: RequestHead,
+                                 key: str) -> None:
         """Admit a new session (a free slot, the capacity estimate, the route's options) and serve it."""
         route = ROUTES[head.path]
         if self._draining:
@@ -336,7 +417,7 @@ class Server:
         slots = runtime.scheduler.slots
         taken = self._admitted - self._evicting
         full = taken >= min(capacity.limit, slots)
-        if full and not self.detached:
+        if full and not self._evictable():
             # Full, and no detached session to give way (below): refused.
             if taken < slots:
                 self.refused["at_capacity"] += 1
@@ -376,7 +457,7 @@ class Server:
                     return
             await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config),
                                         partial(self._run_session, translator=translator, path=head.path,
-                                                base64_audio=route.base64_audio))
+                                                base64_audio=route.base64_audio), key)
         finally:
             self._admitted -= 1
             if not self._admitted:
@@ -398,9 +479,14 @@ class Server:
             return f"persona refused: {clip(str(exc), 500)}"
         return None
 
+    def _evictable(self) -> list[_Resumable]:
+        """The detached sessions a new caller may take the slot of: not one whose client is
+        resuming it now (its replay going out), which is detached only for a moment more."""
+        return [entry for entry in self._resumable.values() if entry.transport.detached and not entry.resuming]
+
     def _evict_oldest_detached(self) -> _Resumable | None:
         """End the detached session that dropped first, for a new caller; None when none is."""
-        detached = [entry for entry in self._resumable.values() if entry.transport.detached]
+        detached = self._evictable()
         if not detached:
             return None
         oldest = min(detached, key=lambda entry: entry.transport.resume_deadline)
@@ -417,17 +503,12 @@ class Server:
                                          "are waiting to be served; try again later", [("retry-after", "1")])
 
     async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
-                               serve: Callable[[Transport], Awaitable[None]], *, resuming: bool = False) -> None:
-        """Answer the upgrade here and let the session drive its frames (``duplexrt.wire.native``)."""
+                               serve: Callable[[Transport], Awaitable[None]], key: str, *,
+                               resuming: bool = False) -> None:
+        """Answer the upgrade (checked already: ``key`` is its Sec-WebSocket-Key) here and let
+        the session drive its frames (``duplexrt.wire.native``)."""
         assert self.runtime is not None
         settings = self.config.server
-        try:
-            key = check_request(head.method, head.headers)
-        except HandshakeRefused as exc:
-            self.refused["bad_handshake"] += 1
-            await self._respond(stream, exc.status, str(exc),
-                                [("sec-websocket-version", "13")] if exc.status == 426 else None)
-            return
         subprotocol = _companion_subprotocol(proposed_subprotocols(head.headers))
         await self._send(stream, accept_response(key, subprotocol, [("x-duplexrt-replica", self.replica_id or "")]))
         # A resuming client may have nothing left to send (it waits for output): the first-message
@@ -438,8 +519,8 @@ class Server:
                                     subprotocol=subprotocol)
         self._transports.add(transport)
         try:
-            if self._draining:  # shutdown began while this client's handshake was under way
-                return
+            if self._draining and not resuming:  # shutdown began while this client's handshake was under way
+                return  # (a resume goes on: its call is one the drain waits for)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(transport.watch, settings.ping_interval_s, settings.ping_timeout_s,
                                    settings.idle_timeout_s)
@@ -503,7 +584,9 @@ class Server:
         claim = resumable.claim(count)
         return resumable, translator, count, claim
 
-    async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead) -> None:
+    async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead, key: str) -> None:
+        """Resume a session on this connection, draining or not: a call the drain waits for may
+        come back after a drop during the grace, as the balancers route it here."""
         try:
             resumable, translator, count, claim = self._claim_resumable(head)
         except ResumeError as exc:
@@ -511,23 +594,32 @@ class Server:
             await self._respond(stream, exc.status, f"{exc.code}: {exc.message}")
             return
         max_message = ROUTES[head.path].max_message_bytes(self.config)
+        entry = self._resumable.get(split_token(resumable.token)[1])
+        if entry is not None:
+            entry.resuming = True  # not evicted while its replay goes out (``_evict_oldest_detached``)
         try:
             await self._serve_websocket(stream, head, received, max_message,
                                         partial(self._rejoin, resumable=resumable, translator=translator,
-                                                count=count, claim=claim),
-                                        resuming=True)
+                                                count=count, claim=claim, entry=entry),
+                                        key, resuming=True)
         finally:
             resumable.release(claim)  # a handshake that failed before ``attach``: the token stays good
+            if entry is not None:
+                entry.resuming = False
 
     async def _rejoin(self, transport: Transport, *, resumable: ResumableTransport,
-                      translator: Translator, count: int, claim: Claim) -> None:
+                      translator: Translator, count: int, claim: Claim, entry: _Resumable | None = None) -> None:
         """Hand the session its new connection, then hold it until the session lets it go.  The
         notice and the replay get ``server.handshake_timeout_s``, as a request head does: a
         resumer that does not read them is given up, and other resumes are not kept waiting."""
         old_secret = split_token(resumable.token)[1]
         try:
-            await resumable.attach(transport, count, new_token(self.replica_id or ""), translator.resumed,
-                                   claim=claim, replay_timeout=self.config.server.handshake_timeout_s)
+            try:
+                await resumable.attach(transport, count, new_token(self.replica_id or ""), translator.resumed,
+                                       claim=claim, replay_timeout=self.config.server.handshake_timeout_s)
+            finally:
+                if entry is not None:
+                    entry.resuming = False  # resumed, or detached again: evictable as any other
         except ResumeError as exc:  # the session ended or moved on during the handshake
             self.refused[f"resume_{exc.code}"] += 1
             with trio.move_on_after(self.config.server.close_timeout_s):
@@ -549,23 +641,23 @@ class Server:
         expected = self.config.server.api_key
         if not expected:
             return True
-        offered = head.query.get("api_key", "")
-        authorization = head.header("authorization")
-        if authorization.lower().startswith("bearer "):
-            offered = authorization[7:].strip()
-        for protocol in head.header("sec-websocket-protocol").split(","):
-            if protocol.strip().startswith(KEY_SUBPROTOCOL):
-                offered = protocol.strip()[len(KEY_SUBPROTOCOL):]
-        return hmac.compare_digest(offered.encode(), expected.encode())
+        return hmac.compare_digest(_offered_key(head).encode(), expected.encode())
 
     # -- plain HTTP ------------------------------------------------------------------------------
 
-    async def _plain_http(self, stream: trio.SocketStream, head: RequestHead) -> None:
-        if head.path == DRAIN_PATH:  # POST, with the key: what a preStop hook calls
-            if (foreign := origin_refusal(head.headers, self.config.server)) is not None:
+    async def _plain_http(self, stream: trio.SocketStream, head: RequestHead, peer: Address | None) -> None:
+        if head.path == DRAIN_PATH:  # POST from the host itself, or with the admin key: a preStop hook
+            settings = self.config.server
+            if (foreign := origin_refusal(head.headers, settings)) is not None:
                 return await self._respond(stream, 403, foreign)  # a web page's form may POST here
-            status, body, headers = drain_answer(head.method, self._authorized(head), self._draining,
-                                                 self._calls_left(), self.config.server.shutdown_grace_s)
+            client = client_address(peer, head.headers, settings.trusted_proxies)
+            via_proxy = client is peer and forwarded(head.headers)  # a proxy this server does not trust
+            refusal = drain_refusal(client, via_proxy, _offered_key(head), settings)
+            if refusal is not None and head.method == "POST":
+                self.refused["drain_refused"] += 1
+                log.warning("POST /drain refused (%d) for %s", refusal[0], client or "an unknown peer")
+            status, body, headers = drain_answer(head.method, refusal, self._draining,
+                                                 self._calls_left(), settings.shutdown_grace_s)
             if status == 202:
                 log.info("drain requested over HTTP")
                 self.shutdown()
@@ -587,12 +679,17 @@ class Server:
         if path == "/healthz":  # fails once the model has failed every step for a while (liveness)
             return self.liveness.answer(runtime.scheduler.failing)
         if path == "/readyz":
-            self.liveness.observe(runtime.scheduler.failing)  # a balancer's checks count too
-            return readyz_answer(self.statistics(), query)
+            failing = runtime.scheduler.failing
+            self.liveness.observe(failing)  # a balancer's checks count too
+            # Within the pages' budget; a drain or a failing model shows at once all the same.
+            full_ok = query.get(FULL_OK[0]) == FULL_OK[1]
+            return self.pages.page(("/readyz", full_ok, self._draining, failing),
+                                   lambda: readyz_answer(self.statistics(), query), _READYZ_MAX_AGE_S)
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
         if path == "/stats":
-            return 200, stats_json(self.statistics(), self.config), "application/json"
+            return self.pages.page("/stats", lambda: (200, stats_json(self.statistics(), self.config),
+                                                      "application/json"), _STATS_MAX_AGE_S)
         page = static_answer(path)
         if page is not None:
             return page
@@ -613,6 +710,19 @@ class Server:
                 await stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+
+
+def _offered_key(head: RequestHead) -> str:
+    """The key a request offers: ``Authorization: Bearer KEY``, ``?api_key=KEY`` or the
+    subprotocol ``openai-insecure-api-key.KEY`` (a browser's), the last of them it sends."""
+    offered = head.query.get("api_key", "")
+    authorization = head.header("authorization")
+    if authorization.lower().startswith("bearer "):
+        offered = authorization[7:].strip()
+    for protocol in head.header("sec-websocket-protocol").split(","):
+        if protocol.strip().startswith(KEY_SUBPROTOCOL):
+            offered = protocol.strip()[len(KEY_SUBPROTOCOL):]
+    return offered
 
 
 def _companion_subprotocol(proposed: list[str]) -> str | None:

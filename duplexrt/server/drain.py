@@ -8,18 +8,29 @@ and the calls under way go on until they end or ``server.shutdown_grace_s`` pass
 are the ones left told ``shutdown`` (they answer the frames they already took, then close with
 1001).  A second signal cuts everything at once.
 
+Who may ask for a drain is ``drain_refusal``'s to say: the host itself (a loopback peer, reached
+directly), or whoever holds ``server.admin_key``; never a client merely because it may use the
+model.
+
 This module holds the parts of that with no sockets in them: the wait with its progress lines,
 the answer to ``POST /drain`` and the count of signals.  ``duplexrt.server.app`` wires them in.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
+
+from duplexrt.server.peers import Address, in_networks
+
+if TYPE_CHECKING:
+    from duplexrt.config import ServerConfig
 
 log = logging.getLogger("duplexrt.server")
 
@@ -64,15 +75,39 @@ async def wait_for_calls(calls_left: Callable[[], int], grace_s: float, *,
     return left
 
 
-def drain_answer(method: str, authorized: bool, already: bool, calls: int,
+def drain_refusal(client: Address | None, via_proxy: bool, offered_key: str,
+                  settings: ServerConfig) -> tuple[int, str] | None:
+    """Why this ``POST /drain`` may not stop the server (status and reason), or None when it may.
+
+    Stopping the server is not using the model: a key that opens sessions does not stop one.  A
+    drain is served to a request that sends ``server.admin_key`` (from anywhere), and otherwise
+    only to a client in ``server.drain_from`` (loopback: a Kubernetes preStop hook runs inside
+    the Pod, an operator's script on the host) that came through no proxy it was not told to
+    trust (``via_proxy``: a balancer on the same host connects from loopback too) and sends the
+    API key when there is one.  ``client``: the peer's address, or the client a trusted proxy
+    named (``duplexrt.server.peers``)."""
+    if settings.admin_key and hmac.compare_digest(offered_key.encode(), settings.admin_key.encode()):
+        return None
+    if via_proxy or not in_networks(client, settings.drain_from):
+        return 403, ("POST /drain stops the server: it is served to the host itself (a peer in "
+                     "server.drain_from, loopback unless set, reached directly, not through a balancer) "
+                     "or to a request with the admin key (server.admin_key)")
+    if settings.api_key and not hmac.compare_digest(offered_key.encode(), settings.api_key.encode()):
+        return 401, "a valid API key is required (Authorization: Bearer KEY)"
+    return None
+
+
+def drain_answer(method: str, refusal: tuple[int, str] | None, already: bool, calls: int,
                  grace_s: float) -> tuple[int, bytes, list[tuple[str, str]]]:
-    """The answer to a request for ``/drain``: status, JSON body and extra headers.  The caller
-    begins the drain when the status is 202 (asking twice is harmless: the drain is one)."""
+    """The answer to a request for ``/drain``: status, JSON body and extra headers; ``refusal``:
+    what ``drain_refusal`` said.  The caller begins the drain when the status is 202 (asking
+    twice is harmless: the drain is one)."""
     if method != "POST":
         return 405, b'{"error": "POST /drain begins the drain"}\n', [("allow", "POST")]
-    if not authorized:
-        return (401, b'{"error": "a valid API key is required (Authorization: Bearer KEY)"}\n',
-                [("www-authenticate", "Bearer")])
+    if refusal is not None:
+        status, reason = refusal
+        return (status, (json.dumps({"error": reason}) + "\n").encode(),
+                [("www-authenticate", "Bearer")] if status == 401 else [])
     body = {"draining": True, "already_draining": already, "calls": calls, "shutdown_grace_s": grace_s}
     return 202, (json.dumps(body) + "\n").encode(), []
 

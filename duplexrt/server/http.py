@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from http.client import responses
 from urllib.parse import parse_qs, urlsplit
 
@@ -9,7 +10,7 @@ import attrs
 import h11
 import trio
 
-from duplexrt.server.head_limits import MAX_HEAD_BYTES, head_limit_error
+from duplexrt.server.head_limits import MAX_HEAD_BYTES, HeadScan
 from duplexrt.wire.handshake import header_line
 
 
@@ -41,11 +42,14 @@ class BadRequest(Exception):
         self.reason = reason
 
 
-async def read_request_head(stream: trio.abc.Stream) -> tuple[RequestHead, bytes]:
+async def read_request_head(stream: trio.abc.ReceiveStream,
+                            on_data: Callable[[int], None] | None = None) -> tuple[RequestHead, bytes]:
     """Read until a whole request head has arrived.  Returns it and every byte read, so the
-    connection can be handed on unchanged.  Raises BadRequest for anything malformed."""
+    connection can be handed on unchanged.  Raises BadRequest for anything malformed.
+    ``on_data(n)``: told of each read of ``n`` bytes as it comes (the server's pending heads)."""
     parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
     received = bytearray()
+    limits = HeadScan()
     while True:
         try:
             event = parser.next_event()
@@ -60,7 +64,9 @@ async def read_request_head(stream: trio.abc.Stream) -> tuple[RequestHead, bytes
             if not data:
                 raise BadRequest(400, "connection closed before a whole request head arrived")
             received += data
-            if (refused := head_limit_error(received)) is not None:  # before h11 parses it
+            if on_data is not None:
+                on_data(len(data))
+            if (refused := limits.check(received)) is not None:  # before h11 parses it
                 raise BadRequest(431, refused)
             parser.receive_data(bytes(data))
             continue
