@@ -37,6 +37,9 @@ def _haproxy() -> dict[str, str]:
     assert "use-server %[urlp(resume),field(1,.)] if { urlp(resume) -m found }" in text
     assert "force-persist if { urlp(resume) -m found }" in text
     assert "option httpchk" in text and "http-check expect status 200" in text
+    # POST /drain stops a replica: never forwarded from the public side (issue 38, item 1).
+    assert "http-request deny deny_status 403 if { path,url_dec -m beg -i /drain }" in text
+    assert "option forwardfor" in text
     return found
 
 
@@ -69,7 +72,11 @@ def test_envoy_says_what_haproxy_says():
     assert {"upgrade_type": "websocket"} in config["upgrade_configs"]
     tunnel_s = int(haproxy["tunnel"]) * 3600
     assert int(config["stream_idle_timeout"].rstrip("s")) == tunnel_s
-    *resumes, route = config["route_config"]["virtual_hosts"][0]["routes"]
+    drain, *resumes, route = config["route_config"]["virtual_hosts"][0]["routes"]
+    # POST /drain stops a replica: answered by Envoy, never forwarded (issue 38, item 1).
+    assert drain["match"] == {"prefix": "/drain", "case_sensitive": False}
+    assert drain["direct_response"]["status"] == 403 and "route" not in drain
+    assert config["normalize_path"] is True and config["use_remote_address"] is True
     # A resume goes to the replica its token names: one route and one unchecked cluster per
     # replica, named as HAProxy names its servers (the replicas' --replica-id).
     assert [r["match"]["query_parameters"][0] for r in resumes] == [
@@ -177,6 +184,8 @@ async def test_the_kubernetes_prestop_hook_begins_the_drain_with_the_key_and_the
     (container,) = _kubernetes()["Deployment"]["spec"]["template"]["spec"]["containers"]
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "python3"
+    # Inside the Pod, on loopback: the one peer a replica drains for without the admin key.
+    assert "http://127.0.0.1:%s/drain" in command[-1]
     key = "sk-k8s"
     running = await start_server(f'server.api_key="{key}"', "server.shutdown_grace_s=600")
     env = {**os.environ, "DUPLEXRT_PORT": str(running.port), "DUPLEXRT_API_KEY": key + "\n"}

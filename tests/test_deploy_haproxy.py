@@ -281,3 +281,23 @@ async def test_a_session_cut_mid_call_resumes_through_haproxy_on_its_replica_wit
     assert bytes(peer.heard) == bytes(2 * FRAME * 4) + b"".join(audio[:-2])
     _, metrics = _get(cluster.ports[replica], "/metrics")
     assert b"duplexrt_sessions_resumed_total 1.0" in metrics
+
+
+def _post(port: int, path: str, headers: dict[str, str] | None = None) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_no_client_can_drain_a_replica_through_haproxy(cluster):
+    """Issue 38, item 1: POST /drain from the public side is answered 403 by HAProxy itself,
+    however it is spelt, and no replica drains; the replica's own host still can."""
+    for path in ("/drain", "/DRAIN", "/%64rain", "/drain?resume=replica1.x", "/drain/"):
+        assert _post(cluster.lb_port, path) == 403, path
+    assert all(cluster.ready(name)[0] == 200 for name in SLOTS)
+    assert all(status == "UP" for status in cluster.balancer_status().values())
+    assert _post(cluster.ports["replica3"], "/drain") == 202  # on the host: loopback, directly
+    assert cluster.ready("replica3")[1]["reason"] == "draining"
