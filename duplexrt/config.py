@@ -270,8 +270,12 @@ def _origins(value: object) -> tuple[str, ...]:
 
 _ORIGIN = re.compile(r"(?i)(https?|wss?)://[^/\s?#@]+/?")
 
-#: Loopback, IPv4 and IPv6: the default of ``server.drain_from`` and ``server.unlimited_peers``.
+#: Loopback, IPv4 and IPv6: the default of ``server.drain_from``.
 LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
+#: Loopback and the private ranges (RFC 1918, IPv6 unique local): the default of
+#: ``server.unlimited_peers``.  Balancers, a cluster's own Pods and benchmarks on the host come
+#: from these; a client reaching a server exposed to the internet does not.
+PRIVATE_NETWORKS = (*LOOPBACK_NETWORKS, "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
 
 
 def _networks(key: str, value: object) -> tuple[str, ...]:
@@ -376,13 +380,15 @@ class ServerConfig:
     #: the client it names (the per-peer cap, who may drain).  Empty: none, the header is ignored.
     trusted_proxies: tuple[str, ...] = attrs.field(default=(), converter=_trusted_proxies)
     #: Connections one client address may hold open at once (sessions, request heads being
-    #: read, plain HTTP); more are refused with 429 (0: no cap).  Behind a balancer every client
-    #: has its address: list it in ``trusted_proxies``, or the cap counts the balancer.
+    #: read, plain HTTP); more are refused with 429 (0: no cap).  Behind a balancer, list it in
+    #: ``trusted_proxies`` for each client to be capped (a balancer on a public address would
+    #: otherwise be capped itself: list it in ``unlimited_peers`` at least).
     max_connections_per_peer: int = attrs.field(
         default=16, validator=_int_range("server.max_connections_per_peer", 0, 1_000_000))
-    #: Peers the per-peer cap leaves alone (loopback: benchmarks and a balancer on the same host).
+    #: Peers the per-peer cap leaves alone: by default loopback and the private ranges, where
+    #: balancers, a cluster's Pods and benchmarks come from (a balancer carries many clients).
     unlimited_peers: tuple[str, ...] = attrs.field(
-        default=LOOPBACK_NETWORKS, converter=_unlimited_peers)
+        default=PRIVATE_NETWORKS, converter=_unlimited_peers)
 
     def __attrs_post_init__(self) -> None:
         if self.admin_key and self.admin_key == self.api_key:

@@ -164,3 +164,17 @@ async def test_a_loop_on_stats_and_readyz_gets_the_last_page_and_a_drain_shows_a
     assert (status, body["reason"]) == (503, "draining")
     assert server.pages.renders == 3
     await call.aclose()
+
+
+def test_by_default_balancers_and_pods_on_private_addresses_are_not_capped():
+    from ipaddress import ip_address
+
+    from duplexrt.config import load_config
+    from duplexrt.server.peers import in_networks
+
+    settings = load_config(None).server
+    assert settings.max_connections_per_peer == 16 and settings.trusted_proxies == ()
+    for address in ("127.0.0.1", "::1", "10.4.0.7", "172.20.1.1", "192.168.1.9", "fd00::5"):
+        assert in_networks(ip_address(address), settings.unlimited_peers), address
+    for address in ("203.0.113.9", "198.51.100.7", "2001:db8::1", "8.8.8.8"):
+        assert not in_networks(ip_address(address), settings.unlimited_peers), address
