@@ -94,19 +94,20 @@ def _fake_clock(monkeypatch, ms_per_row: float) -> None:
 
 
 def test_configured_slots_too_slow_for_the_frame_are_an_error_naming_what_keeps_real_time(monkeypatch, caplog):
-    _fake_clock(monkeypatch, 2.0)  # 64 rows: 128 ms, over the 76 ms budget; 38 rows: 76 ms
-    backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, 64), {"tiny": True, "warmup_steps": 2})
+    _fake_clock(monkeypatch, 10.0)  # 16 rows: 160 ms, over the 76 ms budget; 7 rows: 70 ms
+    backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, 16), {"tiny": True, "warmup_steps": 2})
     with caplog.at_level(logging.ERROR, logger="duplexrt.backends.moshi"):
         backend.load()
     try:
         [error] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-        assert error.startswith("moshi backend: runtime.slots = 64 is too many for this device's clock: a full "
-                                "batch steps in 128.0 ms, over the 76.0 ms budget")
-        assert "the largest batch timed within it is 38 rows: set runtime.slots = 38 (--slots 38)" in error
+        assert error.startswith("moshi backend: runtime.slots = 16 is too many for this device's clock: a full "
+                                "batch steps in 160.0 ms, over the 76.0 ms budget")
+        assert "the largest batch timed within it is 7 rows: set runtime.slots = 7 (--slots 7)" in error
         choice = backend.slot_choice
-        assert choice.slots == backend.info.slots == 64  # served as configured, said loudly
+        assert choice.slots == backend.info.slots == 16  # served as configured, said loudly
         clock = choice.details["real_time"]
-        assert (clock["within_budget"], clock["largest_slots"], clock["step_ms"]) == (False, 38, 128.0)
+        assert (clock["within_budget"], clock["largest_slots"], clock["step_ms"]) == (False, 7, 160.0)
+        assert [t["rows"] for t in clock["timed"]] == [8, 7]
         assert "TOO SLOW" in choice.reason
     finally:
         backend.close()
