@@ -76,6 +76,11 @@ def _slots_value(_instance: object, _attribute: attrs.Attribute, value: object) 
         raise ConfigError(f'runtime.slots must be an integer from 1 to {MAX_SLOTS} or "auto", got {value!r}')
 
 
+#: The largest CPU number ``runtime.cpus`` may name (Linux builds for at most 8192 CPUs): a
+#: range is checked against it before it is expanded, so "0-99999999" is refused at once.
+MAX_CPU = 8191
+
+
 def _cpu_list(value: object) -> tuple[int, ...]:
     """``runtime.cpus``: a list of CPU numbers, or a string of them and ranges ("4-7,12")."""
     if isinstance(value, str):
@@ -83,18 +88,28 @@ def _cpu_list(value: object) -> tuple[int, ...]:
         for part in filter(None, (p.strip() for p in value.split(","))):
             low, sep, high = part.partition("-")
             try:
-                cpus.extend(range(int(low), int(high) + 1) if sep else [int(low)])
+                first, last = int(low), int(high if sep else low)
             except ValueError:
                 raise ConfigError(f"runtime.cpus must list CPU numbers or ranges like \"4-7,12\", got {value!r}") from None
+            if not 0 <= first <= MAX_CPU or not 0 <= last <= MAX_CPU:
+                raise ConfigError(f"runtime.cpus: CPU numbers go from 0 to {MAX_CPU}, got {_clipped(part)!r}")
+            cpus.extend(range(first, last + 1))
         return tuple(cpus)
     if isinstance(value, list | tuple) and all(isinstance(c, int) and not isinstance(c, bool) for c in value):
         return tuple(value)
-    raise ConfigError(f"runtime.cpus must be a list of CPU numbers or a string like \"4-7,12\", got {value!r}")
+    raise ConfigError(f"runtime.cpus must be a list of CPU numbers or a string like \"4-7,12\", got {_clipped(value)!r}")
+
+
+def _clipped(value: object, limit: int = 100) -> object:
+    """A value as an error message shows it: a long one cut short."""
+    text = repr(value)
+    return value if len(text) <= limit else text[:limit] + "..."
 
 
 def _cpus_valid(_instance: object, _attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
-    if any(cpu < 0 for cpu in value) or len(set(value)) != len(value):
-        raise ConfigError(f"runtime.cpus must be distinct CPU numbers from 0 up, got {list(value)}")
+    if any(not 0 <= cpu <= MAX_CPU for cpu in value) or len(set(value)) != len(value):
+        shown = list(value) if len(value) <= 32 else f"{list(value[:32])} and {len(value) - 32} more"
+        raise ConfigError(f"runtime.cpus must be distinct CPU numbers from 0 to {MAX_CPU}, got {shown}")
 
 
 @attrs.frozen(kw_only=True)
@@ -176,7 +191,7 @@ class RuntimeConfig:
     #: a step or two later.  Half the messages, syscalls and translator calls per frame for a
     #: client that sends 160 ms; the first frame of each message is that much later.  Off: each
     #: step's output goes out as soon as it is made.
-    coalesce_output: bool = True
+    coalesce_output: bool = attrs.field(default=True, validator=_is_bool("runtime.coalesce_output"))
     #: Resume after a dropped connection: how long a session whose connection dropped without
     #: a clean end keeps its slot, waiting for its client to reconnect with the session's resume
     #: token (0: no resume, a drop ends the session).  Input waits per ``late_input`` meanwhile.
@@ -187,6 +202,13 @@ class RuntimeConfig:
     #: missed output no longer fits cannot be resumed.  Longer than ``resume_window_s``.
     resume_journal_s: float = attrs.field(
         default=15.0, validator=_float_range("runtime.resume_journal_s", 0.1, 3600.0))
+
+    def __attrs_post_init__(self) -> None:
+        if 0 < self.resume_journal_s < self.resume_window_s:
+            raise ConfigError(
+                f"runtime.resume_journal_s ({self.resume_journal_s:g}) must be at least runtime.resume_window_s "
+                f"({self.resume_window_s:g}): a client away for the whole window could not resume, its missed "
+                "output gone from the journal")
 
 
 @attrs.frozen(kw_only=True)
