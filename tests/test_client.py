@@ -501,6 +501,30 @@ async def test_the_client_resumes_a_dropped_connection_and_hears_every_frame_onc
     assert out.read_bytes() == _as_wav_bytes(tmp_path / "expected.wav", sent, RATE)
 
 
+#: A model that steps in real time (80 ms a frame) and pings every half second: a burst client is
+#: seconds ahead of the model, its sender blocked on a full socket, when the pings come.  The pong
+#: waits in the socket behind the audio sent before it, at most the file's length: the ping
+#: timeout is above that, so only a client that stops answering (or reading) is dropped.
+REAL_TIME = ("backend.name=synthetic", "backend.options.step_ms=80", "server.ping_interval_s=0.5",
+             "server.ping_timeout_s=5", "runtime.slots=2", "metrics.log_stats=false", "server.port=0")
+
+
+async def test_a_burst_client_answers_pings_while_the_model_steps_in_real_time(nursery, tmp_path):
+    """Before, the client's reader parsed the ping and waited for the write turn its blocked
+    sender held: it stopped reading, the server's writer and then its reader stopped, no pong
+    came, and the server dropped the call at its ping timeout (resumed here, a drop each time)."""
+    server = Server(load_config(None, list(REAL_TIME)))
+    await nursery.start(server.run)
+    _wav(tmp_path / "in.wav", _noise(50 * FRAME, seed=12), RATE)  # 4 s
+    code, stdout, stderr, out = await _client(tmp_path, f"ws://127.0.0.1:{server.ports[0]}/v1/duplex",
+                                              tmp_path / "in.wav")
+    assert code == 0, stderr
+    assert stdout.startswith("sent 4.000 s, received 4.000 s at 24000 Hz")  # every frame
+    assert "server ended the session: stop)" in stdout  # and no dropped connection on the way
+    assert len(_read(out)[0]) == 50 * FRAME
+    assert server.runtime is not None and server.runtime.metrics.sessions_resumed == 0
+
+
 # -- the connection itself, on both WebSocket paths --------------------------------------------------
 
 

@@ -175,3 +175,21 @@ def test_server_figures_from_two_replicas_are_not_subtracted():
     mixed = _server_figures(scrape("r1", 10), scrape("r2", 50))
     assert mixed["frames_in"] is None and mixed["replica"] is None
     assert "different replicas (r1 then r2)" in mixed["note"]
+
+
+async def test_a_burst_against_a_model_stepping_in_real_time_answers_every_ping_and_drops_nothing(nursery):
+    """``simulate --url`` in burst mode shares ``duplexrt client``'s connection code: its session
+    runs seconds ahead of a real-time model, its sends waiting on a full socket, while the server
+    pings every half second.  A reader that waited for the write turn to answer a ping stopped
+    reading, and the server dropped the call at its ping timeout (issue 38, item 5; the pong
+    waits at most the audio sent before it, under the timeout here)."""
+    base = await _serve(nursery, 'backend.name="synthetic"', "backend.options.step_ms=80",
+                        "server.ping_interval_s=0.5", "server.ping_timeout_s=5", echo_delay=None)
+    with trio.fail_after(PATIENCE):
+        report = await run_url_simulation(load_config(None, []),
+                                          SimulateOptions(concurrency=1, frames=50, mode="burst", message_ms=80),
+                                          base + "/v1/duplex", adopt_server_backend=True)
+    (round_,) = report.rounds
+    assert round_.failures == [] and report.ok
+    assert round_.frames_in == round_.frames_out == 50
+    assert round_.measured.resumes == 0  # no connection dropped (each drop is resumed)

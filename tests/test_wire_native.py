@@ -431,7 +431,57 @@ async def test_a_close_reads_past_a_backlog_the_session_never_took_and_ends():
         assert isinstance(close, Close) and close.code == 1000
 
 
-# -- the closing handshake ----------------------------------------------------------------------------
+# -- pongs never wait for the write turn --------------------------------------------------------------
+
+
+async def test_a_ping_read_while_a_send_waits_on_a_full_socket_is_answered_after_it_and_reading_goes_on():
+    # A client bursting ahead of a real-time model: its send waits on a full socket when the
+    # server's ping comes.  Before, the reader waited for the write turn to send the pong, so it
+    # stopped reading; the server, its output unread, stopped reading too: neither moved again.
+    a, b = trio.socket.socketpair()
+    server_side = trio.SocketStream(a)
+    client = NativeWebSocket(trio.SocketStream(b), client=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send, _BIG)  # more than the socket pair holds: it waits
+        await trio.testing.wait_all_tasks_blocked()
+        await server_side.send_all(frame(Opcode.PING, b"there?") + frame(Opcode.BINARY, b"after the ping"))
+        with trio.fail_after(2):
+            assert await client.receive() == b"after the ping"  # read on, though the send still waits
+        # The server reads again: the message whole, then the pong (never inside the message).
+        parser = FrameParser(masked=True, max_message=len(_BIG))
+        events: list = []
+        with trio.fail_after(10):
+            while len(events) < 2:
+                parser.feed(await server_side.receive_some(1 << 16))
+                while (event := parser.next()) is not None:
+                    events.append(event)
+        assert events == [_BIG, Pong(b"there?")]
+        await client.send(b"next")  # the turn was passed on
+        parser.feed(await server_side.receive_some(1 << 16))
+        assert parser.next() == b"next"
+
+
+async def test_a_pong_waiting_for_a_send_is_dropped_once_this_end_has_sent_its_close():
+    a, b = trio.socket.socketpair()
+    server_side = trio.SocketStream(a)
+    client = NativeWebSocket(trio.SocketStream(b), client=True, close_timeout=5.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send, _BIG)
+        await trio.testing.wait_all_tasks_blocked()
+        await server_side.send_all(frame(Opcode.PING, b"late"))
+        outcome = await _receive_in_background(nursery, client)  # reads the ping: the pong waits
+        nursery.start_soon(client.close)  # its Close waits behind the message
+        await trio.testing.wait_all_tasks_blocked()
+        parser = FrameParser(masked=True, max_message=len(_BIG))
+        events: list = []
+        with trio.fail_after(10):
+            while not any(isinstance(event, Close) for event in events):
+                parser.feed(await server_side.receive_some(1 << 16))
+                while (event := parser.next()) is not None:
+                    events.append(event)
+        assert len(events) == 2 and events[0] == _BIG and isinstance(events[1], Close)  # no pong after the Close
+        assert outcome == []
+        nursery.cancel_scope.cancel()
 
 
 async def test_messages_that_come_after_this_end_sent_its_close_are_dropped_as_they_are_parsed():

@@ -14,11 +14,12 @@ message goes out as one ``send_all`` of header and payload.
 What keeps working when the session is not reading (its input ended, or it waits for the client to
 read): the keepalive reads by itself while it waits for a pong, and stops reading ahead once
 ``queue_limit`` messages wait unread, as trio-websocket does; a close reads until the peer's Close
-and drops the messages that come meanwhile (no one takes them).  On a server it also bounds how long
-a connection may hold its slot without doing its part: a first message that never comes, a peer
-that stops answering pings or sends nothing for too long, and a closing handshake the peer never
-finishes all end the connection, each with a finish reason of its own
-(``TransportClosed.finish_reason``) so that the log tells a limit from a hang-up.
+and drops the messages that come meanwhile (no one takes them).  Pings are answered by whoever reads
+them without waiting for the write turn (``_send_pongs``): a reader never waits on a writer.  On a
+server it also bounds how long a connection may hold its slot without doing its part: a first
+message that never comes, a peer that stops answering pings or sends nothing for too long, and a
+closing handshake the peer never finishes all end the connection, each with a finish reason of its
+own (``TransportClosed.finish_reason``) so that the log tells a limit from a hang-up.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class NativeWebSocket:
         self._drained = False
         self._sending = False
         self._send_lot = trio.lowlevel.ParkingLot()
+        #: Pongs that came while another write held the turn: whoever holds it writes them
+        #: before passing it on (``_release_send``), between two messages, never behind them.
+        self._pongs: bytes | None = None
         self._first_deadline = trio.current_time() + first_message_timeout
         #: Messages taken so far (the idle watch reads it).
         self.received = 0
@@ -409,7 +413,7 @@ class NativeWebSocket:
             if type(event) is Ping:
                 pongs = connection.answer_pings()
                 if pongs is not None:
-                    await self._write(pongs)
+                    self._send_pongs(pongs)
             elif type(event) is FrameError:  # close with its code; nothing more is read into messages
                 with trio.move_on_after(self._close_timeout):
                     await self._send_close(event.code, event.reason)
@@ -504,7 +508,34 @@ class NativeWebSocket:
         finally:
             self._release_send()
 
+    def _send_pongs(self, pongs: bytes) -> None:
+        """Answer pings without waiting for the write turn: whoever reads must never wait on a
+        write.  A reader that parked here behind a large or stalled send stopped reading, and
+        when the peer in turn waits for this end to read before it reads again (a server
+        whose model steps in real time stops reading a client that bursts), neither end ever
+        moved again.  Written now when no write is under way, what the socket does not take
+        left to a drain task; else kept for the writer that holds the turn, which writes them
+        right after its message.  A later burst replaces one not yet written: the latest pings
+        are the ones to answer (RFC 6455 5.5.3)."""
+        if self._sending:
+            self._pongs = pongs
+            return
+        rest = self._write_now(pongs, b"")
+        if rest:
+            self._sending = True  # held by the drain until the rest is out
+            trio.lowlevel.spawn_system_task(self._drain, rest, name="duplexrt.wire.native.drain")
+
     def _release_send(self) -> None:
+        pongs = self._pongs
+        if pongs is not None:
+            # Pongs that waited for this write: out now, before the next writer's message (none
+            # once this end's Close went: nothing may follow it).
+            self._pongs = None
+            if not self._connection.close_sent:
+                rest = self._write_now(pongs, b"")
+                if rest:  # the turn stays held, by a drain for the rest
+                    trio.lowlevel.spawn_system_task(self._drain, rest, name="duplexrt.wire.native.drain")
+                    return
         self._sending = False
         if self._send_lot:
             self._send_lot.unpark()
