@@ -29,6 +29,7 @@ ATTACKS = {
     "metrics": "/metrics",  # GET /metrics in a loop, a connection each
     "big-heads": "/v1/duplex",  # four clients in parallel, each upgrade head ~6,200 tiny fields (60 KiB)
     "close-flood": "/v1/duplex",  # a frame and input.end; once the server's Close comes, 1 MiB messages
+    "many-connections": "/v1/duplex",  # 32 connections from 127.0.0.2, each sending tiny messages
 }
 
 
@@ -104,8 +105,8 @@ class _ServerFrames(threading.Thread):
             del buffer[:at + size]
 
 
-def _open_websocket(port: int, path: str) -> tuple[socket.socket, bytes]:
-    sock = socket.create_connection(("127.0.0.1", port))
+def _open_websocket(port: int, path: str, source: str | None = None) -> tuple[socket.socket, bytes]:
+    sock = socket.create_connection(("127.0.0.1", port), source_address=(source, 0) if source else None)
     key = base64.b64encode(os.urandom(16)).decode()
     sock.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
                   f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
@@ -218,6 +219,44 @@ def _flood(kind: str, port: int, seconds: float) -> dict:
     return {"sent": sent, "received": reader.received, "close_code": code, "close_reason": reason}
 
 
+def _many_connections(port: int, seconds: float, connections: int = 32, source: str = "127.0.0.2") -> dict:
+    """``connections`` sessions from one address (another one than the victim's), each sending
+    tiny messages back to back: what one client's many connections take from everyone else's."""
+    opened, refused = [], 0
+    for _ in range(connections):
+        try:
+            opened.append(_open_websocket(port, ATTACKS["many-connections"], source))
+        except (SystemExit, OSError):  # refused (429), or reset before the answer was read
+            refused += 1
+    readers = []
+    for sock, rest in opened:
+        reader = _ServerFrames(sock, rest)
+        reader.start()
+        readers.append(reader)
+    _, batch = _flood_batch("tiny-messages")
+    deadline = time.monotonic() + seconds
+    sent = [0] * len(opened)
+
+    def flood(index: int, sock: socket.socket) -> None:
+        try:
+            while time.monotonic() < deadline and readers[index].close is None:
+                sock.sendall(batch)
+                sent[index] += len(batch)
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=flood, args=(i, sock), daemon=True) for i, (sock, _) in enumerate(opened)]
+    print("go", flush=True)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for sock, _ in opened:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    return {"opened": len(opened), "refused": refused, "sent": sum(sent)}
+
+
 def _main(kind: str, port: int, seconds: float) -> None:
     if kind == "metrics":
         report = _scrape(port, seconds)
@@ -225,6 +264,8 @@ def _main(kind: str, port: int, seconds: float) -> None:
         report = _big_heads(port, seconds)
     elif kind == "close-flood":
         report = _close_flood(port, seconds)
+    elif kind == "many-connections":
+        report = _many_connections(port, seconds)
     else:
         report = _flood(kind, port, seconds)
     print(json.dumps(report), flush=True)

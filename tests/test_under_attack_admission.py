@@ -442,3 +442,24 @@ async def test_a_slow_head_that_keeps_coming_outlives_a_flood_of_idle_half_heads
         for sock in flood:
             sock.close()
     await _wait_for(lambda: server.pending_handshakes == 0 and server.admitted == 0, "the heads to go")
+
+
+async def test_one_address_opening_32_flooding_connections_gets_its_cap_and_the_victim_is_untouched(start_server):
+    """Issue 38, item 7: 32 sessions from one address (127.0.0.2), each sending tiny messages
+    back to back, beside a paced victim from another (127.0.0.1).  The address holds at most
+    ``server.max_connections_per_peer`` (here 4; the rest refused 429), and the victim hears
+    every frame within a frame period."""
+    cap = 4
+    running = await start_server(f"server.max_connections_per_peer={cap}", "server.unlimited_peers=[]",
+                                 "runtime.slots=40", "runtime.resume_window_s=0")
+    server = running.server
+    await attack.paced_victim(running.port, 0.4, seed=2)  # warm up
+    async with attack.hostile(running.port, "many-connections", 3.0) as flood:
+        await trio.sleep(0.2)
+        victim = Victim(running.port, frames=25)
+        await victim.run()
+    assert (flood.report["opened"], flood.report["refused"]) == (cap, 32 - cap), flood.report
+    assert flood.report["sent"] > 0
+    assert server.refused["too_many_from_peer"] == 32 - cap
+    victim.check()
+    await attack.assert_nothing_held(running)
