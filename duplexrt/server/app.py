@@ -683,7 +683,7 @@ class Server:
             self.liveness.observe(failing)  # a balancer's checks count too
             # Within the pages' budget; a drain or a failing model shows at once all the same.
             full_ok = query.get(FULL_OK[0]) == FULL_OK[1]
-            return self.pages.page(("/readyz", full_ok, self._draining, failing),
+            return self.pages.page(("/readyz", full_ok, self.draining, failing),
                                    lambda: readyz_answer(self.statistics(), query), _READYZ_MAX_AGE_S)
         if path == "/metrics":
             return 200, metrics_text(self.registry), CONTENT_TYPE_LATEST
