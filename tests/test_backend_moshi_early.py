@@ -5,7 +5,7 @@
 * a configured slot count whose full batch steps over the frame is an ERROR at load naming the
   largest count that keeps real time, and ``slot_choice.real_time`` in ``/readyz`` says it;
 * a join step copies its rows to the device through staged, page-locked buffers, never a
-  blocking ``.to()`` (``_Staged``).
+  blocking ``.to()`` (``staging.StagedRows``).
 
 FAKE, where used: the device's free memory is given (``memory_source``), and the step's cost is
 set by replacing the warm-up's measurement (``_warm_up``) with one that costs 2 ms a row.

@@ -61,6 +61,7 @@ from duplexrt.backends.moshi.settings import (DEFAULTS, HIBIKI_FLUSH_FRAMES, MOD
 from duplexrt.backends.moshi.cuda import StepClock, select_device
 from duplexrt.backends.moshi.env import import_moshi
 from duplexrt.backends.moshi.prompter import Prompter
+from duplexrt.backends.moshi.staging import StagedRows
 from duplexrt.backends.moshi.rows import RowMover, RowWiper, uncovered
 from duplexrt.config import MAX_SLOTS, ConfigError
 
@@ -85,46 +86,6 @@ class _Model:
     cfg_coef: float
     #: The temporal transformer's context as built, before any ring was applied to it.
     model_positions: int
-
-
-class _Staged:
-    """Rows for the device (a mask, their indices, a value per row), written into page-locked host
-    buffers and copied without blocking: the host does not wait for the GPU's queued work (a
-    pageable ``.to()`` would), and a later ``put`` waits only for this group's own last copy before
-    writing the buffers again.  On a CPU the host buffers are the device's."""
-
-    def __init__(self, torch: Any, slots: int, device: Any, host: Any) -> None:
-        self._cuda = device.type == "cuda"
-        self._mask_t = host((slots,), torch.bool)
-        self._rows_t = host((slots,), torch.int64)
-        self._values_t = host((slots,), torch.int64)
-        self._mask, self._rows, self._values = self._mask_t.numpy(), self._rows_t.numpy(), self._values_t.numpy()
-        if self._cuda:
-            self._mask_dev = torch.zeros(slots, dtype=torch.bool, device=device)
-            self._rows_dev = torch.zeros(slots, dtype=torch.int64, device=device)
-            self._values_dev = torch.zeros(slots, dtype=torch.int64, device=device)
-            self._copied = torch.cuda.Event()
-        else:
-            self._mask_dev, self._rows_dev, self._values_dev = self._mask_t, self._rows_t, self._values_t
-
-    def put(self, rows: np.ndarray, values: np.ndarray | None = None) -> tuple[Any, Any, Any]:
-        """``(mask, indices, values[rows])`` of ``rows`` on the device (views of this group's buffers,
-        good until its next ``put``)."""
-        count = len(rows)
-        if self._cuda:
-            self._copied.synchronize()  # the last copy from these buffers is done (long since, as a rule)
-        self._mask[:] = False
-        self._mask[rows] = True
-        self._rows[:count] = rows
-        if values is not None:
-            self._values[:count] = values[rows]
-        if self._cuda:
-            self._mask_dev.copy_(self._mask_t, non_blocking=True)
-            self._rows_dev[:count].copy_(self._rows_t[:count], non_blocking=True)
-            if values is not None:
-                self._values_dev[:count].copy_(self._values_t[:count], non_blocking=True)
-            self._copied.record()
-        return self._mask_dev, self._rows_dev[:count], self._values_dev[:count]
 
 
 def _streaming_roots(module: Any) -> list[Any]:
@@ -601,8 +562,8 @@ class MoshiBackend(Backend):
         # written into page-locked buffers and copied to the device without blocking, so the host
         # never waits there for the GPU's queued work; each group is written again only once its
         # last copy is done (its event).  On a CPU the model reads the host buffers themselves.
-        self._join = _Staged(torch, slots, device, host)
-        self._first = _Staged(torch, slots, device, host)
+        self._join = StagedRows(torch, slots, device, host)
+        self._first = StagedRows(torch, slots, device, host)
         if cuda:
             self._exec = torch.zeros(slots, dtype=torch.bool, device=device)
             self._pcm_dev = torch.zeros((slots, 1, frame), dtype=torch.float32, device=device)
@@ -720,7 +681,7 @@ class MoshiBackend(Backend):
         self._pending_end = True
 
     def _apply_resets(self) -> None:
-        # Staged copies (``_Staged``): the host mask is cleared right after, the copy is not waited for.
+        # Staged copies (``staging.StagedRows``): the host mask is cleared right after, the copy is not waited for.
         mask, index, keys = self._join.put(np.flatnonzero(self._reset), self._keys)
         self._lm_gen.reset_streaming(mask)
         self._mimi.reset_streaming(mask)
