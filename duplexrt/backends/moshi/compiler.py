@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
+
+from duplexrt.backends.moshi import internals
 
 log = logging.getLogger("duplexrt.backends.moshi")
 
@@ -53,8 +54,7 @@ def compile_enabled() -> bool:
     its own switch not thrown since."""
     if os.environ.get("NO_TORCH_COMPILE"):
         return False
-    module = sys.modules.get("moshi.utils.compile")
-    return module is None or not getattr(module, "_compile_disabled", False)
+    return not internals.compile_switched_off()
 
 
 def missing_for_compile(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -77,9 +77,7 @@ def ensure_compiler(device: str) -> str | None:
     if not missing:
         return None
     os.environ["NO_TORCH_COMPILE"] = "1"  # read by the package at its import
-    module = sys.modules.get("moshi.utils.compile")
-    if module is not None:  # imported already: its wrappers still look at this switch every call
-        module._compile_disabled = True  # type: ignore[attr-defined]
+    internals.switch_compile_off()  # imported already: its wrappers still look at this switch every call
     reason = f"torch.compile is off: Triton needs {' and '.join(missing)} to compile on {device}"
     if not _warned:
         _warned = True

@@ -9,6 +9,14 @@ moshi 0.2.13 offers no public way to do these, and the backend needs them:
   initialised (``_initialized``) and their cached ``_embedding`` dropped so it is recomputed from
   the random centroids (``tiny``).
 
+* the filled-only attention (``attention``) reads each temporal attention's K/V through its
+  own ``_complete_kv`` (the method ``StreamingMultiheadAttention.forward`` calls to write this
+  step's K/V into the ring and get back the keys, values and positions it attends over), so it
+  replaces that method on the module instance, and calls the package's own from inside.
+
+* torch.compile is switched off, where the package was imported already, by its own module-level
+  switch (``moshi.utils.compile._compile_disabled``, which its wrappers read at every call)
+  (``compiler``).
 * PersonaPlex's prompt opens each stream with the LM's initial tokens (``_get_initial_token``),
   and its checkpoint is built from the package's own Moshi 7B arguments (``loaders._lm_kwargs``)
   (``prompter``, ``personaplex``).
@@ -53,3 +61,45 @@ def moshi_7b_lm_kwargs() -> dict[str, Any]:
     from moshi.models import loaders
 
     return dict(loaders._lm_kwargs)
+
+
+def package_complete_kv(attention: Any) -> Any:
+    """The package's own ``StreamingMultiheadAttention._complete_kv`` bound to ``attention``
+    (whatever the instance holds in its place): ``(k, v) -> KVCacheResult(keys, values,
+    positions)``, the ring written with this step's K/V (``RingKVCache.complete``) and read whole."""
+    return type(attention)._complete_kv.__get__(attention)
+
+
+def replace_complete_kv(attention: Any, complete: Any | None) -> None:
+    """Make ``attention.forward`` read its K/V through ``complete`` (same signature as
+    ``_complete_kv``), an attribute of the instance; None puts the package's own back.  Relies on
+    ``forward`` calling ``self._complete_kv(k, v)`` once per call and using only the three fields
+    of what it returns (moshi 0.2.13)."""
+    if complete is None:
+        attention.__dict__.pop("_complete_kv", None)
+    else:
+        attention._complete_kv = complete
+
+
+def replaced_complete_kv(attention: Any) -> Any | None:
+    """What ``replace_complete_kv`` put on ``attention`` (None: the package's own is used)."""
+    return attention.__dict__.get("_complete_kv")
+
+
+def compile_switched_off() -> bool:
+    """Whether the package's own torch.compile switch is thrown (``_compile_disabled`` of
+    ``moshi.utils.compile``, if that module is imported)."""
+    import sys
+
+    module = sys.modules.get("moshi.utils.compile")
+    return module is not None and bool(getattr(module, "_compile_disabled", False))
+
+
+def switch_compile_off() -> None:
+    """Throw the package's torch.compile switch, where ``moshi.utils.compile`` is imported (its
+    wrappers look at it every call); before its import ``NO_TORCH_COMPILE`` does the same."""
+    import sys
+
+    module = sys.modules.get("moshi.utils.compile")
+    if module is not None:
+        module._compile_disabled = True  # type: ignore[attr-defined]
