@@ -36,6 +36,9 @@ load and streams for the life of the process; each slot is one row.
 * **The K/V ring** of each row (``ring``): ``context_seconds`` sizes the LM's rings before any
   state is allocated, so a server that caps its calls holds more slots; a call reaching the
   ring's end ends with ``length`` (``max_session_frames``) or slides on, forgetting.
+* **Attention** (``attention``): on a CPU a step's attention reads only the ring positions the
+  active rows have filled (whole blocks of 64), bit-identical to the package's full-ring read;
+  on a GPU the full-ring read is kept (CUDA graphs).  ``description["attention"]`` says which.
 * **Stages** (encode, lm, decode) are timed every step: running totals in ``stage_seconds`` /
   ``stage_steps`` and this step's durations in ``last_stages`` (CUDA events on a GPU, so timing
   costs no extra synchronisation).
@@ -55,7 +58,8 @@ import numpy as np
 
 from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, Persona, PersonaError, PersonaRequest,
                                     SlotChoice, SlotSession)
-from duplexrt.backends.moshi import auto_slots, compiler, loading, memory, personaplex, presize, ring, sampling
+from duplexrt.backends.moshi import (attention, auto_slots, compiler, loading, memory, personaplex, presize, ring,
+                                    sampling)
 from duplexrt.backends.moshi.settings import (DEFAULTS, HIBIKI_FLUSH_FRAMES, MODEL_FRAME_SIZE, MODEL_SAMPLE_RATE,
                                               NAME, MoshiSettings)
 from duplexrt.backends.moshi.cuda import StepClock, select_device
@@ -235,6 +239,12 @@ class MoshiBackend(Backend):
                          "K/V ring is full: backend.options.context_seconds = %g would hold the same calls "
                          "in less memory", cap, self.ring.seconds, cap)
             ring.apply(lm, self.ring)
+            # A CPU's step reads only the filled positions of the rings (bit-identical); a GPU keeps
+            # the package's full-ring read, which its CUDA graphs capture (see ``attention``).
+            if settings.device.startswith("cuda"):
+                attention.uninstall(lm)
+            else:
+                attention.install(lm)
             self.info = attrs.evolve(self.info, max_session_frames=self._session_frames(self.ring))
             # What one slot holds, from the model's own modules, before any of it is allocated
             # (the attentions' context is what the K/V rings will hold: see ``memory``).
@@ -263,6 +273,7 @@ class MoshiBackend(Backend):
             self.slot_choice = attrs.evolve(self.slot_choice,
                                             reason=f"{self.slot_choice.reason}; {self.ring.describe()}")
             self.description["ring"] = self.ring.as_dict()
+            self.description["attention"] = "filled" if attention.installed(lm) else "ring"
             flush = settings.flush_frames
             if flush is None:
                 flush = HIBIKI_FLUSH_FRAMES if self._model.model_type == "hibiki" else 0

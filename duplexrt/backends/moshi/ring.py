@@ -3,8 +3,9 @@
 Every row of the fixed batch keeps, for each layer of the LM's temporal transformer, a ring of K
 and V with one position per 80 ms frame.  The package sizes it from each attention's ``context``
 (the model's own: 3000 positions, 240 s, for Moshi 7B) when the streaming state is allocated, and
-every step's attention reads the whole ring, written or not.  So the ring sets both the memory a
-slot holds (``memory.slot_bytes`` reads the same ``context``) and most of the per-row cost of a
+on a GPU every step's attention reads the whole ring, written or not (on a CPU only what the calls
+have filled: ``attention``).  So the ring sets both the memory a slot holds
+(``memory.slot_bytes`` reads the same ``context``) and, on a GPU, most of the per-row cost of a
 step.  A server whose calls are capped at T seconds needs only T x 12.5 positions: a shorter ring
 holds more slots, and each reads less per step.
 
