@@ -16,11 +16,19 @@ scatter + Mimi encoder; lm: LMGen step; decode: Mimi decoder + gather + text), f
    round a row differently by batch size), and in other rows of the fixed batch (what moving a
    session between rows would change)?  ``--frames`` frames of one sampled session, alone.
 
+4. with ``--kv-heavy``: the K/V-heavy configuration (``KV_HEAVY``: the tiny model's shape with a
+   wider LM of few layers and a 60 s ring, where the attention's ring read dominates the step):
+   8 calls (``--kv-calls``) about 10 s old (``--kv-age``) in a batch of 8, each step timed with
+   the filled-only attention (``attention``) and with the package's full-ring read in turn (A B A
+   B ..., same backend, same calls), the median of each and their ratio.  Every other table is
+   skipped.
+
 Usage: python benchmarks/moshi_tiny.py [--steps 20] [--sizes 1,2,4,8,16,32,64]
        [--fixed-slots 64] [--greedy] [--device cpu] [--threads N] [--json out.json]
        [--random moshi-7b --dtype bfloat16]   (the full-size architecture, random weights: a GPU)
        [--rings model,1.28 --rounds 3]        (each row's K/V ring, backend.options.context_seconds)
        [--exactness --frames 16]              (table 3)
+       [--kv-heavy --steps 40 --kv-calls 8 --kv-age 10]   (table 4 only)
 
 ``--rings`` gives K/V ring lengths in seconds (``model``: the model's own context); with more than
 one, each cell is measured for every ring in turn, ``--rounds`` times (A B A B ...: a drift of the
@@ -44,7 +52,7 @@ import time
 import numpy as np
 
 from duplexrt.backends.base import BackendInfo, SlotSession
-from duplexrt.backends.moshi import STAGES, MoshiBackend
+from duplexrt.backends.moshi import STAGES, MoshiBackend, attention, tiny
 
 FRAME = 1920
 FRAME_MS = 80.0
@@ -82,6 +90,62 @@ def measure(slots: int, active: int, steps: int, options: dict) -> dict:
     result["per_session_ms"] = round(result["step_ms"] / active, 3)
     result["real_time"] = result["step_ms"] <= FRAME_MS
     return result
+
+
+#: Table 4's LM: 8 layers (Moshi 7B has 32), wide, a 60 s ring (750 positions of 80 ms), over the tiny model's shape.
+KV_HEAVY = {"dim": 512, "num_heads": 8, "num_layers": 8, "context": 750}
+
+
+def kv_heavy(calls: int, age_s: float, steps: int, options: dict) -> dict:
+    """Table 4: ``calls`` calls of ``age_s`` seconds (at the middle of the timed steps) on the
+    K/V-heavy LM; ``steps`` steps with each attention, alternated step by step."""
+    saved = {key: tiny.TINY_LM[key] for key in KV_HEAVY}
+    tiny.TINY_LM.update(KV_HEAVY)  # the backend builds its tiny LM from TINY_LM (``tiny.lm_config``)
+    try:
+        backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, calls), {"tiny": True, **options})
+        backend.load()
+    finally:
+        tiny.TINY_LM.update(saved)
+    lm = backend._model.lm  # the benchmark switches the attention of the very model it steps
+    rows = np.arange(calls, dtype=np.int64)
+    for slot in rows:
+        backend.open_slot(int(slot), SlotSession(int(slot) + 1))
+    rng = np.random.default_rng(0)
+    inputs = (rng.standard_normal((calls, FRAME)) * 0.3).astype(np.float32)
+    outputs = np.empty_like(inputs)
+    before = max(1, round(age_s * 12.5) - steps)  # the timed steps straddle age_s
+    for _ in range(before):
+        backend.step(rows, inputs, outputs)
+    times: dict[str, list[float]] = {"filled": [], "ring": []}
+    lm_times: dict[str, list[float]] = {"filled": [], "ring": []}
+    for k in range(2 * steps):
+        mode = "filled" if k % 2 == 0 else "ring"
+        if mode == "filled":
+            attention.install(lm)
+        else:
+            attention.uninstall(lm)
+        began = time.perf_counter_ns()
+        backend.step(rows, inputs, outputs)
+        times[mode].append((time.perf_counter_ns() - began) / 1e6)
+        lm_times[mode].append(dict(backend.last_stages)["lm"] / 1e6)
+    backend.close()
+    result = {"config": KV_HEAVY, "calls": calls, "ring": KV_HEAVY["context"],
+              "positions_timed": [before + 1, before + 2 * steps]}
+    for mode in times:
+        result[f"{mode}_step_ms"] = round(statistics.median(times[mode]), 3)
+        result[f"{mode}_lm_ms"] = round(statistics.median(lm_times[mode]), 3)
+    result["ratio"] = round(statistics.median(a / b for a, b in zip(times["filled"], times["ring"])), 4)
+    return result
+
+
+def kv_heavy_table(r: dict) -> str:
+    lines = [f"4. K/V-heavy LM {r['config']}: {r['calls']} calls, positions {r['positions_timed'][0]}-"
+             f"{r['positions_timed'][1]} of a {r['ring']}-position ring (step-by-step alternation, medians)",
+             f"{'attention':>10} {'step ms':>9} {'lm ms':>9}"]
+    for mode in ("filled", "ring"):
+        lines.append(f"{mode:>10} {r[mode + '_step_ms']:>9.2f} {r[mode + '_lm_ms']:>9.2f}")
+    lines.append(f"filled / ring, per step pair (median): {r['ratio']:.3f}")
+    return "\n".join(lines)
 
 
 def hear(backend: MoshiBackend, row: int, frames: np.ndarray) -> tuple[np.ndarray, list[str]]:
@@ -194,6 +258,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternated rounds per cell (with several rings)")
     parser.add_argument("--exactness", action="store_true", help="table 3: bit-exactness by batch size and row")
     parser.add_argument("--frames", type=int, default=16, help="frames of the session table 3 compares")
+    parser.add_argument("--kv-heavy", action="store_true", help="table 4 only: filled-only vs full-ring attention")
+    parser.add_argument("--kv-calls", type=int, default=8)
+    parser.add_argument("--kv-age", type=float, default=10.0, help="seconds each call has been going")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     rings = [None if s == "model" else float(s) for s in args.rings.split(",") if s]
@@ -214,6 +281,14 @@ def main() -> None:
         "greedy": args.greedy, "steps": args.steps, "rings_s": args.rings, "rounds": args.rounds,
     }
     print(f"{args.random or 'tiny'} random Moshi, {machine}", file=sys.stderr)
+
+    if args.kv_heavy:
+        result = kv_heavy(args.kv_calls, args.kv_age, args.steps, options)
+        print(kv_heavy_table(result))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"machine": machine, "kv_heavy": result}, handle, indent=1)
+        return
 
     def fitting(slots: int, active: int, ring: float | None) -> dict | None:
         try:
