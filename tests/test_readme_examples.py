@@ -31,6 +31,26 @@ def readme_block(first_line_contains: str) -> str:
     return found[0]
 
 
+async def run_example(name: str, server: Server, samples: np.ndarray, folder: Path, *, patience: float) -> str:
+    """The README's example ``name`` run as its first line shows, against ``server``, with
+    ``samples`` (24 kHz pcm16) as ``in.wav`` in ``folder``: what it printed (it writes
+    ``out.wav`` there)."""
+    script = folder / name
+    script.write_text(readme_block(name))
+    with wave.open(str(folder / "in.wav"), "wb") as source:
+        source.setnchannels(1)
+        source.setsampwidth(2)
+        source.setframerate(24000)
+        source.writeframes(samples.tobytes())
+    with trio.fail_after(patience):
+        done = await trio.run_process(
+            [sys.executable, str(script), f"http://127.0.0.1:{server.ports[0]}/v1", KEY,
+             str(folder / "in.wav"), str(folder / "out.wav")], capture_stdout=True, capture_stderr=True,
+            check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return done.stdout.decode()
+
+
 def test_the_readme_names_the_example_and_this_test():
     text = README.read_text()
     assert "tests/test_readme_examples.py" in text
@@ -42,21 +62,9 @@ async def test_the_openai_sdk_example_sends_a_turn_and_writes_the_reply(nursery,
                                 f'server.api_key="{KEY}"', "metrics.log_stats=false"])
     server = Server(config)
     await nursery.start(server.run)
-    script = tmp_path / "openai_realtime_example.py"
-    script.write_text(readme_block("openai_realtime_example.py"))
     samples = (np.random.default_rng(29).standard_normal(24000 * 2) * 3000).astype("<i2")  # 2 s: 25 frames
-    with wave.open(str(tmp_path / "in.wav"), "wb") as source:
-        source.setnchannels(1)
-        source.setsampwidth(2)
-        source.setframerate(24000)
-        source.writeframes(samples.tobytes())
-    with trio.fail_after(60):
-        done = await trio.run_process(
-            [sys.executable, str(script), f"http://127.0.0.1:{server.ports[0]}/v1", KEY,
-             str(tmp_path / "in.wav"), str(tmp_path / "out.wav")], capture_stdout=True, capture_stderr=True,
-            check=False)
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    assert done.stdout.decode().split() == ["completed", "25", "frames"]
+    stdout = await run_example("openai_realtime_example.py", server, samples, tmp_path, patience=60)
+    assert stdout.split() == ["completed", "25", "frames"]
     with wave.open(str(tmp_path / "out.wav")) as reply:
         assert (reply.getframerate(), reply.getnchannels(), reply.getsampwidth()) == (24000, 1, 2)
         heard = reply.readframes(reply.getnframes())
@@ -79,21 +87,9 @@ async def test_the_personaplex_example_sets_its_persona_and_gets_a_reply(nursery
                                                             f'server.api_key="{KEY}"', "metrics.log_stats=false"])
     server = Server(config)
     await nursery.start(server.run)
-    script = tmp_path / "personaplex_example.py"
-    script.write_text(readme_block("personaplex_example.py"))
     samples = (np.random.default_rng(31).standard_normal(24000) * 3000).astype("<i2")  # 1 s: 12.5 frames
-    with wave.open(str(tmp_path / "in.wav"), "wb") as source:
-        source.setnchannels(1)
-        source.setsampwidth(2)
-        source.setframerate(24000)
-        source.writeframes(samples.tobytes())
-    with trio.fail_after(120):
-        done = await trio.run_process(
-            [sys.executable, str(script), f"http://127.0.0.1:{server.ports[0]}/v1", KEY,
-             str(tmp_path / "in.wav"), str(tmp_path / "out.wav")], capture_stdout=True, capture_stderr=True,
-            check=False)
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    persona_line, reply_line = done.stdout.decode().strip().splitlines()
+    stdout = await run_example("personaplex_example.py", server, samples, tmp_path, patience=120)
+    persona_line, reply_line = stdout.strip().splitlines()
     assert persona_line == "NATM1 | You are Lou, a patient pirate who sells second-hand boats."
     status, frames, _ = reply_line.split()
     assert status == "completed" and int(frames) >= 12
