@@ -550,3 +550,17 @@ async def run_socket_session(runtime, messages, wire, session_id=None, *, client
             client, outcome = start_socket_session(nursery, runtime, session_id, wire)
             await run_client(client, messages, log)
     return outcome["end"], log
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures
+    ("one_torch_thread")``): the tiny model's step is Python-bound, so one thread is as fast, and
+    on a shared two-core machine far steadier (spinning pool threads stall when another process
+    runs); and on one thread the CPU kernels round a row alike wherever it sits in the batch,
+    which the exactness tests rely on."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -90,16 +90,7 @@ def drive(b: MoshiBackend, script: list[dict[int, np.ndarray]], opens: dict[int,
     return got
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model's step is Python-bound: one intra-op thread is as fast, and on a shared
-    two-core machine far steadier (spinning pool threads stall when another process runs)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

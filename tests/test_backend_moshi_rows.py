@@ -26,12 +26,7 @@ from duplexrt.backends.moshi.internals import streaming_state  # noqa: E402
 FRAME = 1920
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _backend(slots: int, **options) -> MoshiBackend:

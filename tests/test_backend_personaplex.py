@@ -31,12 +31,7 @@ PIRATE = "You are Lou, a pirate who sells second-hand boats in a small harbour t
 NURSE = "You are a calm night nurse who answers questions about sleep."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _backend(slots: int = 4, **options) -> MoshiBackend:

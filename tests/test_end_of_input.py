@@ -38,15 +38,7 @@ FLUSH = 4
 TINY = Path(__file__).resolve().parent.parent / "configs" / "moshi-tiny.toml"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """As in test_backend_moshi: the tiny model is Python-bound, one intra-op thread is steadier."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def signal(seed: int, frames: int) -> np.ndarray:
