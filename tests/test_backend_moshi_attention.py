@@ -18,15 +18,7 @@ from duplexrt.backends.moshi import MoshiBackend, attention, tiny  # noqa: E402
 FRAME = 1920
 CONTEXT = 320
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
