@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -184,3 +185,27 @@ def test_serve_options_with_environment_variables_are_exactly_the_documented_one
     }
     without = {param.opts[0] for param in command.params if not param.envvar}
     assert without == {"--set", "--backend-option", "--offload", "--collect-stage-metrics", "--log-stats"}
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_a_model_that_fails_to_load_says_its_message_once_and_its_traceback_only_at_debug(
+        level, monkeypatch, caplog):
+    """Issue 40: a missing-weights error printed a 19-line traceback and its message twice."""
+    from duplexrt.backends.echo import EchoBackend
+
+    def load(self) -> None:
+        raise FileNotFoundError("no weights at /models/missing.safetensors")
+
+    monkeypatch.setattr(EchoBackend, "load", load)
+    caplog.set_level(logging.DEBUG)
+    result = runner.invoke(app, ["serve", "--port", "0", "--no-log-stats", "--log-level", level])
+    assert result.exit_code == 2
+    assert result.output.count("no weights at /models/missing.safetensors") == 1
+    assert "Traceback" not in result.output
+    said = [r for r in caplog.records if "missing.safetensors" in r.getMessage()
+            or (r.exc_info and "missing.safetensors" in str(r.exc_info[1]))]
+    loud = [r for r in said if r.levelno >= logging.INFO]
+    assert not loud, [r.getMessage() for r in loud]
+    traced = [r for r in caplog.records if r.exc_info and r.levelno == logging.DEBUG]
+    assert len(traced) == (1 if level == "debug" else 0)
+    assert all("failed to load" in r.getMessage() for r in traced)

@@ -498,7 +498,9 @@ class Scheduler:
             if isinstance(exc, Interrupted):
                 log.warning("the model's load was stopped")
             else:
-                log.exception("backend %r failed to load", self.backend.info.name)
+                # Its message reaches the caller once, in the BackendLoadError raised on the trio
+                # side (``duplexrt serve`` prints it); the traceback is for whoever asks for debug.
+                log.debug("backend %r failed to load", self.backend.info.name, exc_info=True)
             try:
                 self.backend.close()  # whatever it did load (device memory, thread pools) goes
             except Exception:
