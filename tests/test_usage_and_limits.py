@@ -164,6 +164,33 @@ async def test_log_stats_writes_one_line_per_interval(caplog):
         assert part in line
 
 
+async def test_an_idle_server_logs_its_stats_line_once_then_again_when_something_changes(caplog):
+    """Issue 40: an empty stats line every 10 s when idle was ~8,600 lines a day."""
+    config = make_config("runtime.slots=4")
+    caplog.set_level(logging.INFO, logger="duplexrt.stats")
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "duplexrt.stats"]
+
+    async with open_runtime(config) as runtime:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log_stats, runtime, 0.02)
+            await trio.sleep(0.3)  # about fifteen idle intervals
+            idle = lines()
+            assert len(idle) == 1 and idle[0].startswith("sessions 0 | steps/s 0.0")
+            await run_session(runtime, _chunks(_audio(4, seed=5)), F32, session_id=1)
+            with trio.fail_after(PATIENCE):
+                while len(lines()) < 3:  # the busy interval(s), then idle once more
+                    await trio.sleep(0.01)
+                while lines()[-1] != idle[0]:
+                    await trio.sleep(0.01)
+            settled = len(lines())
+            await trio.sleep(0.3)
+            nursery.cancel_scope.cancel()
+    assert len(lines()) == settled  # idle again: silent again
+    assert any("steps/s 0.0" not in line for line in lines())
+
+
 async def test_stage_timings_and_usage_counters_reach_prometheus(nursery):
     from duplexrt.server import Server
     from conftest import http_get
