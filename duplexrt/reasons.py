@@ -59,3 +59,20 @@ class CloseCode(enum.IntEnum):
     MESSAGE_TOO_BIG = 1009
     INTERNAL_ERROR = 1011
     TRY_AGAIN_LATER = 1013
+
+
+#: Why a connection was refused before a session started (the ``reason`` label of
+#: ``duplexrt_connections_refused_total``, exported at 0 from the start so that an alert on its
+#: rate has a series to read): the request, the peer, the server's state, or a resume
+#: (``resume_`` and the resume error's code).
+REFUSAL_REASONS: tuple[str, ...] = (
+    # the request
+    "not_found", "bad_handshake", "bad_options", "bad_persona", "foreign_origin", "unauthorized",
+    # the peer (a TLS listener's: a failed TLS handshake, plain HTTP sent to it)
+    "tls_handshake", "plain_http_on_tls", "handshake_timeout", "too_many_from_peer", "too_many_pending", "drain_refused",
+    # the server's state
+    "shutting_down", "not_ready", "at_capacity", "no_free_slot", "evicted_detached",
+    # a resume (``?resume=TOKEN``)
+    "resume_bad_received", "resume_journal_exceeded", "resume_resume_in_progress", "resume_session_ended",
+    "resume_unknown_token", "resume_wrong_replica", "resume_wrong_route",
+)

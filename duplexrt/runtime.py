@@ -137,12 +137,13 @@ class Runtime:
 
     async def serve(self, transport: Transport, protocol: Translator | None = None, *,
                     input_spec: AudioSpec | None = None, output_spec: AudioSpec | None = None,
-                    session_id: int | None = None) -> SessionEnd:
+                    session_id: int | None = None, route: str = "", peer: str = "") -> SessionEnd:
         """Serve one session over ``transport`` until it ends.
 
         ``protocol`` defaults to the raw protocol in ``input_spec`` (PCM f32 at the model rate)
         and ``output_spec`` (the same as the input).  Raises NoFreeSlotError at once when every
-        slot is taken: admission is the caller's call.
+        slot is taken: admission is the caller's call.  ``route`` (the path it was opened on) and
+        ``peer`` (the client's address) go into its log lines, and ``route`` labels its counts.
         """
         if protocol is None:
             input_spec = input_spec or self.audio_spec()
@@ -152,7 +153,7 @@ class Runtime:
                                    max_session_frames=self.backend.info.max_session_frames,
                                    flush_frames=self.backend.info.flush_frames,
                                    persona_check=self.backend.check_persona if self.backend.takes_persona else None)
-        return await Session(services, transport, protocol, session_id).run()
+        return await Session(services, transport, protocol, session_id, route=route, peer=peer).run()
 
     def statistics(self) -> RuntimeStatistics:
         """One record of every figure the runtime keeps (read on the trio thread)."""

@@ -5,16 +5,18 @@ a fresh page; no page is ever older than a second."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from urllib.parse import urlencode
 
 import numpy as np
 import pytest
 import trio
+import trio_websocket
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from conftest import PATIENCE, Served, backend_info, duplex_session, exported
+from conftest import INPUT_END, PATIENCE, Served, backend_info, duplex_session, exported
 from duplexrt import presets
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
@@ -184,3 +186,102 @@ async def test_the_prompt_cache_of_personaplex_tiny_counts_a_new_persona_and_its
     assert exported(page, "duplexrt_prompt_cache_entries") == 2
     assert exported(page, "duplexrt_prompt_cache_bytes") > default_bytes
     assert exported(page, "duplexrt_prompt_cache_evictions_total") == 0
+
+
+# -- how sessions end, by route; refusals from zero; sessions by route (issue 40) ----------------
+
+
+def _labels(**labels: str) -> frozenset[tuple[str, str]]:
+    return frozenset(labels.items())
+
+
+def _samples(page: str, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    """The labelled samples of ``name`` on a page: {labels (``_labels``): value}."""
+    samples = {}
+    for line in page.splitlines():
+        head, _, value = line.rpartition(" ")
+        if not head.startswith(name + "{"):
+            continue
+        labels = tuple(tuple(pair.split("=", 1)) for pair in head[len(name) + 1:-1].split(","))
+        samples[frozenset((key, text.strip('"')) for key, text in labels)] = float(value)
+    return samples
+
+
+async def test_every_refusal_reason_and_every_way_a_session_ends_is_exported_from_zero(start_server):
+    from duplexrt.reasons import REFUSAL_REASONS, FinishReason
+    from duplexrt.routes import ROUTE_TABLE
+
+    served = await start_server()
+    page = await served.metrics()
+    refused = _samples(page, "duplexrt_connections_refused_total")
+    assert refused == {_labels(reason=reason): 0.0 for reason in REFUSAL_REASONS}
+    ended = _samples(page, "duplexrt_sessions_ended_total")
+    assert ended == {_labels(route=route.path, reason=str(reason)): 0.0
+                     for route in ROUTE_TABLE for reason in FinishReason}
+    assert _samples(page, "duplexrt_route_sessions_active") == {
+        _labels(route=route.path): 0.0 for route in ROUTE_TABLE}
+
+
+async def test_sessions_are_counted_by_route_while_open_and_by_finish_reason_once_ended(start_server):
+    served = await start_server()
+    await duplex_session(served.url(), np.zeros(4 * 1920, np.float32))  # input.end: "stop"
+    async with trio_websocket.open_websocket_url(served.url("/v1/realtime")) as ws:
+        await ws.get_message()  # session.created
+        with trio.fail_after(PATIENCE):
+            while _samples(await served.metrics(), "duplexrt_route_sessions_active")[
+                    _labels(route="/v1/realtime")] != 1:
+                await trio.sleep(0.02)
+    with trio.fail_after(PATIENCE):  # the client went away: "client_closed"
+        while not _samples(await served.metrics(), "duplexrt_sessions_ended_total")[
+                _labels(route="/v1/realtime", reason="client_closed")]:
+            await trio.sleep(0.02)
+    status, _, _ = await served.get("/v1/nowhere", headers="connection: upgrade\r\nupgrade: websocket\r\n")
+    assert status == 404
+    with trio.fail_after(PATIENCE):  # a scraper in a loop may get the last page again for a second
+        while not _samples(page := await served.metrics(), "duplexrt_connections_refused_total")[
+                _labels(reason="not_found")]:
+            await trio.sleep(0.05)
+    ended = {labels: value for labels, value in _samples(page, "duplexrt_sessions_ended_total").items() if value}
+    assert ended == {_labels(route="/v1/duplex", reason="stop"): 1.0,
+                     _labels(route="/v1/realtime", reason="client_closed"): 1.0}
+    assert not any(_samples(page, "duplexrt_route_sessions_active").values())
+    refused = {labels: value for labels, value in _samples(page, "duplexrt_connections_refused_total").items()
+               if value}
+    assert refused == {_labels(reason="not_found"): 1.0}
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+async def test_session_log_lines_name_the_route_and_the_client(start_server, caplog, trusted):
+    """The client behind a trusted proxy is the one its X-Forwarded-For names; an untrusted
+    peer's header is not believed."""
+    caplog.set_level(logging.INFO, logger="duplexrt.session")
+    overrides = ['server.trusted_proxies=["127.0.0.1"]'] if trusted else []
+    served = await start_server(*overrides)
+    async with trio_websocket.open_websocket_url(served.url("/v1/duplex?format=pcm_s16le"),
+                                                 extra_headers=[("x-forwarded-for", "203.0.113.7")]) as ws:
+        await ws.send_message(INPUT_END)
+        with pytest.raises(trio_websocket.ConnectionClosed):
+            with trio.fail_after(PATIENCE):
+                while True:
+                    await ws.get_message()
+    client = "203.0.113.7" if trusted else "127.0.0.1"
+    lines = [r.getMessage() for r in caplog.records if r.name == "duplexrt.session"]
+    (opened,) = [line for line in lines if " opened: " in line]
+    (ended,) = [line for line in lines if " ended: " in line]
+    assert opened.endswith(f"1 active, on /v1/duplex from {client}")
+    assert ended.split("ended: ")[1].startswith("stop, ") and ended.endswith(f", on /v1/duplex from {client}")
+
+
+def test_every_refusal_the_server_counts_is_a_known_reason():
+    """``REFUSAL_REASONS`` is what is exported from zero: a refusal counted under another name
+    would appear only once it happened."""
+    import re
+    from pathlib import Path
+
+    from duplexrt.reasons import REFUSAL_REASONS
+
+    source = "\n".join(path.read_text() for path in Path("duplexrt").rglob("*.py"))
+    counted = set(re.findall(r'refused\["(\w+)"\]', source))
+    counted |= {f"resume_{code}" for code in re.findall(r'ResumeError\(\d+, "(\w+)"', source)}
+    assert 'refused[f"resume_{exc.code}"]' in source  # the resume codes are counted so
+    assert counted <= set(REFUSAL_REASONS), f"add to REFUSAL_REASONS: {sorted(counted - set(REFUSAL_REASONS))}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import attrs
 
 from duplexrt.core.histogram import Histogram, Summary
@@ -34,6 +36,11 @@ class FrameStatistics:
     #: Times a session's writer task woke: for output the delivery could not send itself,
     #: replies and errors, and a session's end.
     writer_wakeups: int = 0
+    #: Sessions ended, by route (the path they were opened on; "" for one served without a
+    #: route: a test's or ``simulate``'s) and finish reason.
+    sessions_ended: dict[str, dict[str, int]] = attrs.field(factory=dict)
+    #: Sessions being served now, by route (routes with none are left out).
+    sessions_active_by_route: dict[str, int] = attrs.field(factory=dict)
 
 
 class FrameMetrics:
@@ -69,6 +76,9 @@ class FrameMetrics:
         #: Output batches sent from the step delivery, and writer task wake-ups (see FrameStatistics).
         self.direct_batches = 0
         self.writer_wakeups = 0
+        #: Sessions ended by (route, finish reason), and active by route.
+        self.sessions_ended: Counter[tuple[str, str]] = Counter()
+        self.active_by_route: Counter[str] = Counter()
 
     def statistics(self) -> FrameStatistics:
         return FrameStatistics(
@@ -89,4 +99,14 @@ class FrameMetrics:
             sessions_resumed=self.sessions_resumed,
             direct_batches=self.direct_batches,
             writer_wakeups=self.writer_wakeups,
+            sessions_ended=_by_route(self.sessions_ended),
+            sessions_active_by_route={route: count for route, count in self.active_by_route.items() if count},
         )
+
+
+def _by_route(counts: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """``{(route, reason): n}`` as ``{route: {reason: n}}``."""
+    nested: dict[str, dict[str, int]] = {}
+    for (route, reason), count in sorted(counts.items()):
+        nested.setdefault(route, {})[reason] = count
+    return nested

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from duplexrt.core.histogram import Histogram
+from duplexrt.reasons import REFUSAL_REASONS, FinishReason
+from duplexrt.routes import ROUTE_TABLE
 from duplexrt.server.statistics import ServerStatistics
 
 _SECONDS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12]
@@ -60,10 +62,20 @@ class RuntimeCollector:
         yield CounterMetricFamily("duplexrt_sessions_resumed",
                                   "Sessions resumed on a new connection after a drop (runtime.resume_window_s).",
                                   frames.sessions_resumed)
+        by_route = GaugeMetricFamily("duplexrt_route_sessions_active", "Sessions being served now, by route.",
+                                     labels=["route"])
+        for route in _routes(frames.sessions_active_by_route):
+            by_route.add_metric([route], frames.sessions_active_by_route.get(route, 0))
+        yield by_route
+        ended = CounterMetricFamily("duplexrt_sessions_ended", "Sessions ended, by route and finish reason.",
+                                    labels=["route", "reason"])
+        for (route, reason), count in _ended(frames.sessions_ended):
+            ended.add_metric([route, reason], count)
+        yield ended
         refused = CounterMetricFamily("duplexrt_connections_refused", "WebSocket connections refused, by reason.",
                                       labels=["reason"])
-        for reason, count in server.refused.items():
-            refused.add_metric([reason], count)
+        for reason in sorted({*REFUSAL_REASONS, *server.refused}):
+            refused.add_metric([reason], server.refused.get(reason, 0))
         yield refused
         yield GaugeMetricFamily("duplexrt_pending_handshakes", "Connections still sending their request head.",
                                 server.pending_handshakes)
@@ -128,6 +140,22 @@ class RuntimeCollector:
         yield stages
         if stats.persona is not None:
             yield from _prompt_cache(stats.persona.get("prompt_cache") or {})
+
+
+def _routes(counted: Mapping[str, object]) -> list[str]:
+    """Every route of the table, then any other counted (a session served without a route is not
+    one of a server's)."""
+    paths = [route.path for route in ROUTE_TABLE]
+    return paths + sorted(route for route in counted if route and route not in paths)
+
+
+def _ended(ended: Mapping[str, Mapping[str, int]]) -> Iterator[tuple[tuple[str, str], int]]:
+    """``duplexrt_sessions_ended_total``'s samples: every route by every finish reason, at 0
+    until one ends so (an alert on a rate needs its series before the first event)."""
+    for route in _routes(ended):
+        counts = ended.get(route, {})
+        for reason in sorted({*FinishReason, *counts}):
+            yield (route, str(reason)), counts.get(reason, 0)
 
 
 def _prompt_cache(cache: Mapping[str, Any]) -> Iterator[Metric]:

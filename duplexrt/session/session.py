@@ -71,8 +71,12 @@ class Session:
     """Serves one client over ``transport``.  ``run`` returns how the session ended."""
 
     def __init__(self, services: SessionServices, transport: Transport, protocol: Translator,
-                 session_id: int | None = None) -> None:
+                 session_id: int | None = None, *, route: str = "", peer: str = "") -> None:
         config = services.config
+        #: The path the session was opened on and the client's address, for the log lines and the
+        #: counters by route ("" when served without a route or from no known address).
+        self.route = route
+        self._where = "".join([f", on {route}" if route else "", f" from {peer}" if peer else ""])
         self._services = services
         self._transport = transport
         self._protocol = protocol
@@ -164,11 +168,13 @@ class Session:
         metrics = services.metrics
         metrics.sessions_opened += 1
         metrics.sessions_active += 1
+        metrics.active_by_route[self.route] += 1
         services.registry.add(self)
         if self._meter is not None:
             self._meter.opened()
-        log.info("session %s opened: %s in, %s out, slot %d, %d active", lease.session_id,
-                 self._protocol.input_spec, self._protocol.output_spec, lease.slot, metrics.sessions_active)
+        log.info("session %s opened: %s in, %s out, slot %d, %d active%s", lease.session_id,
+                 self._protocol.input_spec, self._protocol.output_spec, lease.slot, metrics.sessions_active,
+                 self._where)
         try:
             async with trio.open_nursery() as nursery:
                 lifecycle.cancel_scope = nursery.cancel_scope
@@ -199,8 +205,10 @@ class Session:
             reader.release()
             services.registry.discard(self)
             metrics.sessions_active -= 1
+            metrics.active_by_route[self.route] -= 1
             with trio.CancelScope(shield=True):
                 end = await self._say_goodbye()
+            metrics.sessions_ended[self.route, str(end.reason)] += 1
             lifecycle.state = SessionState.CLOSED
             self._log_end(end)
             self._let_go()
@@ -220,9 +228,9 @@ class Session:
     def _log_end(self, end: SessionEnd) -> None:
         timing = self._meter.describe(end.frames_out) if self._meter is not None else ""
         log.info("session %s ended: %s, %d frames in (%.2f s), %d out (%.2f s), %d text pieces, "
-                 "%.2f s generating%s%s", self.lease.session_id if self.lease else None, end.reason, end.frames_in,
-                 end.seconds_in, end.frames_out, end.seconds_out, end.text_tokens_out, end.generation_seconds,
-                 f", error: {end.error}" if end.error else "", timing)
+                 "%.2f s generating%s%s%s", self.lease.session_id if self.lease else None, end.reason,
+                 end.frames_in, end.seconds_in, end.frames_out, end.seconds_out, end.text_tokens_out,
+                 end.generation_seconds, f", error: {end.error}" if end.error else "", timing, self._where)
 
     def summary(self) -> SessionEnd:
         credits = self.credits
