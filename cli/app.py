@@ -486,6 +486,12 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(metavar="KEY", help="Require this key from clients, as "
                                                         "'Authorization: Bearer KEY' or ?api_key=KEY.",
                                                    envvar="DUPLEXRT_API_KEY")] = None,
+    ssl_certfile: Annotated[Optional[str], typer.Option(metavar="FILE", help="Serve https:// and wss:// on the "
+                                                        "port with this PEM certificate (chain) file "
+                                                        "(uvicorn's name; with --ssl-keyfile).",
+                                                        envvar="DUPLEXRT_SSL_CERTFILE")] = None,
+    ssl_keyfile: Annotated[Optional[str], typer.Option(metavar="FILE", help="The certificate's PEM key file "
+                                                       "(unencrypted).", envvar="DUPLEXRT_SSL_KEYFILE")] = None,
     log_level: Annotated[LogLevel, typer.Option(help="What the log shows: debug, info (every session's "
                                                 "start and end, the stats line, the drain), warning "
                                                 "or error.", envvar="DUPLEXRT_LOG_LEVEL",
@@ -518,6 +524,10 @@ def serve(
             overrides.append(f"server.api_key={_quoted(_server_key(api_key))}")
         if replica_id is not None:
             overrides.append(f"server.replica_id={_quoted(replica_id)}")
+        if ssl_certfile is not None:
+            overrides.append(f"server.ssl_certfile={_quoted(ssl_certfile)}")
+        if ssl_keyfile is not None:
+            overrides.append(f"server.ssl_keyfile={_quoted(ssl_keyfile)}")
         cfg = load_config(presets.resolve(config), overrides)
         trio.run(run_server, cfg)
     except (ConfigError, BackendLoadError) as exc:

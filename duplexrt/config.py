@@ -411,8 +411,16 @@ class ServerConfig:
     #: balancers, a cluster's Pods and benchmarks come from (a balancer carries many clients).
     unlimited_peers: tuple[str, ...] = attrs.field(
         default=PRIVATE_NETWORKS, converter=_unlimited_peers)
+    #: TLS on the one port (https://, wss://): a PEM certificate (chain) file and its unencrypted
+    #: PEM key file, uvicorn's names.  Both or neither; checked before the model loads.
+    ssl_certfile: str = attrs.field(default="", converter=_stripped, validator=_is_string("server.ssl_certfile", may_be_empty=True))
+    ssl_keyfile: str = attrs.field(default="", converter=_stripped, validator=_is_string("server.ssl_keyfile", may_be_empty=True))
 
     def __attrs_post_init__(self) -> None:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            given, missing = (("ssl_certfile", "ssl_keyfile") if self.ssl_certfile else ("ssl_keyfile", "ssl_certfile"))
+            raise ConfigError(f"server.{given} is set but server.{missing} is not: TLS needs both the "
+                              f"certificate and its key (--ssl-certfile, --ssl-keyfile)")
         if self.admin_key and self.admin_key == self.api_key:
             raise ConfigError("server.admin_key must differ from server.api_key: draining the server is "
                               "not for every client that may use the model")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
+from duplexrt.server.tls import TLSWebSocket
 from duplexrt.wire.handshake import client_handshake
 from duplexrt.wire.native import NativeWebSocket
 from hostile_client import ATTACKS
@@ -106,15 +108,21 @@ class Victim:
         return float(np.percentile(self.lags, 50)) * 1e3 if self.lags else float("inf")
 
 
-async def paced_victim(port: int, seconds: float, seed: int = 0) -> Victim:
+async def paced_victim(port: int, seconds: float, seed: int = 0, ssl_context: ssl.SSLContext | None = None) -> Victim:
     """One /v1/duplex session on the echo model: a frame every 80 ms for ``seconds``, then the
-    end of input; returns each frame's lag and whether the echo was exact."""
+    end of input; returns each frame's lag and whether the echo was exact.  ``ssl_context``: over
+    wss:// (a server with TLS), trusting what it trusts."""
     count = round(seconds / FRAME_PERIOD_S)
     audio = (np.random.default_rng(seed).standard_normal((count, FRAME)) * 0.2).astype(np.float32)
     frame_bytes = FRAME * 4
     stream = await trio.open_tcp_stream("127.0.0.1", port)
-    _, rest = await client_handshake(stream, f"ws://127.0.0.1:{port}/v1/duplex")
-    ws = NativeWebSocket(stream, client=True, max_message=1 << 22, received=rest, queue_limit=16)
+    if ssl_context is None:
+        _, rest = await client_handshake(stream, f"ws://127.0.0.1:{port}/v1/duplex")
+        ws = NativeWebSocket(stream, client=True, max_message=1 << 22, received=rest, queue_limit=16)
+    else:
+        tls = trio.SSLStream(stream, ssl_context, server_hostname="127.0.0.1", https_compatible=True)
+        _, rest = await client_handshake(tls, f"wss://127.0.0.1:{port}/v1/duplex")
+        ws = TLSWebSocket(tls, client=True, max_message=1 << 22, received=rest, queue_limit=16)
     due = [0.0] * count
     lags: list[float] = []
     received = bytearray()

@@ -180,6 +180,7 @@ def test_serve_options_with_environment_variables_are_exactly_the_documented_one
     assert variables == {
         "--host": "DUPLEXRT_HOST", "--port": "DUPLEXRT_PORT", "--api-key": "DUPLEXRT_API_KEY",
         "--replica-id": "DUPLEXRT_REPLICA_ID",
+        "--ssl-certfile": "DUPLEXRT_SSL_CERTFILE", "--ssl-keyfile": "DUPLEXRT_SSL_KEYFILE",
         "--log-level": "DUPLEXRT_LOG_LEVEL", "--config": "DUPLEXRT_CONFIG", "--backend": "DUPLEXRT_BACKEND",
         "--slots": "DUPLEXRT_SLOTS",
     }

@@ -14,6 +14,7 @@ import hmac
 import logging
 import math
 import socket
+import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -42,6 +43,7 @@ from duplexrt.server.peers import Address, PeerCounts, client_address, forwarded
 from duplexrt.server.routes import ROUTES
 from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
+from duplexrt.server.tls import Stream, TLSWebSocket, refuse_plain_http, server_context, speaks_tls
 from duplexrt.server.page_budget import PageBudget
 from duplexrt.server.web import FULL_OK, readyz_answer, static_answer, stats_json
 from duplexrt.wire.transport import Transport, TransportClosed
@@ -135,6 +137,8 @@ class Server:
         self._draining = False
         self._drain_requested = trio.Event()
         self._accept_scope: trio.CancelScope | None = None
+        #: ``server.ssl_certfile``'s context once ``run`` has loaded it; None: plain TCP.
+        self._tls: ssl.SSLContext | None = None
         #: This replica's name behind a balancer (``server.replica_id``, else host:port once bound).
         self.replica_id = config.server.replica_id
         #: Sessions a client may resume, by their token's secret.
@@ -181,6 +185,8 @@ class Server:
         """Load the model, listen, serve.  Returns after ``shutdown()`` has drained."""
         settings = self.config.server
         check_free(settings.host, settings.port)  # a taken port is said now, not after a load of minutes
+        # A bad certificate or key, too (duplexrt.server.tls).
+        self._tls = server_context(settings.ssl_certfile, settings.ssl_keyfile) if settings.ssl_certfile else None
         async with open_runtime(self.config, self._backend) as runtime:
             self.runtime = runtime
             listeners = await open_listeners(settings.port, settings.host)
@@ -247,12 +253,15 @@ class Server:
 
     # -- connections -----------------------------------------------------------------------------
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, tcp: trio.SocketStream) -> None:
         self._open_connections += 1
-        self._streams.add(stream)
+        self._streams.add(tcp)
+        # With TLS, its handshake is done as the head is read (``_read_head``), under its limits.
+        stream: Stream = tcp if self._tls is None else trio.SSLStream(tcp, self._tls, server_side=True,
+                                                                       https_compatible=True)
         try:
-            _enable_tcp_keepalive(stream)
-            peer = peer_address(stream)
+            _enable_tcp_keepalive(tcp)
+            peer = peer_address(tcp)
             # A trusted proxy carries many clients: each is counted once its head names it.
             if self._peer_is_capped(peer) and not in_networks(peer, self.config.server.trusted_proxies):
                 assert peer is not None
@@ -264,7 +273,7 @@ class Server:
         finally:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
-            self._streams.discard(stream)
+            self._streams.discard(tcp)
             self._open_connections -= 1
             if not self._open_connections:
                 self._all_closed.unpark_all()
@@ -275,7 +284,7 @@ class Server:
         return (address is not None and settings.max_connections_per_peer > 0
                 and not in_networks(address, settings.unlimited_peers))
 
-    async def _serve_counted(self, stream: trio.SocketStream, counted: Address, peer: Address | None,
+    async def _serve_counted(self, stream: Stream, counted: Address, peer: Address | None,
                              head: tuple[RequestHead, bytes] | None = None) -> None:
         """Serve a connection that counts as one of ``counted``'s, or refuse it (429) when that
         client already holds ``server.max_connections_per_peer``: one client's connections cannot
@@ -293,7 +302,7 @@ class Server:
         finally:
             self._peers.give_back(counted)
 
-    async def _serve_connection(self, stream: trio.SocketStream, peer: Address | None,
+    async def _serve_connection(self, stream: Stream, peer: Address | None,
                                 read: tuple[RequestHead, bytes] | None = None) -> None:
         if read is None:
             head_read = await self._read_head(stream)
@@ -339,11 +348,9 @@ class Server:
         if "resume" in head.query:  # a session that lives here already: no admission
             await self._serve_resume(stream, received, head, key)
             return
-        # The client in the session's log lines: behind a trusted proxy, the one it forwards for.
-        client = client_address(peer, head.headers, self.config.server.trusted_proxies)
-        await self._serve_new_session(stream, received, head, key, "" if client is None else str(client))
+        await self._serve_new_session(stream, received, head, key)
 
-    async def _read_head(self, stream: trio.SocketStream) -> tuple[RequestHead | None, bytes]:
+    async def _read_head(self, stream: Stream) -> tuple[RequestHead | None, bytes]:
         """The connection's request head, or None once it has been answered (malformed, too slow,
         let go for a newer connection).
 
@@ -381,13 +388,22 @@ class Server:
         head: RequestHead | None = None
         received = b""
         bad: BadRequest | None = None
+        tls_failed = False
         try:
             with entry.scope:
+                if isinstance(stream, trio.SSLStream):  # its TLS handshake first, within the head's time
+                    tls_failed = True
+                    if not await self._tls_handshake(stream):
+                        return None, b""
+                    tls_failed = False
                 head, received = await read_request_head(stream, progressed)
         except BadRequest as exc:
             bad = exc
         finally:
             pending.pop(key, None)
+        if tls_failed:  # evicted or out of time mid-handshake: nothing can be said over it
+            self.refused["too_many_pending" if entry.evicted else "handshake_timeout"] += 1
+            return None, b""
         if bad is not None:
             await self._respond(stream, bad.status, bad.reason)
             return None, b""
@@ -400,8 +416,26 @@ class Server:
             await self._respond(stream, 408, "the request head did not arrive in time")
         return None, b""
 
-    async def _serve_new_session(self, stream: trio.SocketStream, received: bytes, head: RequestHead,
-                                 key: str, client: str = "") -> None:
+    async def _tls_handshake(self, stream: trio.SSLStream[trio.SocketStream]) -> bool:
+        """Do the TLS handshake; False (the connection answered or given up) where it failed,
+        the client spoke plain HTTP (told so, in plain HTTP) or it hung up."""
+        tls = await speaks_tls(stream.transport_stream)
+        if tls is None:
+            return False
+        if not tls:
+            self.refused["plain_http_on_tls"] += 1
+            await refuse_plain_http(stream.transport_stream)
+            return False
+        try:
+            await stream.do_handshake()
+        except trio.BrokenResourceError as exc:
+            self.refused["tls_handshake"] += 1
+            log.debug("TLS handshake failed: %s", exc.__cause__ or exc)
+            return False
+        return True
+
+    async def _serve_new_session(self, stream: Stream, received: bytes, head: RequestHead,
+                                 key: str) -> None:
         """Admit a new session (a free slot, the capacity estimate, the route's options) and serve it."""
         route = ROUTES[head.path]
         if self._draining:
@@ -459,7 +493,7 @@ class Server:
                     return
             await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config),
                                         partial(self._run_session, translator=translator, path=head.path,
-                                                base64_audio=route.base64_audio, client=client), key)
+                                                base64_audio=route.base64_audio), key)
         finally:
             self._admitted -= 1
             if not self._admitted:
@@ -499,12 +533,12 @@ class Server:
         log.info("a detached session gave its slot to a new caller (ends resume_expired)")
         return oldest
 
-    async def _refuse_pending(self, stream: trio.SocketStream) -> None:
+    async def _refuse_pending(self, stream: Stream) -> None:
         self.refused["too_many_pending"] += 1
         await self._respond(stream, 503, f"more than {self.config.server.max_pending_handshakes} connections "
                                          "are waiting to be served; try again later", [("retry-after", "1")])
 
-    async def _serve_websocket(self, stream: trio.SocketStream, head: RequestHead, received: bytes, max_message: int,
+    async def _serve_websocket(self, stream: Stream, head: RequestHead, received: bytes, max_message: int,
                                serve: Callable[[Transport], Awaitable[None]], key: str, *,
                                resuming: bool = False) -> None:
         """Answer the upgrade (checked already: ``key`` is its Sec-WebSocket-Key) here and let
@@ -516,9 +550,11 @@ class Server:
         # A resuming client may have nothing left to send (it waits for output): the first-message
         # limit is for new sessions only.
         first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
-        transport = NativeWebSocket(stream, max_message=max_message, first_message_timeout=first_message_timeout,
-                                    close_timeout=settings.close_timeout_s, received=head.rest,
-                                    subprotocol=subprotocol)
+        options: dict[str, Any] = dict(max_message=max_message, first_message_timeout=first_message_timeout,
+                                       close_timeout=settings.close_timeout_s, received=head.rest,
+                                       subprotocol=subprotocol)
+        transport = (TLSWebSocket(stream, **options) if isinstance(stream, trio.SSLStream)
+                     else NativeWebSocket(stream, **options))
         self._transports.add(transport)
         try:
             if self._draining and not resuming:  # shutdown began while this client's handshake was under way
@@ -538,12 +574,12 @@ class Server:
     # -- sessions and their resumes --------------------------------------------------------------
 
     async def _run_session(self, transport: Transport, *, translator: Translator, path: str,
-                           base64_audio: bool = False, client: str = "") -> None:
+                           base64_audio: bool = False) -> None:
         """Serve a new session; with resume on, over a transport that survives a dropped connection."""
         assert self.runtime is not None
         settings = self.config.runtime
         if settings.resume_window_s <= 0:
-            await self.runtime.serve(transport, translator, route=path, peer=client)
+            await self.runtime.serve(transport, translator)
             return
         token = new_token(self.replica_id or "")
         frame_seconds = self.config.audio.frame_seconds
@@ -555,7 +591,7 @@ class Server:
         translator.resume_token = token
         entry = self._resumable[split_token(token)[1]] = _Resumable(resumable, translator, path)
         try:
-            await self.runtime.serve(resumable, translator, route=path, peer=client)
+            await self.runtime.serve(resumable, translator)
         finally:
             self._resumable.pop(split_token(resumable.token)[1], None)
             if entry.evicted:
@@ -586,7 +622,7 @@ class Server:
         claim = resumable.claim(count)
         return resumable, translator, count, claim
 
-    async def _serve_resume(self, stream: trio.SocketStream, received: bytes, head: RequestHead, key: str) -> None:
+    async def _serve_resume(self, stream: Stream, received: bytes, head: RequestHead, key: str) -> None:
         """Resume a session on this connection, draining or not: a call the drain waits for may
         come back after a drop during the grace, as the balancers route it here."""
         try:
@@ -647,7 +683,7 @@ class Server:
 
     # -- plain HTTP ------------------------------------------------------------------------------
 
-    async def _plain_http(self, stream: trio.SocketStream, head: RequestHead, peer: Address | None) -> None:
+    async def _plain_http(self, stream: Stream, head: RequestHead, peer: Address | None) -> None:
         if head.path == DRAIN_PATH:  # POST from the host itself, or with the admin key: a preStop hook
             settings = self.config.server
             if (foreign := origin_refusal(head.headers, settings)) is not None:
@@ -701,12 +737,12 @@ class Server:
                          f"  POST {DRAIN_PATH}\n").encode(), text
         return 404, f"nothing at {path}\n".encode(), text
 
-    async def _respond(self, stream: trio.SocketStream, status: int, text: str,
+    async def _respond(self, stream: Stream, status: int, text: str,
                        extra_headers: list[tuple[str, str]] | None = None) -> None:
         body = text.encode() + (b"" if text.endswith("\n") else b"\n")
         await self._send(stream, response_bytes(status, body, "text/plain; charset=utf-8", extra_headers))
 
-    async def _send(self, stream: trio.SocketStream, data: bytes) -> None:
+    async def _send(self, stream: Stream, data: bytes) -> None:
         with trio.move_on_after(self.config.server.close_timeout_s):
             try:
                 await stream.send_all(data)
