@@ -348,7 +348,9 @@ class Server:
         if "resume" in head.query:  # a session that lives here already: no admission
             await self._serve_resume(stream, received, head, key)
             return
-        await self._serve_new_session(stream, received, head, key)
+        # The client in the session's log lines: behind a trusted proxy, the one it forwards for.
+        client = client_address(peer, head.headers, self.config.server.trusted_proxies)
+        await self._serve_new_session(stream, received, head, key, "" if client is None else str(client))
 
     async def _read_head(self, stream: Stream) -> tuple[RequestHead | None, bytes]:
         """The connection's request head, or None once it has been answered (malformed, too slow,
@@ -435,7 +437,7 @@ class Server:
         return True
 
     async def _serve_new_session(self, stream: Stream, received: bytes, head: RequestHead,
-                                 key: str) -> None:
+                                 key: str, client: str = "") -> None:
         """Admit a new session (a free slot, the capacity estimate, the route's options) and serve it."""
         route = ROUTES[head.path]
         if self._draining:
@@ -493,7 +495,7 @@ class Server:
                     return
             await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config),
                                         partial(self._run_session, translator=translator, path=head.path,
-                                                base64_audio=route.base64_audio), key)
+                                                base64_audio=route.base64_audio, client=client), key)
         finally:
             self._admitted -= 1
             if not self._admitted:
@@ -574,12 +576,12 @@ class Server:
     # -- sessions and their resumes --------------------------------------------------------------
 
     async def _run_session(self, transport: Transport, *, translator: Translator, path: str,
-                           base64_audio: bool = False) -> None:
+                           base64_audio: bool = False, client: str = "") -> None:
         """Serve a new session; with resume on, over a transport that survives a dropped connection."""
         assert self.runtime is not None
         settings = self.config.runtime
         if settings.resume_window_s <= 0:
-            await self.runtime.serve(transport, translator)
+            await self.runtime.serve(transport, translator, route=path, peer=client)
             return
         token = new_token(self.replica_id or "")
         frame_seconds = self.config.audio.frame_seconds
@@ -591,7 +593,7 @@ class Server:
         translator.resume_token = token
         entry = self._resumable[split_token(token)[1]] = _Resumable(resumable, translator, path)
         try:
-            await self.runtime.serve(resumable, translator)
+            await self.runtime.serve(resumable, translator, route=path, peer=client)
         finally:
             self._resumable.pop(split_token(resumable.token)[1], None)
             if entry.evicted:
