@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import ssl
 import wave
 from pathlib import Path
 
@@ -320,3 +321,38 @@ async def test_talk_page_says_so_when_the_browser_cannot_start_audio(nursery):
         assert "could not start audio" in error
         assert not await talk.evaluate("document.getElementById('start').disabled")
     assert server.runtime.metrics.sessions_opened == 0
+
+
+@needs_chromium
+async def test_talk_page_over_tls_says_when_the_call_is_cut_and_when_the_server_drains(nursery, tmp_path):
+    """Issue 40: the page over https:// and wss:// (``--ssl-certfile``); a cut connection is called
+    one and the slot count follows it; a draining server is named as such."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    from test_tls import _make_cert, _tls_overrides
+
+    cert, key = _make_cert(tmp_path, "server")
+    server = await _server(nursery, *_tls_overrides(cert, key), "runtime.resume_window_s=0",
+                           "backend.options.delay_frames=0")
+    port, rate = server.ports[0], server.config.audio.sample_rate
+    info = "document.getElementById('info').textContent"
+    async with open_browser(_tone(tmp_path / "tone.wav")) as browser:
+        await browser.send("Security.setIgnoreCertificateErrors", ignore=True)  # a self-signed certificate
+        talk = await browser.open(f"https://127.0.0.1:{port}/")
+        await talk.wait_for("window.duplexrt.server", "the page to read /stats over https")
+        await talk.evaluate("document.getElementById('start').click()")
+        await talk.wait_for(f"duplexrt.receivedSamples > {rate // 2}", "echo over wss://")
+        await talk.wait_for(f"{info}.includes('1/4 slots in use')", "the slot count of the call")
+
+        server.abort()  # every connection dropped, as a cut network does
+        error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "the cut to be noticed")
+        assert "The connection to the server was cut" in error and "1006" not in error
+        await talk.wait_for(f"{info}.includes('0/4 slots in use')", "the slot count without the cut call")
+
+        ssl_context = ssl.create_default_context(cafile=cert)
+        async with trio_websocket.open_websocket_url(f"wss://127.0.0.1:{port}/v1/duplex", ssl_context=ssl_context):
+            server.shutdown()  # the drain waits for that call
+            await talk.wait_for(f"{info}.includes('draining')", "the header to say the server drains")
+            await talk.evaluate("duplexrt.error = null; document.getElementById('start').click()")
+            error = await talk.wait_for("duplexrt.state === 'failed' && duplexrt.error", "a call refused by the drain")
+            assert "The server is draining" in error

@@ -101,6 +101,8 @@ def stats_json(stats: ServerStatistics, config: Config) -> bytes:
         "frame_ms": config.audio.frame_seconds * 1e3,
         "api_key_required": bool(config.server.api_key),
         "ready": runtime.ready and not stats.draining,
+        # Shutting down: no new sessions (the talk page says so).
+        "draining": stats.draining,
         "slots": runtime.slots,
         # How the slot count came about: runtime.slots as given, or what "auto" chose and why.
         "slot_choice": runtime.slot_choice.as_dict(),

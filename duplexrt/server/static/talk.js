@@ -37,9 +37,23 @@ function fail(text) { talk.error = text; show(text, 'error'); }
 
 async function serverInfo() {
   const response = await fetch('/stats', { cache: 'no-store' });
-  if (!response.ok) throw new Error(`/stats answered ${response.status}`);
+  if (!response.ok) {
+    const error = new Error(`/stats answered ${response.status}`);
+    error.status = response.status;
+    throw error;
+  }
   return response.json();
 }
+
+// What the page says when /stats cannot be had (``e``: serverInfo's error).
+function unreachable(e) {
+  if (e && e.status === 429) {
+    return 'The server refused this browser: too many connections from your address at once (429). ' +
+           'Close other tabs of this page, or wait a moment, and press Start again.';
+  }
+  return `Cannot reach the server: ${e ? e.message : 'no answer'}.`;
+}
+const DRAINING = 'The server is draining (shutting down): it takes no new calls. Try again once it is back, or use another server.';
 
 async function init() {
   try {
@@ -51,14 +65,20 @@ async function init() {
       show('This server needs an API key: enter it, then press “Start talking”.');
     }
   } catch (e) {
-    fail(`Cannot reach the server: ${e.message}`);
+    fail(unreachable(e));
   }
 }
 
 function showServer(s) {
-  $('info').textContent = `backend ${s.backend} · ${s.sample_rate} Hz · ${s.admitted}/${s.slots} slots in use`;
+  $('info').textContent = `backend ${s.backend} · ${s.sample_rate} Hz · ${s.admitted}/${s.slots} slots in use` +
+    (s.draining ? ' · draining: no new calls' : '');
   offerPersona(s.persona);
 }
+// No answer: no slot count (the last one would be stale).
+function serverLost(e) {
+  $('info').textContent = e && e.status ? `the server answered ${e.status}` : 'the server cannot be reached';
+}
+function refreshServer() { return serverInfo().then(showServer, serverLost); }
 
 // -- the persona (a model that takes one: PersonaPlex) ---------------------------------------------
 
@@ -121,8 +141,9 @@ async function start() {
   firstSentAt = null; sendLog = []; lagHistory.length = 0;
   try {
     talk.server = await serverInfo();
-  } catch (e) { fail(`Cannot reach the server: ${e.message}`); return reset(); }
+  } catch (e) { serverLost(e); fail(unreachable(e)); return reset(); }
   showServer(talk.server);
+  if (talk.server.draining) { fail(DRAINING); return reset(); }
   const key = $('key').value.trim();
   if (talk.server.api_key_required && !key) { fail('This server needs an API key: enter it first.'); return reset(); }
   if (talk.server.free_slots <= 0) {
@@ -137,8 +158,11 @@ async function start() {
   if (key) sessionStorage.setItem('duplexrt-key', key);
   if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
     // Browsers give the microphone and AudioWorklets only to https:// pages and to localhost.
-    fail(`This browser allows the microphone only on https:// or on localhost. Open http://127.0.0.1:${location.port || 80}/ ` +
-         'on the server machine (an SSH tunnel does it: ssh -L PORT:127.0.0.1:PORT host), or serve it behind HTTPS.');
+    const port = location.port || (location.protocol === 'https:' ? '443' : '80');
+    fail(`This browser gives the microphone only to https:// pages or to localhost, and this page is ${location.origin}. ` +
+         `Start the server with TLS (duplexrt serve --ssl-certfile cert.pem --ssl-keyfile key.pem) and open ` +
+         `https://${location.host}/, or open http://127.0.0.1:${port}/ on the server machine (from here, through ` +
+         `an SSH tunnel: ssh -L ${port}:127.0.0.1:${port} ${location.hostname}).`);
     return reset();
   }
   try {
@@ -195,26 +219,39 @@ function connect(key) {
     node && node.port.postMessage({ type: 'send', on: false });
     if (!opened) await explainRefusal(key);
     else if (talk.state === 'talking') {
-      if (e.code === 1000 || e.code === 1001) show(`The session ended${e.reason ? ': ' + e.reason : ''}.`);
-      else fail(`The connection closed (${e.code}${e.reason ? ': ' + e.reason : ''}).`);
+      const why = e.reason ? `: ${e.reason}` : '';
+      if (e.code === 1001 || (talk.end && talk.end.reason === 'shutdown')) {
+        fail(`The server is shutting down (draining) and ended the call${why}. Press Start to call again once it takes calls.`);
+      } else if (e.code === 1000) show(`The session ended${why}.`);
+      else if (e.code === 1006) {
+        fail('The connection to the server was cut (no goodbye from the server: the network dropped, or the ' +
+             'server stopped). Press Start to call again.');
+      } else fail(`The server closed the connection (code ${e.code}${why}).`);
     }
+    refreshServer();   // the slot count as it is now, or none once the server is gone
     teardown();
   };
 }
 
 async function explainRefusal(key) {
   // A browser hides the HTTP status of a refused WebSocket: ask the server why it would refuse.
-  let s = null;
-  try { s = await serverInfo(); } catch (e) { /* the server is gone */ }
-  const refusedPersonas = (info) => (info && info.refused && info.refused.bad_persona) || 0;
-  if (!s) fail('The server could not be reached.');
-  else if (talk.personaAsked && refusedPersonas(s) > refusedPersonas(talk.server)) {
+  let s = null, error = null;
+  try { s = await serverInfo(); } catch (e) { error = e; }
+  // A refusal the server counted since this call began (its /stats "refused", by reason).
+  const count = (info, reason) => (info && info.refused && info.refused[reason]) || 0;
+  const grew = (reason) => count(s, reason) > count(talk.server, reason);
+  if (!s) fail(error && error.status === 429 ? unreachable(error) : 'The server could not be reached.');
+  else if (s.draining || grew('shutting_down')) fail(DRAINING);
+  else if (grew('too_many_from_peer')) fail(unreachable({ status: 429 }));
+  else if (talk.personaAsked && grew('bad_persona')) {
     // The server says why in its 400, which a browser does not show: the page can only name the
     // likely causes (the page checked the characters and the voice is from the server's list).
     const limit = talk.personaOffer.max_prompt_tokens;
     fail('The server refused the persona (voice and instructions): most likely the instructions are too long' +
          (limit ? ` (at most ${limit} tokens)` : '') + '. Shorten them and press Start again.');
-  } else if (s.free_slots <= 0) fail(`The server is full: all ${s.slots} session slots are in use. Try again in a moment.`);
+  } else if (s.free_slots <= 0 || grew('at_capacity') || grew('no_free_slot')) {
+    fail(`The server is full (503): all ${s.slots} session slots are in use. Try again in a moment.`);
+  } else if (grew('foreign_origin')) fail('The server refused this page (403): its origin is not one it accepts.');
   else if (s.api_key_required) fail(key ? 'The server refused the API key: check it and try again.'
     : 'This server needs an API key: enter it first.');
   else if (!s.ready) fail('The server is not ready (the model is loading, or it is shutting down).');
@@ -311,7 +348,7 @@ setInterval(() => {
   drawChart($('lagchart'), [{ values: lagHistory, color: '#4fb3ff', label: 'lag' }]);
 }, 1000);
 
-setInterval(() => serverInfo().then(showServer, () => {}), 2000);   // slots in use, in the header
+setInterval(refreshServer, 2000);   // slots in use, in the header (none while the server cannot be reached)
 
 $('start').onclick = start;
 $('stop').onclick = stop;
