@@ -14,7 +14,7 @@ import attrs
 class RouteInfo:
     #: The URL path, e.g. ``/v1/realtime``.
     path: str
-    #: The protocol spoken there: ``duplex``, ``realtime``, ``moshi`` or ``live``.
+    #: The protocol spoken there: ``duplex``, ``realtime``, ``moshi``, ``live`` or ``twilio``.
     protocol: str
     #: One line for ``duplexrt serve --help``.
     summary: str
@@ -36,6 +36,8 @@ ROUTE_TABLE: tuple[RouteInfo, ...] = (
     RouteInfo("/api/chat", "moshi", "Kyutai Moshi protocol (Ogg Opus), for Moshi's web client", "opus"),
     RouteInfo("/v1/live/sessions", "live", "OpenAI's full-duplex Live protocol (GPT-Live clients, e.g. LiveKit's)",
               "pcm_s16le"),
+    RouteInfo("/twilio/media", "twilio", "Twilio Media Streams, bidirectional (<Connect><Stream>): mu-law 8 kHz",
+              "g711_ulaw"),
 )
 
 #: Path -> protocol of the routes a client speaks (the variants are reached through their plain route).

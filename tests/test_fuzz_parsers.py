@@ -328,6 +328,15 @@ VALID: dict[str, list[str | bytes]] = {
         json.dumps({"type": "session.input_audio.append", "audio": AUDIO}),
         json.dumps({"type": "session.input_audio.end"}),
     ],
+    "/twilio/media": [
+        json.dumps({"event": "start", "sequenceNumber": "1", "start": {
+            "streamSid": "MZ1", "callSid": "CA1", "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000,
+                                                                   "channels": 1}}, "streamSid": "MZ1"}),
+        json.dumps({"event": "media", "sequenceNumber": "2", "media": {"track": "inbound", "payload": AUDIO},
+                    "streamSid": "MZ1"}),
+        json.dumps({"event": "mark", "sequenceNumber": "3", "mark": {"name": "duplexrt-1"}}),
+        json.dumps({"event": "stop", "sequenceNumber": "4", "stop": {"callSid": "CA1"}}),
+    ],
 }
 assert set(VALID) == set(ROUTES), "every route's translator is fuzzed"
 

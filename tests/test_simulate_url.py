@@ -21,7 +21,7 @@ from duplexrt.simulate.runner import SimulateOptions, run_url_simulation
 
 PATIENCE = 30.0
 ROUTES = {"/v1/duplex": "pcm_f32le", "/v1/realtime": "pcm_s16le", "/api/chat": "opus",
-          "/v1/live/sessions": "pcm_s16le"}
+          "/v1/live/sessions": "pcm_s16le", "/twilio/media": "g711_ulaw"}
 
 
 async def _serve(nursery: trio.Nursery, *overrides: str, echo_delay: int | None = 0) -> str:
@@ -79,7 +79,8 @@ async def test_every_route_passes_the_guards_with_server_figures(nursery, route,
     assert server.server_replica == "gpu-7"
     assert re.search(r"^server figures from replica +gpu-7$", table, re.M), table
     assert report.settings["route"] == {"/v1/duplex": "duplex", "/v1/realtime": "realtime",
-                                        "/api/chat": "moshi", "/v1/live/sessions": "live"}[route]
+                                        "/api/chat": "moshi", "/v1/live/sessions": "live",
+                                        "/twilio/media": "twilio"}[route]
 
 
 async def test_duplex_route_in_s16_at_16k_and_odd_message_sizes(nursery):
@@ -108,7 +109,7 @@ async def test_the_guards_check_content_over_the_network(nursery):
 
 async def test_synthetic_output_is_checked_though_the_servers_session_ids_are_its_own(nursery):
     base = await _serve(nursery, 'backend.name="synthetic"', echo_delay=None)
-    for route in ("/v1/duplex", "/api/chat"):
+    for route in ("/v1/duplex", "/api/chat", "/twilio/media"):
         with trio.fail_after(PATIENCE):
             # Nothing said about the backend: the one the server's /readyz names is checked.
             report = await run_url_simulation(load_config(None, []), SimulateOptions(concurrency=3, frames=6,
@@ -148,7 +149,7 @@ async def test_options_that_do_not_fit_the_route_are_refused():
             await _simulate(url, format=fmt)
 
 
-@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("route", [route for route in ROUTES if route != "/twilio/media"])  # it has no resume
 async def test_drop_rate_cuts_connections_and_every_session_resumes_with_no_frame_lost_or_twice(nursery, route):
     base = await _serve(nursery, "runtime.slots=8")
     report = await _simulate(base + route, format=ROUTES[route], concurrency=8, frames=30, message_ms=80,
@@ -193,3 +194,9 @@ async def test_a_burst_against_a_model_stepping_in_real_time_answers_every_ping_
     assert round_.failures == [] and report.ok
     assert round_.frames_in == round_.frames_out == 50
     assert round_.measured.resumes == 0  # no connection dropped (each drop is resumed)
+
+
+async def test_drop_rate_is_refused_on_the_twilio_route_which_has_no_resume(nursery):
+    base = await _serve(nursery)
+    with pytest.raises(ConfigError, match="no resume"):
+        await _simulate(base + "/twilio/media", format="g711_ulaw", drop_rate=0.5)

@@ -27,6 +27,9 @@ How a conversation ends differs by route:
 * ``/v1/live/sessions`` (Live): the client speaks first (``session.start``) and waits for
   ``session.started``; at the end it sends ``session.close``, the server answers the rest, sends
   ``session.closed`` with usage, and closes.
+* ``/twilio/media`` (Twilio Media Streams): the client sends ``connected`` and ``start``, then its
+  audio, then ``stop``; the server answers the rest, sends its last mark ``duplexrt-end:REASON``
+  and closes.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from duplexrt.wire.transport import Message
 
 __all__ = [
     "AUDIO_TYPES", "ROUTES", "ClientProtocol", "DuplexClient", "Ended", "MoshiClient", "Opened",
-    "LiveClient", "Other", "RealtimeClient", "ServerError", "Text", "UnknownRoute", "client_for_url", "route_of",
+    "LiveClient", "Other", "RealtimeClient", "ServerError", "Text", "TwilioClient", "UnknownRoute", "client_for_url",
+    "route_of",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -126,7 +130,7 @@ class UnknownRoute(ValueError):
 class ClientProtocol(abc.ABC):
     """One conversation's client-side protocol state."""
 
-    #: The route's protocol: ``duplex``, ``realtime``, ``moshi`` or ``live``.
+    #: The route's protocol: ``duplex``, ``realtime``, ``moshi``, ``live`` or ``twilio``.
     name: str
     #: What this client sends, and what it expects back (which ``Opened`` may update).
     input_spec: AudioSpec
@@ -470,6 +474,92 @@ class LiveClient(ClientProtocol):
         return Other(str(kind), data)
 
 
+# -- /twilio/media --------------------------------------------------------------------------------------
+
+
+_TWILIO_RATE = 8000
+_TWILIO_END_MARK = "duplexrt-end:"  # the server's last mark: duplexrt-end:REASON;frames_in=I;frames_out=O
+
+
+def _digits(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() and len(value) < 19 else None
+
+
+class TwilioClient(ClientProtocol):
+    """Twilio's side of a bidirectional Media Stream, as Twilio's docs write its messages:
+    ``connected`` and ``start`` first, one ``media`` per piece of audio (base64 mu-law 8 kHz,
+    numbered as Twilio numbers them), and ``stop`` to end the call.  The server sends no greeting;
+    after ``stop`` it sends the rest of its answer, then its last mark
+    ``duplexrt-end:REASON;frames_in=I;frames_out=O`` (``Ended``), and closes.  Its other marks come back as ``Other("mark", name)``."""
+
+    name = "twilio"
+    greets = False
+
+    def __init__(self, *, model_rate: int = 24000, stream_sid: str = "MZ" + "0" * 32,
+                 call_sid: str = "CA" + "0" * 32, account_sid: str = "AC" + "0" * 32) -> None:
+        self.input_spec = AudioSpec.create(AudioFormat.G711_ULAW, _TWILIO_RATE, model_rate=model_rate)
+        self.output_spec = self.input_spec
+        self.stream_sid, self.call_sid, self.account_sid = stream_sid, call_sid, account_sid
+        self.sequence = 0  # the last sequenceNumber sent
+        self.chunk = 0
+        self.samples = 0  # sent so far: media.timestamp is their length in ms
+        self._media_head = ('{"event":"media","sequenceNumber":"%d","media":{"track":"inbound","chunk":"%d",'
+                            '"timestamp":"%d","payload":"')
+        self._media_tail = '"},"streamSid":' + json.dumps(stream_sid) + "}"
+
+    def _next(self) -> str:
+        self.sequence += 1
+        return str(self.sequence)
+
+    def hello(self) -> list[Message]:
+        start = {"accountSid": self.account_sid, "streamSid": self.stream_sid, "callSid": self.call_sid,
+                 "tracks": ["inbound"], "customParameters": {},
+                 "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": _TWILIO_RATE, "channels": 1}}
+        return [json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}),
+                json.dumps({"event": "start", "sequenceNumber": self._next(), "start": start,
+                            "streamSid": self.stream_sid})]
+
+    def audio(self, payload: Buffer) -> Message:
+        self.sequence += 1
+        self.chunk += 1
+        head = self._media_head % (self.sequence, self.chunk, self.samples * 1000 // _TWILIO_RATE)
+        self.samples += len(payload)
+        return head + b64codec.encode(payload) + self._media_tail
+
+    def end_input(self) -> list[Message]:
+        return [self.stop()]
+
+    def stop(self) -> Message:
+        """The call's ``stop`` event."""
+        return json.dumps({"event": "stop", "sequenceNumber": self._next(), "streamSid": self.stream_sid,
+                           "stop": {"accountSid": self.account_sid, "callSid": self.call_sid}})
+
+    def mark(self, name: str) -> Message:
+        """A ``mark`` as Twilio sends it back once the audio before the server's mark ``name`` has played."""
+        return json.dumps({"event": "mark", "sequenceNumber": self._next(), "streamSid": self.stream_sid,
+                           "mark": {"name": name}})
+
+    def parse(self, message: Message) -> Buffer | Event:
+        data = _json_event(message)
+        if isinstance(data, Other):
+            return data
+        kind = data.get("event")
+        if kind == "media":
+            payload = _object_field(data, "media").get("payload")
+            try:
+                return b64codec.decode(payload) if isinstance(payload, str) else b""
+            except ValueError:
+                return ServerError("invalid_base64", "media carried audio that is not base64")
+        if kind == "mark":
+            name = _object_field(data, "mark").get("name")
+            if isinstance(name, str) and name.startswith(_TWILIO_END_MARK):
+                reason, *fields = name[len(_TWILIO_END_MARK):].split(";")
+                usage = dict(field.partition("=")[::2] for field in fields)
+                return Ended(reason, _digits(usage.get("frames_in")), _digits(usage.get("frames_out")), info=data)
+            return Other("mark", name)
+        return Other(str(kind), data)
+
+
 # -- choosing one ----------------------------------------------------------------------------------------
 
 
@@ -509,4 +599,6 @@ def client_for_url(url: str, *, protocol: str | None = None, input_format: str |
     if name == "live":
         fmt = AudioFormat.parse(input_format) if input_format in ("g711_ulaw", "g711_alaw") else AudioFormat.PCM_S16LE
         return LiveClient(fmt, model_rate=model_rate)
-    raise UnknownRoute(f"unknown protocol {name!r}: expected duplex, realtime, moshi or live")
+    if name == "twilio":
+        return TwilioClient(model_rate=model_rate)
+    raise UnknownRoute(f"unknown protocol {name!r}: expected duplex, realtime, moshi, live or twilio")

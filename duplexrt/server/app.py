@@ -580,7 +580,7 @@ class Server:
         """Serve a new session; with resume on, over a transport that survives a dropped connection."""
         assert self.runtime is not None
         settings = self.config.runtime
-        if settings.resume_window_s <= 0:
+        if settings.resume_window_s <= 0 or not ROUTES[path].resumable:  # Twilio's cannot resume
             await self.runtime.serve(transport, translator, route=path, peer=client)
             return
         token = new_token(self.replica_id or "")

@@ -27,6 +27,9 @@ class Route:
     #: The route sends audio as base64 inside JSON (realtime, live): what its resume journal's
     #: bytes per second of audio are worked out from (``server/budget.py``).
     base64_audio: bool = False
+    #: A client may resume a session after a drop (``runtime.resume_window_s``); False for a
+    #: protocol that cannot (Twilio's): a drop ends the session at once.
+    resumable: bool = True
 
 
 def _duplex(head: RequestHead, config: Config) -> Translator:
@@ -75,12 +78,20 @@ def _live(head: RequestHead, config: Config) -> Translator:
                         model=config.backend.name, max_message_seconds=config.audio.max_message_seconds)
 
 
+def _twilio(head: RequestHead, config: Config) -> Translator:
+    from duplexrt.protocols.twilio import TwilioTranslator
+
+    return TwilioTranslator(model_rate=config.audio.sample_rate, frame_seconds=config.audio.frame_seconds,
+                            max_message_seconds=config.audio.max_message_seconds)
+
+
 #: How the server builds each protocol's translator, and which message limit it takes.
 _BUILDERS: dict[str, tuple[Callable[..., Translator], Callable[[Config], int]]] = {
     "duplex": (_duplex, lambda c: c.server.max_message_bytes),
     "realtime": (_realtime, lambda c: c.server.realtime_max_message_bytes),
     "moshi": (_moshi, lambda c: c.server.max_message_bytes),
     "live": (_live, lambda c: c.server.realtime_max_message_bytes),
+    "twilio": (_twilio, lambda c: c.server.max_message_bytes),
 }
 
 
@@ -88,7 +99,8 @@ def _route(info: RouteInfo) -> Route:
     build, max_message_bytes = _BUILDERS[info.protocol]
     if info.variant:  # /v1/realtime/duplex: duplex without the query string
         build = partial(build, duplex=True)
-    return Route(info.protocol, build, max_message_bytes, base64_audio=info.protocol in ("realtime", "live"))
+    return Route(info.protocol, build, max_message_bytes, base64_audio=info.protocol in ("realtime", "live", "twilio"),
+                 resumable=info.protocol != "twilio")
 
 
 ROUTES: dict[str, Route] = {info.path: _route(info) for info in ROUTE_TABLE}

@@ -27,6 +27,7 @@ from duplexrt.client.protocols import (
     LiveClient,
     MoshiClient,
     RealtimeClient,
+    TwilioClient,
     UnknownRoute,
     client_for_url,
     query_of,
@@ -97,6 +98,14 @@ class UrlTarget:
                         raise ConfigError("/v1/live/sessions is simulated in pcm16 at 24 kHz: use --format "
                                           "pcm_s16le (the default there) and no --sample-rate")
                     protocol = LiveClient(model_rate=model_rate)
+                elif route == "twilio":
+                    if wanted[0] != "g711_ulaw" or wanted[1] not in (None, 8000):
+                        raise ConfigError("/twilio/media takes mu-law at 8 kHz: use --format g711_ulaw "
+                                          "(the default there) and no --sample-rate")
+                    if options.drop_rate:
+                        raise ConfigError("/twilio/media has no resume (Twilio does not resume a stream): "
+                                          "--drop-rate cannot be simulated there")
+                    protocol = TwilioClient(model_rate=model_rate)
                 else:
                     if wanted[0] != "opus" or wanted[1] not in (None, 24000):
                         raise ConfigError("/api/chat (Moshi) takes Ogg Opus at 24 kHz: use --format opus "
@@ -113,6 +122,8 @@ class UrlTarget:
             return RealtimeClient(duplex=True, model_rate=model_rate)
         if self.route == "live":
             return LiveClient(model_rate=model_rate)
+        if self.route == "twilio":
+            return TwilioClient(model_rate=model_rate)
         return MoshiClient()
 
 
