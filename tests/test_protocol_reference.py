@@ -29,6 +29,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
                  "realtime_session.py", "b64audio.py"),
     "live": ("live.py", "base.py", "b64audio.py"),
     "moshi": ("moshi.py",),
+    "twilio": ("twilio.py",),
 }
 #: Where the errors every route shares are raised: bad JSON, the audio itself, a resume that
 #: fails after the upgrade (sent as the route's error; one refused before it is an HTTP status).
@@ -63,6 +64,11 @@ def _source_events(protocol: str) -> tuple[set[str], set[str]]:
     if protocol == "duplex":  # no nested objects: every type is an event
         server |= set(re.findall(r"\{'type': '([\w.]+)'", text))
         client |= set(re.findall(r"kind == '([\w.]+)'", text))
+    if protocol == "twilio":  # Twilio's events are named by "event", not "type"
+        client = set(re.findall(r"kind == '(\w+)'", text))
+        for group in re.findall(r"kind in \(([^)]*)\)", text):
+            client |= set(re.findall(r"'(\w+)'", group))
+        server = set(re.findall(r'\{"event":"(\w+)"', text))
     if protocol == "live":  # session.<kind>.append is acknowledged as session.<kind>.appended
         server |= {name + "ed" for name in client if name.endswith(".append") and name != "session.input_audio.append"}
     return client, server
@@ -169,6 +175,7 @@ def test_the_source_reading_finds_what_it_should():
     client, server = _source_events("realtime")
     assert {"input_audio_buffer.append", "session.update"} <= client
     assert {"response.output_audio.delta", "response.audio.delta", "error"} <= server
+    assert _source_events("twilio") == ({"connected", "start", "media", "mark", "dtmf", "stop"}, {"media", "mark"})
     client, server = _source_events("duplex")
     assert client == {"input.end", "ping"} and {"session.created", "text", "pong", "session.end"} <= server
     assert {"invalid_json", "persona_locked", "resume_in_progress", "audio_too_long"} <= _error_codes(
