@@ -53,7 +53,7 @@ From the server (only the three Twilio accepts; anything else would be warning 3
 Errors: Twilio's protocol has no error message from the server, so a non-fatal error (the dropped
 messages above) is logged (the first of each kind in a call, at warning) and counted, never
 sent; a fatal one ends the call: the last mark (``duplexrt-end:error``), then a Close with its
-code (1003, 1007 or 1008) and its message as the reason.  Twilio does not resume a stream: the
+code (1003, 1007 or 1008) and ``code: message`` as the reason.  Twilio does not resume a stream: the
 route has no resume token, and a dropped connection ends the session at once (its slot freed).
 """
 
@@ -85,7 +85,9 @@ END_MARK_PREFIX = "duplexrt-end:"
 
 
 def _fatal(code: str, message: str, close_code: int = CloseCode.POLICY_VIOLATION) -> ProtocolError:
-    return ProtocolError(code, message, close_code=close_code, fatal=True)
+    """An error that ends the call: its message, the Close frame's reason, starts with its code
+    (Twilio's protocol has no error message to carry the code)."""
+    return ProtocolError(code, f"{code}: {message}", close_code=close_code, fatal=True)
 
 
 def _sequence(value: object) -> int | None:
@@ -177,8 +179,7 @@ class TwilioTranslator(Translator):
                     media_format.get("encoding", "audio/x-mulaw") != "audio/x-mulaw"
                     or media_format.get("sampleRate", _RATE) != _RATE or media_format.get("channels", 1) != 1):
                 return _fatal("unsupported_format", "this route takes audio/x-mulaw at 8000 Hz, one channel; "
-                                                    f"start.mediaFormat was {quote(media_format)}",
-                              CloseCode.UNSUPPORTED_DATA)
+                                                    f"start.mediaFormat was {quote(media_format)}")
         call_sid = start.get("callSid")
         self.call_sid = call_sid[:128] if isinstance(call_sid, str) else None
         self.stream_sid = sid
