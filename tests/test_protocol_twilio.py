@@ -403,3 +403,22 @@ async def test_a_call_that_never_starts_ends_at_the_idle_timeout(nursery):
             with pytest.raises(trio_websocket.ConnectionClosed):
                 await ws.get_message()
     await _freed(server)
+
+
+async def test_a_drain_ends_the_call_with_its_last_mark_and_1001(nursery):
+    server = await _server(nursery, "server.shutdown_grace_s=0.2")
+    audio = tone(0.32)
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(_url(server)) as ws, trio.open_nursery() as inner:
+            call = Call(ws)
+            inner.start_soon(call.receive)
+            await ws.send_message(CONNECTED)
+            await ws.send_message(start_event())
+            for i in range(0, len(audio), 160):
+                await ws.send_message(media_event(call.next(), audio[i:i + 160]))
+            await call.wait_heard(640)
+            server.shutdown()  # the call does not end within the grace: it is told to stop
+            while call.closed is None:
+                await trio.sleep(0.01)
+    assert call.closed.reason.code == 1001
+    assert call.messages[-1]["mark"]["name"].startswith("duplexrt-end:shutdown;frames_in=")
