@@ -97,3 +97,55 @@ async def test_the_personaplex_example_sets_its_persona_and_gets_a_reply(nursery
         assert reply.getnframes() == int(frames) * 1920
     stats = server.statistics().runtime.persona
     assert stats is not None and stats["prompt_cache"]["misses"] == 1
+
+
+def test_the_readme_names_the_streaming_and_duplex_sdk_examples():
+    text = README.read_text()
+    assert readme_block("openai_vad_example.py").startswith("# openai_vad_example.py: python ")
+    assert readme_block("openai_duplex_example.py").startswith("# openai_duplex_example.py: python ")
+    assert 'extra_query={"duplex": "1"}' in text
+
+
+async def _echo_server(nursery) -> Server:
+    config = load_config(None, ["server.port=0", "runtime.slots=2", "backend.options.delay_frames=0",
+                                f'server.api_key="{KEY}"', "metrics.log_stats=false"])
+    server = Server(config)
+    await nursery.start(server.run)
+    return server
+
+
+async def test_the_server_vad_example_streams_speech_and_ends_with_the_answer(nursery, tmp_path):
+    """The README's streaming sample: no turn_detection (server VAD), real speech at real-time
+    pace, and a receiver that ends with the response to it; the echo model answers the turn with
+    the speech it heard."""
+    import speech
+
+    voice = speech.speech_24k()
+    samples = np.concatenate([np.zeros(12000, "<i2"), voice])  # the file ends as the speech does
+    server = await _echo_server(nursery)
+    stdout = await run_example("openai_vad_example.py", server, samples, tmp_path, patience=60)
+    lines = stdout.strip().splitlines()
+    assert any(line.startswith("speech stopped at") for line in lines), stdout
+    status, frames, _ = lines[-1].split()
+    assert status == "completed" and int(frames) >= len(voice) * 0.8 / 1920, stdout
+    with wave.open(str(tmp_path / "out.wav")) as reply:
+        assert reply.getnframes() >= len(voice) * 0.8
+
+
+async def test_the_duplex_example_connects_with_extra_query_and_hears_the_model(nursery, tmp_path):
+    """The README's duplex sample: ``extra_query={"duplex": "1"}`` on ``/v1`` (the SDK appends
+    ``/realtime``); the model's speech comes back in bursts, each one response, and the receiver
+    ends with the burst that answered the end of the file."""
+    import speech
+
+    voice = speech.speech_24k()
+    samples = np.concatenate([np.zeros(12000, "<i2"), voice])
+    server = await _echo_server(nursery)
+    stdout = await run_example("openai_duplex_example.py", server, samples, tmp_path, patience=60)
+    lines = stdout.strip().splitlines()
+    assert lines[0].startswith("duplex session "), stdout
+    assert lines[-1].split()[0] == "completed", stdout
+    bursts = sum(int(line.split()[1]) for line in lines[1:])
+    with wave.open(str(tmp_path / "out.wav")) as reply:
+        heard = np.frombuffer(reply.readframes(reply.getnframes()), "<i2")
+    assert bursts * 1920 >= len(heard) >= len(voice) * 0.8, stdout
