@@ -422,3 +422,120 @@ async def test_a_drain_ends_the_call_with_its_last_mark_and_1001(nursery):
                 await trio.sleep(0.01)
     assert call.closed.reason.code == 1001
     assert call.messages[-1]["mark"]["name"].startswith("duplexrt-end:shutdown;frames_in=")
+
+
+# -- the API key in start.customParameters; the persona from them ------------------------------------
+
+KEY = "sk-twilio-test"
+
+
+def start_with(sequence: int = 1, **custom: str) -> str:
+    data = json.loads(start_event(sequence))
+    data["start"]["customParameters"] = custom
+    return json.dumps(data)
+
+
+def test_with_a_key_to_check_start_must_carry_it_and_nothing_but_connected_may_precede_it():
+    protocol = TwilioTranslator()
+    protocol.require_key(KEY)
+    assert protocol.first_messages == 2
+    assert isinstance(protocol.parse(CONNECTED), Ignored)
+    assert isinstance(protocol.parse(start_with(api_key=KEY)), Ignored) and protocol.started
+    for messages in ([start_event()], [start_with(api_key="wrong")], [CONNECTED, CONNECTED],
+                     [media_event(1, b"\xff" * 160)], [dtmf_event(1)]):
+        protocol = TwilioTranslator()
+        protocol.require_key(KEY)
+        event = [protocol.parse(message) for message in messages][-1]
+        assert isinstance(event, ProtocolError) and event.fatal and event.code == "unauthorized", messages
+        assert event.close_code == 1008 and not protocol.started
+
+
+async def _key_server(nursery, *overrides: str) -> Server:
+    return await _server(nursery, f'server.api_key="{KEY}"', *overrides)
+
+
+async def test_a_call_with_the_key_in_start_is_served_without_a_key_at_the_upgrade(nursery):
+    server = await _key_server(nursery)
+    audio = tone(0.32)
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(_url(server)) as ws, trio.open_nursery() as inner:
+            call = Call(ws)
+            inner.start_soon(call.receive)
+            await ws.send_message(CONNECTED)
+            await ws.send_message(start_with(api_key=KEY))
+            for i in range(0, len(audio), 160):
+                await ws.send_message(media_event(call.next(), audio[i:i + 160]))
+            await call.wait_heard(len(audio) - 2 * 640)
+            await ws.send_message(stop_event(call.next()))
+            while call.closed is None:
+                await trio.sleep(0.01)
+    assert call.closed.reason.code == 1000
+    await _freed(server)
+
+
+@pytest.mark.parametrize("start", [start_event(), start_with(api_key="sk-wrong"), None])
+async def test_a_call_without_the_right_key_in_start_is_closed_1008(nursery, start):
+    """No key, a wrong one, or no start at all within the first-message timeout."""
+    server = await _key_server(nursery, "server.first_message_timeout_s=0.5")
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(_url(server)) as ws:
+            await ws.send_message(CONNECTED)
+            if start is not None:
+                await ws.send_message(start)
+            with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                await ws.get_message()
+    assert closed.value.reason.code == 1008
+    if start is not None:
+        assert closed.value.reason.reason.startswith("unauthorized: ")
+    await _freed(server)
+
+
+@pytest.mark.parametrize("path", ["/v1/duplex", "/v1/realtime", "/v1/live/sessions", "/api/chat",
+                                  "/twilio/media?resume=abc"])
+async def test_every_other_route_still_wants_the_key_at_the_upgrade(nursery, path):
+    server = await _key_server(nursery)
+    with trio.fail_after(PATIENCE):
+        with pytest.raises(trio_websocket.HandshakeError) as refused:
+            async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{server.ports[0]}{path}"):
+                pass
+    assert getattr(refused.value, "status_code", None) == 401
+
+
+async def test_the_persona_comes_from_custom_parameters_before_the_first_frame(start_server):
+    from persona_backend import PersonaEcho
+
+    running = await start_server("runtime.slots=1", "backend.options.delay_frames=0",
+                                 backend=lambda config: PersonaEcho(config))
+    backend = running.server.runtime.backend
+    audio = tone(0.32)
+    url = f"ws://127.0.0.1:{running.server.ports[0]}/twilio/media"
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(url) as ws, trio.open_nursery() as inner:
+            call = Call(ws)
+            inner.start_soon(call.receive)
+            await ws.send_message(CONNECTED)
+            await ws.send_message(start_with(instructions="You are Lou, a pirate.", voice="NATM1"))
+            for i in range(0, len(audio), 160):
+                await ws.send_message(media_event(call.next(), audio[i:i + 160]))
+            await call.wait_heard(len(audio) - 2 * 640)
+            await ws.send_message(stop_event(call.next()))
+            while call.closed is None:
+                await trio.sleep(0.01)
+    assert [(p.voice, p.text, stepped) for _, p, stepped in backend.set_calls] == [
+        ("NATM1", "You are Lou, a pirate.", 0)]
+    assert backend.unprompted == []
+
+
+async def test_a_persona_the_model_refuses_ends_the_call_at_start(start_server):
+    from persona_backend import PersonaEcho
+
+    running = await start_server("runtime.slots=1", backend=lambda config: PersonaEcho(config))
+    url = f"ws://127.0.0.1:{running.server.ports[0]}/twilio/media"
+    with trio.fail_after(PATIENCE):
+        async with trio_websocket.open_websocket_url(url) as ws:
+            await ws.send_message(CONNECTED)
+            await ws.send_message(start_with(voice="NOBODY"))
+            with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                await ws.get_message()
+    assert closed.value.reason.code == 1008 and closed.value.reason.reason.startswith("invalid_persona: ")
+    assert running.server.runtime.backend.set_calls == []

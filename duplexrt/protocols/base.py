@@ -168,6 +168,9 @@ class Translator(abc.ABC):
     #: Whether the session fixes the persona when it starts (a route whose persona comes in the
     #: URL) rather than at the caller's first audio frame (one that may set it in an event).
     persona_at_start: bool = False
+    #: How many messages must arrive within ``server.first_message_timeout_s`` of the upgrade
+    #: (Twilio's route, when its key comes in ``start``: ``connected`` and ``start``).
+    first_messages: int = 1
     _persona_choice: PersonaChoice | None = None
 
     @property

@@ -11,6 +11,13 @@ From Twilio:
 * ``start``: the call starts: its ``streamSid`` (``start.streamSid``, else the top-level one) is
   kept for every message the server sends.  A ``mediaFormat`` other than ``audio/x-mulaw`` at
   8000 Hz mono, a ``start`` without a stream SID, or a second ``start`` is fatal (close 1008).
+  Its ``customParameters`` (TwiML ``<Parameter>``s): ``api_key`` when the server has
+  ``server.api_key`` and the upgrade carried none (Twilio strips the query string and sends no
+  header: the server upgrades this route without a key and hands it to ``require_key``); a
+  ``start`` without the right key, or any event but one ``connected`` before it, is fatal (1008,
+  ``unauthorized``), and so is no ``start`` within the first-message timeout
+  (``first_messages``).  ``instructions`` and ``voice`` ask for the call's persona on a model
+  that takes one, before any media (a refused one: fatal, ``invalid_persona``).
 * ``media``: the caller's audio (``media.payload``, base64 mu-law) goes to the model.  Only the
   ``inbound`` track (or a message that names none) is the caller; any other track is ignored.
   A ``media`` before ``start`` is fatal (close 1008): there is no stream to answer.  A payload
@@ -59,12 +66,14 @@ route has no resume token, and a dropped connection ends the session at once (it
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from collections import Counter
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioSpec
+from duplexrt.backends.base import PersonaError
 from duplexrt.protocols.b64codec import decode_strict, encode
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (Event, Ignored, InputEnd, AudioIn, ProtocolError, SessionEnd, json_object,
@@ -103,7 +112,8 @@ class TwilioTranslator(Translator):
     """One call on a bidirectional Twilio Media Stream."""
 
     def __init__(self, *, model_rate: int = 24000, frame_seconds: float = 0.08,
-                 max_message_seconds: float | None = None, mark_every_seconds: float = 1.0) -> None:
+                 max_message_seconds: float | None = None, mark_every_seconds: float = 1.0,
+                 api_key: str = "") -> None:
         self.input_spec = self.output_spec = AudioSpec.create(AudioFormat.G711_ULAW, _RATE, model_rate=model_rate)
         #: The call's stream and call SIDs, from ``start``.
         self.stream_sid: str | None = None
@@ -125,6 +135,13 @@ class TwilioTranslator(Translator):
                            if max_message_seconds is not None else None)
         self._max_seconds = max_message_seconds
         self._head = ""  # '{"event":"media","streamSid":"MZ...","media":{"payload":"'
+        #: The key ``start.customParameters.api_key`` must carry ("": none needed; the server
+        #: sets it when it has ``server.api_key`` and the upgrade carried no key).
+        self._api_key = api_key
+        self._messages = 0  # messages parsed: with a key to check, only ``connected`` may precede start
+        #: With a key to check, ``connected`` and the ``start`` that carries it must both come within
+        #: the first-message timeout (``server.first_message_timeout_s``).
+        self.first_messages = 2 if api_key else 1
         self._mark_head = ""  # '{"event":"mark","streamSid":"MZ...","mark":{"name":"'
 
     # -- Twilio -> server --------------------------------------------------------------------------
@@ -140,6 +157,10 @@ class TwilioTranslator(Translator):
         if type(kind) is not str:
             return _fatal("invalid_event", 'Twilio messages are JSON objects with a string "event"',
                           CloseCode.INVALID_PAYLOAD)
+        self._messages += 1
+        if self._api_key and not self.started and kind != "start" and (kind != "connected" or self._messages > 1):
+            return _fatal("unauthorized", f"{quote(kind[:64])} before start: this server needs its API key in "
+                                          "start.customParameters.api_key, in start, right after connected")
         sequence = _sequence(data.get("sequenceNumber"))
         if kind == "media":
             return self._media(data, sequence)
@@ -180,6 +201,15 @@ class TwilioTranslator(Translator):
                     or media_format.get("sampleRate", _RATE) != _RATE or media_format.get("channels", 1) != 1):
                 return _fatal("unsupported_format", "this route takes audio/x-mulaw at 8000 Hz, one channel; "
                                                     f"start.mediaFormat was {quote(media_format)}")
+        custom = start.get("customParameters")
+        custom = custom if type(custom) is dict else {}
+        if self._api_key:
+            offered = custom.get("api_key")
+            if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), self._api_key.encode()):
+                return _fatal("unauthorized", "a valid API key is required in start.customParameters.api_key "
+                                              '(TwiML: <Parameter name="api_key" value="KEY"/>)')
+        if (refused := self._ask_persona(custom)) is not None:
+            return refused
         call_sid = start.get("callSid")
         self.call_sid = call_sid[:128] if isinstance(call_sid, str) else None
         self.stream_sid = sid
@@ -187,6 +217,27 @@ class TwilioTranslator(Translator):
         self._head = '{"event":"media","streamSid":' + json.dumps(sid) + ',"media":{"payload":"'
         self._mark_head = '{"event":"mark","streamSid":' + json.dumps(sid) + ',"mark":{"name":"' + MARK_PREFIX
         return Ignored()
+
+    def require_key(self, api_key: str) -> None:
+        """The call's ``start`` must carry ``api_key`` in ``customParameters.api_key`` (the server
+        has ``server.api_key`` and the upgrade carried none: Twilio sends no header, no query)."""
+        self._api_key = api_key
+        self.first_messages = 2 if api_key else 1
+
+    def _ask_persona(self, custom: dict[str, Any]) -> ProtocolError | None:
+        """``customParameters`` ``instructions`` and ``voice``: the call's persona, on a model that
+        takes one (asked at start, before any media: the session fixes it at the first frame);
+        accepted and unused otherwise, as the other routes do."""
+        text, voice = custom.get("instructions"), custom.get("voice")
+        text = text if isinstance(text, str) else None
+        voice = voice if isinstance(voice, str) else None
+        if not self.persona.taken or (text is None and voice is None):
+            return None
+        try:
+            self.persona.ask(text, voice)
+        except PersonaError as exc:
+            return _fatal("invalid_persona", str(exc)[:500])
+        return None
 
     def _media(self, data: dict[str, Any], sequence: int | None) -> Event:
         if not self.started:

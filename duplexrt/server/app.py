@@ -330,7 +330,11 @@ class Server:
         if (foreign := origin_refusal(head.headers, self.config.server)) is not None:
             self.refused["foreign_origin"] += 1
             return await self._respond(stream, 403, foreign)
-        if not self._authorized(head):
+        # Twilio sends no Authorization header and strips the query string: its route is upgraded
+        # without a key, and the key must come in start.customParameters (checked by the
+        # translator, within the first-message timeout).
+        key_in_start = route.name == "twilio" and not self._authorized(head)
+        if not self._authorized(head) and (not key_in_start or "resume" in head.query):
             self.refused["unauthorized"] += 1
             await self._respond(stream, 401, "a valid API key is required (Authorization: Bearer KEY, "
                                              f"?api_key=KEY, or the subprotocol {KEY_SUBPROTOCOL}KEY)",
@@ -469,6 +473,11 @@ class Server:
             return
         try:
             translator = route.translator(head, self.config)
+            if route.name == "twilio" and not self._authorized(head):  # the key comes in start
+                from duplexrt.protocols.twilio import TwilioTranslator
+
+                assert isinstance(translator, TwilioTranslator)
+                translator.require_key(self.config.server.api_key)
         except BadRequest as exc:
             self.refused["bad_options"] += 1
             await self._respond(stream, exc.status, exc.reason)
@@ -495,7 +504,8 @@ class Server:
                     return
             await self._serve_websocket(stream, head, received, route.max_message_bytes(self.config),
                                         partial(self._run_session, translator=translator, path=head.path,
-                                                base64_audio=route.base64_audio, client=client), key)
+                                                base64_audio=route.base64_audio, client=client), key,
+                                        first_messages=translator.first_messages)
         finally:
             self._admitted -= 1
             if not self._admitted:
@@ -542,7 +552,7 @@ class Server:
 
     async def _serve_websocket(self, stream: Stream, head: RequestHead, received: bytes, max_message: int,
                                serve: Callable[[Transport], Awaitable[None]], key: str, *,
-                               resuming: bool = False) -> None:
+                               resuming: bool = False, first_messages: int = 1) -> None:
         """Answer the upgrade (checked already: ``key`` is its Sec-WebSocket-Key) here and let
         the session drive its frames (``duplexrt.wire.native``)."""
         assert self.runtime is not None
@@ -554,7 +564,7 @@ class Server:
         first_message_timeout = math.inf if resuming else settings.first_message_timeout_s
         options: dict[str, Any] = dict(max_message=max_message, first_message_timeout=first_message_timeout,
                                        close_timeout=settings.close_timeout_s, received=head.rest,
-                                       subprotocol=subprotocol)
+                                       subprotocol=subprotocol, first_messages=first_messages)
         transport = (TLSWebSocket(stream, **options) if isinstance(stream, trio.SSLStream)
                      else NativeWebSocket(stream, **options))
         self._transports.add(transport)

@@ -65,7 +65,8 @@ class NativeWebSocket:
 
     def __init__(self, stream: trio.SocketStream, *, client: bool = False, max_message: int = 1 << 20,
                  first_message_timeout: float = math.inf, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-                 received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None) -> None:
+                 received: bytes = b"", queue_limit: int = 4, subprotocol: str | None = None,
+                 first_messages: int = 1) -> None:
         self._stream = stream
         self._client = client
         #: The connection's state, sans-IO: what this driver may still do, and why it ended.
@@ -93,6 +94,8 @@ class NativeWebSocket:
         #: before passing it on (``_release_send``), between two messages, never behind them.
         self._pongs: bytes | None = None
         self._first_deadline = trio.current_time() + first_message_timeout
+        #: How many messages the first-message deadline is for (the key's ``start`` on Twilio's route).
+        self._first_messages = first_messages
         #: Messages taken so far (the idle watch reads it).
         self.received = 0
         self._close_timeout = close_timeout
@@ -111,7 +114,7 @@ class NativeWebSocket:
             await trio.lowlevel.checkpoint()  # a backlog: other sessions' turn first (nothing is taken yet)
             self._new_turn()
         if not messages:
-            if self.received:
+            if self.received >= self._first_messages:
                 await self._fill()
             else:
                 with trio.move_on_at(self._first_deadline):
