@@ -210,3 +210,18 @@ def test_a_model_that_fails_to_load_says_its_message_once_and_its_traceback_only
     traced = [r for r in caplog.records if r.exc_info and r.levelno == logging.DEBUG]
     assert len(traced) == (1 if level == "debug" else 0)
     assert all("failed to load" in r.getMessage() for r in traced)
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_a_paced_round_that_fails_real_time_says_whether_it_sets_the_exit_status(require):
+    """A model slower than real time: the verdict is FAILS either way; it sets the exit status
+    only with --require-real-time, and says so without it.  The two ratios are named apart."""
+    args = ["simulate", "-b", "synthetic", "-o", "step_ms=90", "--mode", "paced", "--frames", "8",
+            "--concurrency", "2"] + (["--require-real-time"] if require else [])
+    result = runner.invoke(app, args, terminal_width=200)
+    verdict = [line for line in result.output.splitlines() if line.startswith("round 1: real time")]
+    assert len(verdict) == 1 and "FAILS" in verdict[0], result.output
+    assert "stream real-time factor (criterion)" in result.output
+    assert "send→last output / audio (incl. lag)" in result.output
+    assert result.exit_code == (1 if require else 0)
+    assert ("exit status unaffected: add --require-real-time" in verdict[0]) is not require

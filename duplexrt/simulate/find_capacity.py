@@ -82,7 +82,8 @@ def judge(report: RoundReport, frame_ms: float) -> Verdict:
     if report.stream_rtf is None or not math.isfinite(report.stream_rtf):
         reasons.append("no real-time factor measured")
     elif report.stream_rtf > rtf_allowed:
-        reasons.append(f"real-time factor {report.stream_rtf:.4f} > 1.0")
+        reasons.append(f"stream real-time factor {report.stream_rtf:.4f} > {rtf_allowed:.4f} "
+                       "(1.0, plus the lag deadline over the round)")
     return Verdict(sessions=report.sessions, holds=not reasons, reason="; ".join(reasons),
                    on_time_share=share, deadline_ms=deadline, step_ms=step_ms, stream_rtf=report.stream_rtf,
                    lag_p50_ms=p50, lag_p99_ms=p99, lag_p999_ms=p999, mean_batch=report.mean_batch,
