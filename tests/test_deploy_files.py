@@ -214,6 +214,7 @@ async def test_the_kubernetes_prestop_hook_begins_the_drain_with_the_key_and_the
 
 DOCKERFILE = DEPLOY.parent / "Dockerfile"
 README = DEPLOY.parent / "README.md"
+OPERATOR = DEPLOY.parent / "docs" / "operator.md"  # the container image and the deploy notes
 
 
 def _image_stage() -> str:
@@ -265,9 +266,9 @@ def test_the_compile_cache_is_a_volume_in_the_manifest_and_the_run_lines():
 
 
 def _docker_run_lines() -> list[str]:
-    """Every ``docker run`` of the image in the README and the Dockerfile's own comments."""
+    """Every ``docker run`` of the image in the README, the operator guide and the Dockerfile's comments."""
     found = []
-    for text in (README.read_text(), DOCKERFILE.read_text()):
+    for text in (README.read_text(), OPERATOR.read_text(), DOCKERFILE.read_text()):
         text = re.sub(r"\\\n[#\s]*", " ", text)
         found += [line for line in text.splitlines() if "docker run" in line and "duplexrt:" in line]
     return found
@@ -294,7 +295,7 @@ def test_the_run_lines_give_the_drain_its_time_and_the_health_check_a_first_load
 def test_the_docs_call_working_only_what_has_run():
     """HAProxy runs in CI (tests/test_deploy_haproxy.py); the Envoy file and the manifest are parsed
     and checked, never run: no sentence calls them working."""
-    texts = [README.read_text(), (DEPLOY / "README.md").read_text()]
+    texts = [README.read_text(), OPERATOR.read_text(), (DEPLOY / "README.md").read_text()]
     for text in texts:
         for sentence in re.split(r"(?<=[.:;])\s", text.replace("\n", " ")):
             if "Envoy" in sentence or "Kubernetes configuration" in sentence:

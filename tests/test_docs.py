@@ -123,7 +123,7 @@ def test_every_benchmark_script_the_repository_names_exists():
 
 
 def test_the_readme_settings_tables_name_every_config_key_and_only_those():
-    """The README's two settings tables (everyday settings, then tuning) are where a user looks a
+    """The operator guide's two settings tables (everyday settings, then tuning) are where a user looks a
     key up: each key the config has is in one of them, and each key they name exists."""
     import attrs
 
@@ -134,13 +134,13 @@ def test_the_readme_settings_tables_name_every_config_key_and_only_those():
             for section in attrs.fields(Config)
             for field in attrs.fields(type(getattr(config, section.name)))
             if (section.name, field.name) != ("backend", "options")}  # backend options: Backends
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("### Configuration")
-    section = readme[start:readme.index("\n### ", start + 1)]
+    guide = (ROOT / "docs" / "operator.md").read_text(encoding="utf-8")
+    start = guide.index("\n## Configuration\n")
+    section = guide[start:guide.index("\n## ", start + 1)]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     named = {key for row in rows for key in re.findall(r"`([a-z_]+\.[a-z_]+)`", row.split("|")[1])}
-    assert sorted(named - keys) == [], "the README names keys the config does not have"
-    assert sorted(keys - named) == [], "config keys the README's tables do not name"
+    assert sorted(named - keys) == [], "the operator guide names keys the config does not have"
+    assert sorted(keys - named) == [], "config keys the operator guide's tables do not name"
     assert section.count("| key | default | meaning |") == 2, "everyday settings, then tuning"
 
 
@@ -158,3 +158,18 @@ def test_the_changelog_is_written_for_users():
     code = re.findall(r"`([^`]+)`", text)
     private = [c for c in code if re.search(r"(?:^|[.\s(])_(?!_)[A-Za-z]", c)]
     assert private == [], "private names in the CHANGELOG"
+
+
+def test_the_readme_is_a_quick_start_that_names_every_preset_and_links_the_guides():
+    """Issue 40: the README opens with one screen (the two commands, the first call, the presets),
+    then links the operator and integrator guides, where the reference went."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 100
+    assert "## The two commands" in text and "make run " in text and "make test " in text
+    quick = text[text.index("## The first call"):text.index("## The guides")]
+    presets = sorted(p.stem for p in (ROOT / "configs").glob("*.toml"))
+    assert [name for name in presets if f"`{name}`" not in quick] == []
+    assert "duplexrt simulate --url" in quick and "duplexrt client" in quick
+    assert "(docs/operator.md)" in text and "(docs/integrator.md)" in text
+    for guide, heading in (("operator.md", "## Configuration"), ("integrator.md", "## Routes")):
+        assert heading in (ROOT / "docs" / guide).read_text(encoding="utf-8")

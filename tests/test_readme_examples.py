@@ -1,6 +1,7 @@
-"""The README's OpenAI SDK example, as the README prints it, run against a real server.
+"""The integrator guide's SDK examples (docs/integrator.md, linked from the README), as the guide
+prints them, run against a real server.
 
-The script is taken from the README (the ``python`` block whose first line names
+The script is taken from the guide (the ``python`` block whose first line names
 ``openai_realtime_example.py``), written to a file and run in a process of its own with the
 arguments its first line shows, as a reader would run it.  What it wrote is then compared with
 what it sent: the echo model answers the turn with the very same audio.
@@ -19,7 +20,8 @@ import trio
 from duplexrt.config import load_config
 from duplexrt.server import Server
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+#: Where the examples live since the README became a quick start (issue 40).
+README = Path(__file__).resolve().parent.parent / "docs" / "integrator.md"
 KEY = "sk-readme"
 
 

@@ -22,7 +22,8 @@ from duplexrt.audio import AudioSpec
 from duplexrt.protocols.realtime import MAX_HELD_SECONDS, RealtimeTranslator
 from duplexrt.server.budget import held_json_bytes, journal_bytes
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+#: The table moved with the rest of the operator's reference out of the README (issue 40).
+README = Path(__file__).resolve().parent.parent / "docs" / "operator.md"
 FRAME = 1920
 PATIENCE = 20.0
 
@@ -30,7 +31,7 @@ PATIENCE = 20.0
 def _table_figures() -> dict[str, float]:
     """The README's per-session memory table: what each row says, in MB."""
     text = README.read_text()
-    section = text.split("### Per-session memory", 1)[1].split("\n#", 1)[0]
+    section = text.split("\n## Per-session memory\n", 1)[1].split("\n#", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
