@@ -113,7 +113,7 @@ _session_ids = itertools.count(1)
 
 #: Turn mode: at most this many seconds of model audio are held while no response is active;
 #: beyond it the oldest is dropped.  Seconds, not bytes: a client that makes the model talk
-#: faster than real time holds no more (the README's per-session memory table).
+#: faster than real time holds no more (docs/operator.md's per-session memory table).
 MAX_HELD_SECONDS = 30.0
 
 
@@ -480,7 +480,7 @@ class RealtimeTranslator(Translator):
 
     def _item_create(self, data: dict[str, Any]) -> Event:
         """An item from the client.  Audio in it is fed to the model like appended audio; text
-        is acknowledged but cannot reach a speech-only model (the README says so)."""
+        is acknowledged but cannot reach a speech-only model (docs/integrator.md says so)."""
         event_id = client_event_id(data)
         item = data.get("item")
         if type(item) is not dict:

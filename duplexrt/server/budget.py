@@ -1,4 +1,5 @@
-"""What one session may hold in memory, by route and format: the figures the README's table states.
+"""What one session may hold in memory, by route and format: the figures of the table in
+docs/operator.md (Per-session memory).
 
 A session's largest buffers are bounded in **seconds of audio**, never only in wall-clock time, so
 that a client that makes the model talk faster than real time (it sends faster and reads
@@ -10,7 +11,7 @@ everything) holds no more than one that talks at the pace of speech:
   it becomes when released (``held_json_bytes``).
 
 The byte figures are upper bounds worked out from the format, so a test can hold the code to them
-and the README can print them.
+and the operator guide can print them.
 """
 
 from __future__ import annotations

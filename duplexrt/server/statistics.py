@@ -47,7 +47,7 @@ class ServerStatistics:
     def not_ready_reason(self) -> str | None:
         """Why a balancer should send new clients elsewhere, or None when this replica takes them.
 
-        A model failing every step is not ready; new sessions are still admitted (see README: a
+        A model failing every step is not ready; new sessions are still admitted (docs/operator.md, Serving: a
         step that works is what clears it, and only a session can bring one)."""
         return self.not_serving_reason or self.full_reason
 
