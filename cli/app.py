@@ -453,7 +453,9 @@ def client(
 ) -> None:
     """Stream an audio file to a running server and write what comes back to a WAV file.
 
-    Prints one line: seconds sent and received, and how the session ended.  Exit status 0 when
+    Prints one line: seconds sent (what the server says its model took, from its end event's
+    input frames where the route reports them; else what was written) and received, and how the
+    session ended.  A dropped connection is resumed for up to 10 s, saying so on stderr.  Exit status 0 when
     the session ended normally, 1 when the connection failed, the server refused it (HTTP 503:
     no free slot), sent an error or closed abnormally, 2 for bad arguments."""
     from duplexrt.client.stream import ClientRequest, run_client

@@ -7,7 +7,7 @@ A failed connection is a ``ConnectError`` with a short ``kind`` (``refused``, ``
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from http.client import responses
@@ -87,7 +87,8 @@ def _classify(exc: BaseException, url: str) -> ConnectError:
 @asynccontextmanager
 async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | None = None,
                           timeout: float = 10.0, resume: bool = False, resume_window: float = 10.0,
-                          impl: str = "native") -> AsyncIterator[tuple[Transport, Opened | None]]:
+                          impl: str = "native", on_drop: Callable[[TransportClosed, float], None] | None = None,
+                          ) -> AsyncIterator[tuple[Transport, Opened | None]]:
     """Open a WebSocket to ``url`` (already carrying the protocol's query) and, where the protocol's
     server speaks first, wait for its greeting.  Yields the transport and the greeting; raises
     ConnectError if either fails.  The connection is closed when the block ends.
@@ -106,7 +107,7 @@ async def open_connection(url: str, protocol: ClientProtocol, *, api_key: str | 
                 connect = partial(_connect, nursery, api_key=api_key, timeout=timeout)
             transport: Transport = await connect(url)
             if resume:
-                transport = ResumingTransport(transport, url, connect, window=resume_window,
+                transport = ResumingTransport(transport, url, connect, window=resume_window, on_drop=on_drop,
                                               notices=2 if protocol.name == "moshi" else 1)
             try:
                 for message in protocol.hello():

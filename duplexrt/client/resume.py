@@ -80,7 +80,8 @@ class ResumingTransport:
     handshake and metadata; 1 elsewhere).  ``window`` bounds how long it tries to reconnect."""
 
     def __init__(self, transport: Transport, url: str, connect: Connect, *, notices: int = 1,
-                 window: float = 10.0, keep_s: float = KEEP_S, max_kept_bytes: int = MAX_KEPT_BYTES) -> None:
+                 window: float = 10.0, keep_s: float = KEEP_S, max_kept_bytes: int = MAX_KEPT_BYTES,
+                 on_drop: Callable[[TransportClosed, float], None] | None = None) -> None:
         self._current: Transport | None = transport
         self._poll_current = poller(transport)  # every connection comes from the same connect
         self._send_current = nowait_sender(transport)
@@ -88,6 +89,9 @@ class ResumingTransport:
         self._connect = connect
         self._notices = notices
         self._window = window
+        #: Told of each drop as the resume begins (how the connection closed, the window in
+        #: seconds): ``duplexrt client`` says it is resuming rather than go quiet for the window.
+        self._on_drop = on_drop
         self._keep_s = keep_s
         self._max_kept_bytes = max_kept_bytes
         self.token: str | None = None
@@ -223,6 +227,8 @@ class ResumingTransport:
             raise closed
         self._current = None
         self._ready = trio.Event()
+        if self._on_drop is not None:
+            self._on_drop(closed, self._window)
         try:
             await self._resume(closed)
         finally:

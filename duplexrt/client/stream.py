@@ -44,6 +44,7 @@ from duplexrt.client.protocols import (
     route_of,
 )
 from duplexrt.client.resume import ResumingTransport
+from duplexrt.wire.transport import TransportClosed
 from duplexrt.progress import show_progress
 
 __all__ = ["ClientRequest", "ClientResult", "UsageError", "prepare", "run_client", "stream_file"]
@@ -104,11 +105,17 @@ class ClientResult:
     text: str = ""
     #: Times the connection dropped and the session was resumed on a new one.
     resumes: int = 0
+    #: Audio written to the connection; ``seconds_sent`` is what the server said it took where
+    #: its end event counts input frames, which may be less (a drop, an early end).
+    seconds_written: float = 0.0
 
     def summary(self, output_path: Path) -> str:
         resumed = f"; resumed after {self.resumes} dropped connection(s)" if self.resumes else ""
+        unheard = self.seconds_written - self.seconds_sent
+        written = (f"; {self.seconds_written:.3f} s written, {unheard:.3f} s of it never taken by the server"
+                   if unheard > 0.0005 else "")
         return (f"sent {self.seconds_sent:.3f} s, received {self.seconds_received:.3f} s "
-                f"at {self.output_rate} Hz -> {output_path} ({self.end}{resumed})")
+                f"at {self.output_rate} Hz -> {output_path} ({self.end}{resumed}{written})")
 
 
 def _read_mono(path: Path) -> tuple[np.ndarray, int]:
@@ -202,10 +209,18 @@ async def stream_file(request: ClientRequest, prepared: Prepared, *, progress: b
                       err: TextIO | None = None) -> tuple[ClientResult, np.ndarray]:
     """Connect, stream, listen.  Returns the result and the audio that came back."""
     protocol = prepared.protocol
+    say = err or sys.stderr
+
+    def resuming(closed: TransportClosed, window: float) -> None:
+        say.write(f"duplexrt: the connection dropped ({closed.reason or closed.code}); resuming the session "
+                  f"(for up to {window:g} s)\n")
+        say.flush()
+
     try:
         # resume: a connection that drops mid-file resumes the same session (docs/resume.md).
         async with open_connection(prepared.url, protocol, api_key=request.api_key,
-                                   timeout=request.connect_timeout, resume=True) as (transport, _opened):
+                                   timeout=request.connect_timeout, resume=True,
+                                   on_drop=resuming) as (transport, _opened):
             output = _Output(protocol.output_spec)  # the greeting may have said what it is
             expected = prepared.expected_samples
             texts: list[str] = []
@@ -228,10 +243,17 @@ async def stream_file(request: ClientRequest, prepared: Prepared, *, progress: b
         return ClientResult(EXIT_FAILED, 0.0, end=exc.message), np.zeros(0, np.float32)
     audio = output.audio()
     rate = output.spec.sample_rate
+    # What was really sent: a server that ends the session early stops the file there; and of
+    # that, what the server says its model took (its end event's input frames; the last frame
+    # is padded, so never more than was written).
+    written = prepared.seconds_of(conversation.messages_sent)
+    # (Realtime's response usage counts the response's input, not the session's: not read.)
+    taken = (conversation.end.frames_in if conversation.end is not None and protocol.name != "realtime"
+             else None)
     result = ClientResult(
         EXIT_OK if conversation.ok else EXIT_FAILED,
-        # What was really sent: a server that ends the session early stops the file there.
-        seconds_sent=prepared.seconds_of(conversation.messages_sent),
+        seconds_sent=written if taken is None else min(written, taken * DEFAULT_FRAME_SECONDS),
+        seconds_written=written,
         seconds_received=audio.size / rate,
         output_rate=rate,
         end=conversation.describe(),
