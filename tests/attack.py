@@ -21,6 +21,7 @@ import json
 import ssl
 import subprocess
 import sys
+from typing import Any
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,8 +177,25 @@ async def assert_nothing_held(served) -> None:
     assert after.exact and len(after.lags) == 5, after
 
 
-__all__ = ["ATTACKS", "FRAME_PERIOD_S", "Victim", "assert_nothing_held", "hostile", "paced_victim",
-           "server_rss_mib"]
+#: The server's host threads pinned, as on a replica given its own CPUs (``runtime.pin_host_threads
+#: = true``).  The default, ``"auto"``, leaves a process that may use every CPU of the box unpinned
+#: (it cannot tell its own box from a shared Kubernetes pool, where pinning would stack replicas on
+#: one core), and the victim's bounds here are those of a replica with its CPU: unpinned on two
+#: shared cores, the attacker's process takes turns with the trio thread.
+PINNED = "runtime.pin_host_threads=true"
+
+
+def pinned_start(start_server: Any) -> Any:
+    """conftest's ``start_server`` with the host threads pinned (``PINNED``; an override after
+    it still wins)."""
+    async def start(*overrides: str, **kwargs: Any) -> Any:
+        return await start_server(PINNED, *overrides, **kwargs)
+
+    return start
+
+
+__all__ = ["ATTACKS", "FRAME_PERIOD_S", "PINNED", "Victim", "assert_nothing_held", "hostile", "paced_victim",
+           "pinned_start", "server_rss_mib"]
 
 
 async def _measure(kinds: list[str], seconds: float) -> None:
@@ -186,7 +204,7 @@ async def _measure(kinds: list[str], seconds: float) -> None:
     from duplexrt.server import Server
 
     config = load_config(None, ["server.port=0", "runtime.slots=4", "backend.options.delay_frames=0",
-                                "metrics.log_stats=false", "runtime.resume_window_s=0"])
+                                "metrics.log_stats=false", "runtime.resume_window_s=0", PINNED])
     async with trio.open_nursery() as nursery:
         server = Server(config)
         await nursery.start(server.run)

@@ -19,8 +19,11 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 
 def _planned(target: str, venv: Path) -> str:
-    return subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True,
-                          text=True, check=True, timeout=60).stdout
+    """What ``make TARGET`` would run, as a top-level make prints it (this suite runs under
+    ``make test``, whose variables would make it a sub-make that names its directories)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+    return subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}"], cwd=ROOT,
+                          capture_output=True, text=True, check=True, timeout=60, env=env).stdout
 
 
 def _stamp(path: Path) -> None:

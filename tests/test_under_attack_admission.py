@@ -30,6 +30,12 @@ UPGRADE = ("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: upgrade\r\nupg
            "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
 
 
+@pytest.fixture
+def start_server(start_server):
+    """The server pinned as a replica with its own CPUs is (``attack.PINNED``)."""
+    return attack.pinned_start(start_server)
+
+
 def _frames(count: int, seed: int) -> list[bytes]:
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal(FRAME) * 0.1).astype(np.float32).tobytes() for _ in range(count)]

@@ -23,7 +23,14 @@ import trio
 
 from duplexrt.wire.frames import Close, FrameParser, Opcode, frame
 from duplexrt.wire.native import NativeWebSocket
-from attack import FRAME_PERIOD_S, assert_nothing_held, hostile, paced_victim, server_rss_mib
+from attack import FRAME_PERIOD_S, assert_nothing_held, hostile, paced_victim, pinned_start, server_rss_mib
+
+
+@pytest.fixture
+def start_server(start_server):
+    """The server pinned as a replica with its own CPUs is (``attack.PINNED``)."""
+    return pinned_start(start_server)
+
 
 #: How long each attacker floods, with the caller's session inside it.
 ATTACK_SECONDS = 3.0
