@@ -11,6 +11,7 @@ that jumps whenever every trio task is blocked would fire timeouts while that th
 from __future__ import annotations
 
 import importlib.util
+import os
 import json
 import math
 import threading
@@ -564,3 +565,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+async def serve_personaplex_tiny(nursery, *overrides: str) -> Served:
+    """``personaplex-tiny`` served in ``nursery`` on a free port: 2 slots (``overrides`` win),
+    one warm-up step, no periodic stats line."""
+    from duplexrt import presets
+
+    os.environ.setdefault("NO_TORCH_COMPILE", "1")
+    config = load_config(presets.resolve("personaplex-tiny"),
+                         ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
+                          "backend.options.warmup_steps=1", *overrides])
+    server = Server(config)
+    await nursery.start(server.run)
+    return Served(server)

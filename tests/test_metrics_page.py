@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from urllib.parse import urlencode
 
 import numpy as np
@@ -16,8 +15,7 @@ import trio_websocket
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from conftest import INPUT_END, PATIENCE, Served, backend_info, duplex_session, exported
-from duplexrt import presets
+from conftest import INPUT_END, PATIENCE, Served, backend_info, duplex_session, exported, serve_personaplex_tiny
 from duplexrt.backends.echo import EchoBackend
 from duplexrt.config import load_config
 from duplexrt.server import Server
@@ -160,13 +158,7 @@ async def test_the_prompt_cache_is_exported_only_for_a_model_that_takes_a_person
 async def test_the_prompt_cache_of_personaplex_tiny_counts_a_new_persona_and_its_reuse(nursery):
     """The real ``personaplex-tiny`` preset: the default persona is prefilled at load; a caller
     with a persona of its own is a miss and a prefill; the next with the same one, a hit."""
-    os.environ.setdefault("NO_TORCH_COMPILE", "1")
-    config = load_config(presets.resolve("personaplex-tiny"),
-                         ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
-                          "backend.options.warmup_steps=1"])
-    server = Server(config)
-    await nursery.start(server.run)
-    served = Served(server)
+    served = await serve_personaplex_tiny(nursery)
     page = await served.metrics()
     assert exported(page, "duplexrt_prompt_prefills_total") == 1  # the default persona, at load
     assert exported(page, "duplexrt_prompt_cache_entries") == 1
@@ -175,7 +167,7 @@ async def test_the_prompt_cache_of_personaplex_tiny_counts_a_new_persona_and_its
     assert default_bytes > 0
 
     query = urlencode({"instructions": "You are a patient librarian.", "voice": "NATM1"})
-    audio = np.zeros(2 * config.audio.frame_size, dtype=np.float32)
+    audio = np.zeros(2 * served.server.config.audio.frame_size, dtype=np.float32)
     for _ in range(2):
         _, events = await duplex_session(served.url(f"/v1/duplex?{query}"), audio)
         assert events[0]["type"] == "session.created" and events[0]["persona"]["voice"] == "NATM1", events

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
-import os
 import urllib.parse
 
 import numpy as np
@@ -23,10 +22,8 @@ import trio
 import trio_websocket
 
 from conftest import (FRAME, PATIENCE, ClientLog, RecordingOwner, Served, frame_of, make_config, run_client,
-                      wait_until)
-from duplexrt import presets
+                      serve_personaplex_tiny, wait_until)
 from duplexrt.backends.base import Persona, PersonaError, PersonaRequest
-from duplexrt.config import load_config
 from duplexrt.core.scheduler import BackendStepError, SlotClosedError
 from duplexrt.protocols.moshi import HANDSHAKE_MESSAGE, MoshiTranslator
 from duplexrt.protocols.options import MOSHI_IGNORED_PARAMETERS, moshi_persona
@@ -34,7 +31,6 @@ from duplexrt.protocols.base import PersonaChoice, PersonaLocked
 from duplexrt.protocols.raw import RawTranslator
 from duplexrt.protocols.realtime import RealtimeTranslator
 from duplexrt.runtime import open_runtime
-from duplexrt.server import Server
 from duplexrt.server.app import persona_line
 from duplexrt.wire.transport import memory_transport_pair
 from persona_backend import DEFAULT_TEXT, DEFAULT_VOICE, VOICES, PersonaEcho
@@ -722,13 +718,8 @@ async def test_personaplex_tiny_takes_the_persona_from_each_route(nursery):
     """The routes against the real moshi backend's persona (``personaplex-tiny``): NVIDIA's query on
     ``/api/chat`` (its handshake once the prompt is in), a Realtime ``session.update``, and the
     backend's own refusals passed on as they are."""
-    os.environ.setdefault("NO_TORCH_COMPILE", "1")
-    config = load_config(presets.resolve("personaplex-tiny"),
-                         ["server.port=0", "runtime.slots=2", "metrics.log_stats=false",
-                          "backend.options.warmup_steps=1"])
-    server = Server(config)
-    await nursery.start(server.run)
-    served = Served(server)
+    served = await serve_personaplex_tiny(nursery)
+    server = served.server
     _, ready = await served.readyz()
     voices = ready["persona"]["voices"]
     assert "NATF2" in voices and ready["persona"]["default_voice"] == "NATF2"
@@ -776,13 +767,8 @@ async def test_personaplex_tiny_join_storm_leaves_nothing_held(nursery):
     hanging up at once (mid-prefill or before): the ones admitted are prompted and answered,
     the rest refused, and afterwards every slot is free, the prompt cache within its bound and
     a new caller served as on a fresh server."""
-    os.environ.setdefault("NO_TORCH_COMPILE", "1")
-    config = load_config(presets.resolve("personaplex-tiny"),
-                         ["server.port=0", "runtime.slots=8", "metrics.log_stats=false",
-                          "backend.options.warmup_steps=1", "backend.options.prompt_cache_mb=1"])
-    server = Server(config)
-    await nursery.start(server.run)
-    served = Served(server)
+    served = await serve_personaplex_tiny(nursery, "runtime.slots=8", "backend.options.prompt_cache_mb=1")
+    server = served.server
     outcomes: dict[str, int] = {}
 
     async def caller(i: int) -> None:

@@ -257,6 +257,14 @@ class Call:
         self.sequence += 1
         return self.sequence
 
+    async def begin(self, audio: bytes, start: str | None = None) -> None:
+        """As Twilio opens a call: ``connected``, ``start`` (``start_event()`` unless given),
+        then ``audio`` in 20 ms ``media`` events."""
+        await self.ws.send_message(CONNECTED)
+        await self.ws.send_message(start if start is not None else start_event())
+        for i in range(0, len(audio), 160):
+            await self.ws.send_message(media_event(self.next(), audio[i:i + 160]))
+
     async def receive(self) -> None:
         try:
             while True:
@@ -412,10 +420,7 @@ async def test_a_drain_ends_the_call_with_its_last_mark_and_1001(nursery):
         async with trio_websocket.open_websocket_url(_url(server)) as ws, trio.open_nursery() as inner:
             call = Call(ws)
             inner.start_soon(call.receive)
-            await ws.send_message(CONNECTED)
-            await ws.send_message(start_event())
-            for i in range(0, len(audio), 160):
-                await ws.send_message(media_event(call.next(), audio[i:i + 160]))
+            await call.begin(audio)
             await call.wait_heard(640)
             server.shutdown()  # the call does not end within the grace: it is told to stop
             while call.closed is None:
@@ -461,10 +466,7 @@ async def test_a_call_with_the_key_in_start_is_served_without_a_key_at_the_upgra
         async with trio_websocket.open_websocket_url(_url(server)) as ws, trio.open_nursery() as inner:
             call = Call(ws)
             inner.start_soon(call.receive)
-            await ws.send_message(CONNECTED)
-            await ws.send_message(start_with(api_key=KEY))
-            for i in range(0, len(audio), 160):
-                await ws.send_message(media_event(call.next(), audio[i:i + 160]))
+            await call.begin(audio, start_with(api_key=KEY))
             await call.wait_heard(len(audio) - 2 * 640)
             await ws.send_message(stop_event(call.next()))
             while call.closed is None:
@@ -513,10 +515,7 @@ async def test_the_persona_comes_from_custom_parameters_before_the_first_frame(s
         async with trio_websocket.open_websocket_url(url) as ws, trio.open_nursery() as inner:
             call = Call(ws)
             inner.start_soon(call.receive)
-            await ws.send_message(CONNECTED)
-            await ws.send_message(start_with(instructions="You are Lou, a pirate.", voice="NATM1"))
-            for i in range(0, len(audio), 160):
-                await ws.send_message(media_event(call.next(), audio[i:i + 160]))
+            await call.begin(audio, start_with(instructions="You are Lou, a pirate.", voice="NATM1"))
             await call.wait_heard(len(audio) - 2 * 640)
             await ws.send_message(stop_event(call.next()))
             while call.closed is None:
