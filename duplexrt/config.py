@@ -445,6 +445,42 @@ class RealtimeConfig:
         default="server_vad", validator=_one_of("realtime.turn_detection", ("server_vad", "none")))
 
 
+def _optional_delay(_instance: object, _attribute: attrs.Attribute, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 10.0:
+        raise ConfigError(f"transcriber.delay_seconds must be a number from 0 to 10, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class TranscriberConfig:
+    """``[transcriber]``: what the caller says, written by a Kyutai speech-to-text model stepped in
+    the scheduler thread next to the dialogue model (``duplexrt.transcribe``).  Off by default."""
+
+    enabled: bool = attrs.field(default=False, validator=_is_bool("transcriber.enabled"))
+    #: The seeded random ``stt-tiny`` model (tests, CPU demos), instead of a checkpoint.
+    tiny: bool = attrs.field(default=False, validator=_is_bool("transcriber.tiny"))
+    seed: int = attrs.field(default=0, validator=_int_range("transcriber.seed", 0, 2**31 - 1))
+    #: A directory in Kyutai's layout (config.json with an stt_config) or a Hugging Face repository
+    #: id in the local cache (``kyutai/stt-1b-en_fr``).
+    checkpoint: str = attrs.field(default="", validator=_is_string("transcriber.checkpoint", may_be_empty=True))
+    #: ``"cpu"`` or a torch device (``"cuda"``, ``"cuda:1"``).
+    device: str = attrs.field(default="cpu", validator=_is_string("transcriber.device"))
+    #: ``"auto"`` (bfloat16 on a GPU, float32 on a CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+    dtype: str = attrs.field(default="auto", validator=_one_of(
+        "transcriber.dtype", ("auto", "float32", "bfloat16", "float16")))
+    #: How far the text lags the audio, in seconds; None: the checkpoint's own
+    #: ``stt_config.audio_delay_seconds``.  Only for a model trained on another shift.
+    delay_seconds: float | None = attrs.field(default=None, validator=_optional_delay)
+
+    def __attrs_post_init__(self) -> None:
+        if self.enabled and not self.tiny and not self.checkpoint:
+            raise ConfigError("transcriber.enabled needs a model: transcriber.checkpoint (a directory or "
+                              "kyutai/stt-1b-en_fr) or transcriber.tiny = true")
+        if self.tiny and self.checkpoint:
+            raise ConfigError("transcriber.tiny and transcriber.checkpoint both name a model: give one")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     audio: AudioConfig = attrs.field(factory=AudioConfig)
@@ -453,6 +489,7 @@ class Config:
     server: ServerConfig = attrs.field(factory=ServerConfig)
     metrics: MetricsConfig = attrs.field(factory=MetricsConfig)
     realtime: RealtimeConfig = attrs.field(factory=RealtimeConfig)
+    transcriber: TranscriberConfig = attrs.field(factory=TranscriberConfig)
 
     def __attrs_post_init__(self) -> None:
         if self.metrics.log_stats and not self.metrics.collect_stage_metrics:
@@ -467,7 +504,7 @@ class Config:
 
 _SECTIONS: dict[str, type] = {
     "audio": AudioConfig, "runtime": RuntimeConfig, "backend": BackendConfig, "server": ServerConfig,
-    "metrics": MetricsConfig, "realtime": RealtimeConfig,
+    "metrics": MetricsConfig, "realtime": RealtimeConfig, "transcriber": TranscriberConfig,
 }
 
 

@@ -1,0 +1,236 @@
+"""The batched streaming transcriber: one Mimi encoder pass and one ``LMGen`` step over a fixed
+batch of rows, stepped by the scheduler thread right after the dialogue model.
+
+It is built like the ``moshi`` backend's own streaming (see ``backends/moshi/backend.py``), and
+for the same reasons: one fixed batch of ``slots`` rows streams for the life of the process (fixed
+shapes, which is what CUDA graphs need), and a step runs the whole batch under an execution mask
+set to the rows that have a frame, so every other row's state (convolution buffers, K/V rings,
+offsets, token cache) stays exactly as it was.  A session's transcript is therefore the one the
+package's own single-stream inference gives for the same audio, whoever shares the batch.
+
+* **Joining** resets only the joining rows, on the next step (sessions joining together share one
+  reset), restores the buffers a package reset leaves behind (``rows``), then feeds those rows the
+  model's silence prefix (``stt_config.audio_silence_prefix_seconds``, as Kyutai's inference does
+  before the audio) in steps masked to them alone.  The text of those steps is dropped: it is
+  about no audio of the caller's.
+* **A step** encodes the given rows' frames (their own Mimi pass: the STT model's Mimi may read a
+  different number of codebooks than the dialogue model's, and the echo and synthetic backends
+  have none) and steps the LM once; each row's token becomes a ``TranscriptPiece`` placed on the
+  caller's timeline (``pieces``).
+* **Flushing**: the text of the last ``delay`` of a caller's audio comes only after that much more
+  audio.  When a row's input ends (``end_input``: the session's end-of-input mark, which is a
+  silent frame), the step that carries the mark also runs ``delay_frames - 1`` more silent steps
+  for the ending rows alone, so the caller's last words come out before the session ends (the
+  same silence Kyutai's inference appends to a file).
+* **Greedy**: text is the argmax (``use_sampling = False``), as Kyutai's STT inference runs: a
+  transcript is a function of the audio alone.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+
+from duplexrt.transcribe.model import SttModel
+from duplexrt.transcribe.pieces import TranscriptPiece, piece_table
+from duplexrt.transcribe.rows import FreshRows
+
+#: Each row's pieces from one step (``()`` for a row that wrote nothing).
+RowPieces = tuple[TranscriptPiece, ...]
+NO_PIECES: RowPieces = ()
+
+
+class Transcriber:
+    """A streaming STT model over ``slots`` rows.  Every method runs on the scheduler thread
+    (``load`` too), which is the only caller: no locking."""
+
+    def __init__(self, model: SttModel, slots: int, *, device: str = "cpu") -> None:
+        self.model = model
+        self.slots = slots
+        self.device = device
+        #: ``("transcribe", ns)``: the last step's duration (joins and flushes included).
+        self.last_stage: tuple[str, int] = ("transcribe", 0)
+        #: Running totals: steps, seconds, and the extra masked steps joins and flushes cost.
+        self.steps = 0
+        self.seconds = 0.0
+        self.extra_steps = 0
+        self._stack: ExitStack | None = None
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @property
+    def frame_size(self) -> int:
+        return int(self.model.mimi.frame_size)
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self.model.mimi.sample_rate)
+
+    def load(self) -> None:
+        """Start the fixed batch streaming and allocate the host buffers."""
+        import torch
+        from moshi.models import LMGen
+
+        model = self.model
+        slots, frame = self.slots, self.frame_size
+        self._torch = torch
+        self._lm_gen = LMGen(model.lm, use_sampling=False, temp=0.0, temp_text=0.0, support_out_of_sync=True)
+        stack = ExitStack()
+        stack.enter_context(model.mimi.streaming(slots))
+        stack.enter_context(self._lm_gen.streaming(slots))
+        self._stack = stack
+        self._fresh = FreshRows([model.mimi, self._lm_gen])
+        device = torch.device(self.device)
+        self._mask_t = torch.zeros(slots, dtype=torch.bool)
+        self._mask = self._mask_t.numpy()
+        self._pcm_t = torch.zeros((slots, 1, frame), dtype=torch.float32)
+        self._pcm = self._pcm_t.numpy()[:, 0, :]
+        self._on_device = device.type != "cpu"
+        if self._on_device:
+            self._mask_dev = torch.zeros(slots, dtype=torch.bool, device=device)
+            self._pcm_dev = torch.zeros((slots, 1, frame), dtype=torch.float32, device=device)
+        else:
+            self._mask_dev, self._pcm_dev = self._mask_t, self._pcm_t
+        #: Rows that joined since the last step (reset, then prefixed, before it).
+        self._joining = np.zeros(slots, dtype=bool)
+        #: Rows whose frame in the next step is their end-of-input mark.
+        self._ending = np.zeros(slots, dtype=bool)
+        #: Per row: caller frames stepped (the end-of-input mark included).
+        self._frames = np.zeros(slots, dtype=np.int64)
+        lm = model.lm
+        self._pieces = piece_table(model.tokenizer, lm.text_linear.out_features,
+                                   (lm.text_padding_token_id, lm.end_of_text_padding_id))
+        self._frame_ms = frame / self.sample_rate * 1e3
+        self._delay_ms = model.delay_seconds * 1e3
+
+    def close(self) -> None:
+        """Stop streaming (the state's memory goes)."""
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def open_slot(self, slot: int) -> None:
+        """A session takes ``slot``: its row is reset before its first frame."""
+        self._joining[slot] = True
+        self._ending[slot] = False
+        self._frames[slot] = 0
+
+    def close_slot(self, slot: int) -> None:
+        """The session left: nothing to do until the next one joins (and resets the row)."""
+        self._ending[slot] = False
+
+    def end_input(self, slot: int) -> None:
+        """``slot``'s frame in the next step is its end-of-input mark: flush its last words."""
+        self._ending[slot] = True
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def step(self, rows: np.ndarray, inputs: np.ndarray) -> list[RowPieces]:
+        """One frame for each slot in ``rows`` (ascending; ``inputs[i]`` is row ``rows[i]``'s
+        frame): the pieces each row's text became, in row order."""
+        started = time.perf_counter_ns()
+        with self._torch.no_grad():
+            if self._joining.any():
+                self._join()
+            out: list[RowPieces] = [NO_PIECES] * len(rows)
+            self._mask[:] = False
+            self._mask[rows] = True
+            self._pcm[rows] = inputs
+            tokens = self._advance()
+            self._collect(rows, tokens, out)
+            self._frames[rows] += 1
+            if self._ending.any():
+                self._flush(rows, out)
+        ns = time.perf_counter_ns() - started
+        self.last_stage = ("transcribe", ns)
+        self.steps += 1
+        self.seconds += ns / 1e9
+        return out
+
+    def _advance(self) -> np.ndarray:
+        """Encode the masked rows' frames in ``_pcm`` and step the LM once: every slot's text
+        token (meaningful for the masked rows only)."""
+        if self._on_device:
+            self._mask_dev.copy_(self._mask_t)
+            self._pcm_dev.copy_(self._pcm_t)
+        mask = self._mask_dev
+        mimi = self.model.mimi
+        mimi.set_exec_mask(mask)
+        codes = mimi.encode(self._pcm_dev)
+        self._lm_gen.set_exec_mask(mask)
+        tokens = self._lm_gen.step(codes)
+        assert tokens is not None  # support_out_of_sync: a step always answers
+        return tokens[:, 0, 0].cpu().numpy()
+
+    def _collect(self, rows: np.ndarray, tokens: np.ndarray, out: list[RowPieces]) -> None:
+        """Each row's token as a piece (silent tokens as nothing), appended to ``out``."""
+        table = self._pieces
+        limit = len(table)
+        for i, (row, token) in enumerate(zip(rows.tolist(), tokens[rows].tolist())):
+            text = table[token] if 0 <= token < limit else ""
+            if text:
+                out[i] = out[i] + (self._piece(row, text),)
+
+    def _piece(self, row: int, text: str) -> TranscriptPiece:
+        """``text`` from row ``row``'s step now, placed on its caller's timeline: the step's
+        caller frame less the delay.  (A flush's silent steps are not caller frames: the text
+        written during one is placed at the mark that started it, less the delay, and the rows'
+        later text on the caller's own frame count again.)"""
+        frame = int(self._frames[row])
+        frame_ms = self._frame_ms
+        audio_ms = max(0.0, frame * frame_ms - self._delay_ms)
+        return TranscriptPiece(text, frame, int(audio_ms // frame_ms), round(audio_ms, 3))
+
+    def _join(self) -> None:
+        """Reset the joining rows to fresh ones, then feed them the silence prefix."""
+        torch = self._torch
+        joining = self._joining
+        index = np.flatnonzero(joining)
+        mask = torch.from_numpy(joining.copy()).to(self._mask_dev.device)
+        self.model.mimi.reset_streaming(mask)
+        self._lm_gen.reset_streaming(mask)
+        self._fresh.restore(torch.from_numpy(index).to(self._mask_dev.device))
+        joining[:] = False
+        prefix = self.model.prefix_frames
+        if prefix:
+            self._mask[:] = False
+            self._mask[index] = True
+            self._pcm[index] = 0.0
+            for _ in range(prefix):
+                self._advance()  # text about no audio of the caller's: dropped
+            self.extra_steps += prefix
+
+    def _flush(self, rows: np.ndarray, out: list[RowPieces]) -> None:
+        """The rows whose end-of-input mark was just stepped (a silent frame): the rest of their
+        delay in silent steps masked to them, their text added to their pieces of this step."""
+        ending = self._ending
+        index = np.flatnonzero(ending)
+        ending[:] = False
+        more = self.model.delay_frames - 1
+        if more <= 0:
+            return
+        positions = {int(row): i for i, row in enumerate(rows.tolist())}
+        index = np.array([row for row in index.tolist() if row in positions], dtype=np.int64)
+        if not len(index):
+            return
+        # The mark's own step counted as a caller frame; the flush's text is placed at it.
+        self._frames[index] -= 1
+        self._mask[:] = False
+        self._mask[index] = True
+        self._pcm[index] = 0.0
+        for _ in range(more):
+            tokens = self._advance()
+            table = self._pieces
+            for row in index.tolist():
+                token = int(tokens[row])
+                text = table[token] if 0 <= token < len(table) else ""
+                if text:
+                    i = positions[row]
+                    out[i] = out[i] + (self._piece(row, text),)
+        self._frames[index] += 1
+        self.extra_steps += more
