@@ -492,6 +492,11 @@ class Config:
     transcriber: TranscriberConfig = attrs.field(factory=TranscriberConfig)
 
     def __attrs_post_init__(self) -> None:
+        audio = self.audio
+        if self.transcriber.enabled and (audio.sample_rate, audio.frame_size) != (24000, 1920):
+            # Kyutai's STT models read Mimi's frames, the very frames the scheduler steps.
+            raise ConfigError(f"transcriber.enabled reads the model's frames as Mimi does: audio.sample_rate = "
+                              f"24000 and audio.frame_size = 1920, got {audio.sample_rate} and {audio.frame_size}")
         if self.metrics.log_stats and not self.metrics.collect_stage_metrics:
             raise ConfigError(
                 "metrics.log_stats (--log-stats) needs metrics.collect_stage_metrics "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -28,6 +28,9 @@ from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawTranslator
 from duplexrt.wire.transport import Transport
+
+if TYPE_CHECKING:
+    from duplexrt.transcribe.transcriber import Transcriber
 
 log = logging.getLogger("duplexrt.runtime")
 
@@ -106,7 +109,13 @@ class Runtime:
         self.backend = backend if backend is not None else create_backend(config)
         #: The CPUs this replica runs on (``runtime.cpus``, else from its GPU; ``core/affinity.py``).
         self.cpu_plan = plan_for(config.runtime.cpus, self.backend.info.device, config.runtime.pin_host_threads)
-        self.scheduler = Scheduler(self.backend, config.runtime, self.handoffs)
+        #: What the caller says (``[transcriber]``): loaded with the model, stepped with it.
+        self.transcriber: Transcriber | None = None
+        if config.transcriber.enabled:
+            from duplexrt.transcribe.transcriber import Transcriber
+
+            self.transcriber = Transcriber(config=config.transcriber)
+        self.scheduler = Scheduler(self.backend, config.runtime, self.handoffs, self.transcriber)
         self.metrics = FrameMetrics()
         self.sessions: set[Session] = set()
 
@@ -151,9 +160,16 @@ class Runtime:
         services = SessionServices(config=self.config, scheduler=self.scheduler, handoffs=self.handoffs,
                                    metrics=self.metrics, registry=self.sessions,
                                    max_session_frames=self.backend.info.max_session_frames,
-                                   flush_frames=self.backend.info.flush_frames,
+                                   flush_frames=self._flush_frames(),
                                    persona_check=self.backend.check_persona if self.backend.takes_persona else None)
         return await Session(services, transport, protocol, session_id, route=route, peer=peer).run()
+
+    def _flush_frames(self) -> int:
+        """Frames a session feeds after its caller's input ends: the model's, and at least the
+        end-of-input mark when a transcriber must bring out the caller's last words (one silent
+        frame more for the model, which answers it like any other)."""
+        frames = self.backend.info.flush_frames
+        return max(frames, 1) if self.transcriber is not None else frames
 
     def statistics(self) -> RuntimeStatistics:
         """One record of every figure the runtime keeps (read on the trio thread)."""

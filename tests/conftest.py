@@ -132,11 +132,16 @@ class RecordingOwner:
     def __init__(self) -> None:
         self.outputs: list[np.ndarray] = []
         self.failures: list[BaseException] = []
+        #: A transcriber's pieces for this owner's caller, in order.
+        self.transcripts: list = []
         self._lot = trio.lowlevel.ParkingLot()
 
     def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
         self.outputs.append(np.array(output))
         self._lot.unpark_all()
+
+    def transcript(self, pieces) -> None:
+        self.transcripts.extend(pieces)
 
     def delivery_done(self) -> None:
         pass

@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 import numpy as np
@@ -29,6 +29,10 @@ from duplexrt.core.histogram import Histogram, Summary
 from duplexrt.core.inbox import Batch, Control, ControlOp, Inbox, PutTicket
 from duplexrt.core.interrupt import Interrupted, Interrupter
 from duplexrt.core.slot_owner import SlotOwner
+from duplexrt.transcribe.pieces import TranscriptPiece
+
+if TYPE_CHECKING:
+    from duplexrt.transcribe.transcriber import Transcriber
 
 log = logging.getLogger("duplexrt.scheduler")
 
@@ -91,6 +95,9 @@ class StepOutcome(NamedTuple):
     stages: tuple[tuple[str, int], ...] = ()
     #: Not a step: the backend took the persona of ``owners[0]``'s slot (``SlotOwner.persona_set``).
     persona_set: bool = False
+    #: With a transcriber: what each row's caller said, as far as this step wrote it (``()``:
+    #: nothing this step); None without one.
+    transcripts: Sequence[tuple[TranscriptPiece, ...]] | None = None
 
 
 @attrs.frozen
@@ -239,8 +246,12 @@ class Scheduler:
     and cancelling the nursery stops the thread and waits for it, so no thread outlives it.
     """
 
-    def __init__(self, backend: Backend, config: RuntimeConfig, handoffs: Handoffs) -> None:
+    def __init__(self, backend: Backend, config: RuntimeConfig, handoffs: Handoffs,
+                 transcriber: Transcriber | None = None) -> None:
         self.backend = backend
+        #: The caller's speech-to-text model, stepped right after the backend over the same rows
+        #: and frames (``duplexrt.transcribe``); loaded on this thread after the backend.
+        self.transcriber = transcriber
         self.handoffs = handoffs
         self.always_offload = config.offload == "always"
         self.slots = backend.info.slots
@@ -452,6 +463,16 @@ class Scheduler:
         texts = outcome.texts
         stamps = outcome.stamps
         stepped = outcome.stepped_ns
+        transcripts = outcome.transcripts
+        if transcripts is not None:
+            # Before the rows' outputs: the step that takes a session's last frame may end it,
+            # and its caller's last words go out before its end.
+            for owner, pieces in zip(owners, transcripts):
+                if pieces:
+                    try:
+                        owner.transcript(pieces)
+                    except Exception:
+                        log.exception("a session failed to take its transcript")
         for i, owner in enumerate(owners):
             try:
                 owner.step_output(outputs[i], texts[i] if texts is not None else None, stamps[i], stepped)
@@ -482,6 +503,10 @@ class Scheduler:
                 self.backend.load()
             if self.backend.info.slots != self.slots:  # chosen at load (``runtime.slots = "auto"``)
                 self._size_slots(self.backend.info.slots)
+            if self.transcriber is not None:
+                with self._load_interrupter.interruptible():
+                    self.transcriber.load(self.slots)
+                self.transcriber.check_audio(self.backend.info.sample_rate, self.frame_size)
             if self._stop.is_set():  # trio stopped while the model loaded: serve nothing
                 self.inbox.stop()
             self.slot_choice = self.backend.slot_choice or self.slot_choice
@@ -505,6 +530,7 @@ class Scheduler:
                 self.backend.close()  # whatever it did load (device memory, thread pools) goes
             except Exception:
                 log.exception("backend %r failed to close", self.backend.info.name)
+            self._close_transcriber()
             self._to_trio(HandoffKind.LIFECYCLE, self._on_finished, exc)
             return
         self._to_trio(HandoffKind.LIFECYCLE, self._on_started)
@@ -518,8 +544,16 @@ class Scheduler:
                 self.backend.close()
             except Exception:
                 log.exception("backend %r failed to close", self.backend.info.name)
+            self._close_transcriber()
             self._final_cpu_seconds = time.thread_time()
             self._to_trio(HandoffKind.LIFECYCLE, self._on_finished, error)
+
+    def _close_transcriber(self) -> None:
+        if self.transcriber is not None:
+            try:
+                self.transcriber.close()
+            except Exception:
+                log.exception("the transcriber failed to close")
 
     def _serve(self) -> None:
         inbox = self.inbox
@@ -591,12 +625,17 @@ class Scheduler:
             return self._set_persona(control)
         if op is ControlOp.CLOSE:
             self._refused.discard(control.slot)
+        transcriber = self.transcriber
         try:
             if op is ControlOp.OPEN:
                 assert isinstance(control.payload, SlotSession)  # the session's description travels with its OPEN
                 self.backend.open_slot(control.slot, control.payload)
+                if transcriber is not None:
+                    transcriber.open_slot(control.slot)
             else:
                 self.backend.close_slot(control.slot)
+                if transcriber is not None:
+                    transcriber.close_slot(control.slot)
         except Exception as exc:
             error_id = new_error_id()
             log.error("backend failed to %s slot %d (error id %s)", control.op.value, control.slot, error_id,
@@ -645,15 +684,26 @@ class Scheduler:
         size = self._frame_bytes
         offset = 0
         mark = self.end_of_input
+        transcriber = self.transcriber
         for frame in batch.frames:
             flat[offset:offset + size] = frame.data.cast("B")
             offset += size
             if frame is mark:
-                self.backend.end_input(batch.rows[offset // size - 1])
+                # The mark comes from a session when the model wants a flush (``flush_frames``),
+                # or when a transcriber does (the caller's last words, after its delay).
+                if self.backend.info.flush_frames:
+                    self.backend.end_input(batch.rows[offset // size - 1])
+                if transcriber is not None:
+                    transcriber.end_input(batch.rows[offset // size - 1])
         rows[:] = batch.rows
         started = time.perf_counter_ns()
+        transcripts = None
         try:
             texts = self.backend.step(rows, inputs, outputs)
+            if transcriber is not None:
+                # The same rows and frames, in the same thread: no crossing of its own; its
+                # pieces ride in this step's outcome.
+                transcripts = transcriber.step(rows, inputs)
         except Exception as exc:
             stepped = time.perf_counter_ns()
             error_id = new_error_id()
@@ -667,8 +717,11 @@ class Scheduler:
             self._consecutive_failures = 0
             self.capacity.record(n, stepped - started)
             # The only per-step allocation: trio keeps these rows after the buffer is reused.
+            stages = self.backend.last_stages
+            if transcriber is not None:
+                stages = (*stages, transcriber.last_stage)
             outcome = StepOutcome(batch.owners, batch.stamps, outputs.copy(), texts, stepped,
-                                  stages=self.backend.last_stages)
+                                  stages=stages, transcripts=transcripts)
         self._steps += 1
         self._frames += n
         if n > self._max_batch:

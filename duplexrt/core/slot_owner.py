@@ -9,9 +9,12 @@ protocol, so a reader or a type checker can follow a step's output from the sche
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+
+from duplexrt.transcribe.pieces import TranscriptPiece
 
 
 class SlotOwner(Protocol):
@@ -22,6 +25,11 @@ class SlotOwner(Protocol):
     def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
         """One row of a step: the model's audio for the frame submitted at ``submitted_ns``
         (perf_counter_ns), its text piece if any, and when the step finished."""
+
+    def transcript(self, pieces: Sequence[TranscriptPiece]) -> None:
+        """What the caller said, as far as this step's transcriber wrote it (only with a
+        transcriber, only for a row that wrote something): delivered before the row's
+        ``step_output``."""
 
     def delivery_done(self) -> None:
         """Every row of the delivery that brought this owner's output has been handed over

@@ -32,6 +32,7 @@ from typing import Protocol
 from duplexrt.audio import AudioSpec
 from duplexrt.backends.base import Persona, PersonaError, PersonaRequest
 from duplexrt.protocols.events import Event, ProtocolError, SessionEnd
+from duplexrt.transcribe.pieces import TranscriptPiece
 from duplexrt.wire.transport import Message
 
 
@@ -228,6 +229,11 @@ class Translator(abc.ABC):
 
     def text_out(self, text: str) -> list[Message]:
         """Messages carrying model text; none by default."""
+        return []
+
+    def input_text(self, pieces: Sequence[TranscriptPiece]) -> list[Message]:
+        """Messages carrying what the caller said (a transcriber's pieces, each placed on the
+        caller's timeline: ``TranscriptPiece.audio_ms``); none by default."""
         return []
 
     @abc.abstractmethod

@@ -50,7 +50,11 @@ Server events:
   80 ms frame each at real-time pace), silence included.
 * ``session.output_transcript.delta``: the model's text, with ``start_ms`` / ``end_ms`` on the
   session timeline (frame ``i`` spans ``[i × 80, (i + 1) × 80)`` ms): the span of the frames it
-  came with.  There is no ``session.input_transcript.delta``: no backend transcribes the caller.
+  came with.
+* ``session.input_transcript.delta``: what the caller said, with a transcriber on
+  (``[transcriber]``): one per piece of text, ``start_ms`` / ``end_ms`` the span of the caller's
+  frame it belongs to on the same timeline (the frame whose step wrote it, less the model's
+  delay: the text comes that much after the audio).  None without a transcriber.
 * ``session.usage.updated``, about once a second of session timeline: ``usage.seconds`` is the
   running total of audio the model has taken (the session's length on its own clock), and
   ``context_window.usage_ratio`` is that length over the session's limit (the model's context or
@@ -73,7 +77,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -97,6 +101,7 @@ from duplexrt.protocols.events import (
     quote,
 )
 from duplexrt.reasons import CloseCode, FinishReason
+from duplexrt.transcribe.pieces import TranscriptPiece
 from duplexrt.wire.transport import Message
 
 __all__ = ["CLOSE_REASONS", "LiveTranslator", "close_reason"]
@@ -251,6 +256,14 @@ class LiveTranslator(Translator):
         if self.started and text:
             self._text.append(text)
         return []
+
+    def input_text(self, pieces: Sequence[TranscriptPiece]) -> list[Message]:
+        if not self.started:
+            return []
+        frame_ms = self._frame_ms
+        return [f'{{"type":"session.input_transcript.delta","delta":{json.dumps(piece.text)},'
+                f'"start_ms":{round(piece.audio_ms)},"end_ms":{round(piece.audio_ms + frame_ms)}}}'
+                for piece in pieces]
 
     def error(self, error: ProtocolError) -> list[Message]:
         if error.fatal:

@@ -18,6 +18,7 @@ runs the tasks, says goodbye, and is what the scheduler (``SlotOwner``), the tra
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -38,6 +39,7 @@ from duplexrt.session.lifecycle import Lifecycle, SessionState
 from duplexrt.session.outgoing import Outgoing
 from duplexrt.session.reader import Reader
 from duplexrt.session.writer import Writer
+from duplexrt.transcribe.pieces import TranscriptPiece
 from duplexrt.wire.resume import ResumableTransport
 from duplexrt.wire.transport import Transport, TransportClosed, direct_send
 
@@ -322,6 +324,17 @@ class Session:
         if state is _INPUT_ENDED and credits.delivered == credits.submitted:
             writer.close_outbox()
 
+    def transcript(self, pieces: Sequence[TranscriptPiece]) -> None:
+        """What the caller said (a transcriber's pieces for this step): the translator's
+        messages for them, queued now, ahead of this step's output."""
+        lease = self.lease
+        state = self.lifecycle.state
+        if lease is None or lease.released or state is _CLOSING or state is _CLOSED or not self.lifecycle.sending:
+            return
+        messages = self._protocol.input_text(pieces)
+        if messages:
+            self.outgoing.queue(messages)
+
     def delivery_done(self) -> None:
         """Every row of this delivery is in the outbox: the writer sends it (see ``Writer``)."""
         if self.writer is not None:
@@ -365,6 +378,9 @@ class _NoOwner:
     """The slot owner of an ended session's lease: a late delivery finds no one to tell."""
 
     def step_output(self, output: np.ndarray, text: str | None, submitted_ns: int, stepped_ns: int) -> None:
+        pass
+
+    def transcript(self, pieces: Sequence[TranscriptPiece]) -> None:
         pass
 
     def delivery_done(self) -> None:

@@ -10,9 +10,11 @@ ride in the step's ``StepOutcome``).
 * ``pieces``: the text a row produced in a step, with where in the caller's audio it belongs;
 * ``rows``: restoring one row of the streaming state to a fresh row's (a reused slot);
 * ``transcriber``: the batched streaming transcriber itself.
+
+Importing this package imports neither torch nor ``moshi`` (a server without torch imports it
+through the scheduler); ``transcriber.Transcriber.load`` does, on the scheduler thread.
 """
 
 from duplexrt.transcribe.pieces import TranscriptPiece
-from duplexrt.transcribe.transcriber import Transcriber
 
-__all__ = ["TranscriptPiece", "Transcriber"]
+__all__ = ["TranscriptPiece"]

@@ -13,7 +13,6 @@ from typing import Any
 
 import attrs
 
-from duplexrt.backends.moshi.env import import_moshi
 from duplexrt.config import ConfigError, TranscriberConfig
 from duplexrt.transcribe.pieces import frames_for
 
@@ -58,6 +57,8 @@ def load_model(config: TranscriberConfig) -> SttModel:
     """The model ``config`` names: ``stt-tiny`` (``tiny = true``, seeded) or a checkpoint (a
     directory in Kyutai's layout, or a Hugging Face repository id in the local cache)."""
     import torch
+
+    from duplexrt.backends.moshi.env import import_moshi
 
     models = import_moshi(config.device)
     dtype = _torch_dtype(torch, config.dtype, config.device)

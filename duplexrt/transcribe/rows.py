@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from duplexrt.backends.moshi.internals import streaming_state
-
 
 class FreshRows:
     """The buffers under ``roots`` (streaming modules, already streaming) a row reset must
@@ -28,6 +26,8 @@ class FreshRows:
     def __init__(self, roots: list[Any]) -> None:
         from moshi.modules.streaming import StreamingModule
         from moshi.modules.transformer import RingKVCache
+
+        from duplexrt.backends.moshi.internals import streaming_state
 
         #: (tensor, batch dimension, fresh value)
         self.buffers: list[tuple[Any, int, int | float]] = []

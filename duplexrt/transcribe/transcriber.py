@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from duplexrt.transcribe.model import SttModel
+from duplexrt.config import ConfigError, TranscriberConfig
+from duplexrt.transcribe.model import SttModel, load_model
 from duplexrt.transcribe.pieces import TranscriptPiece, piece_table
 from duplexrt.transcribe.rows import FreshRows
 
@@ -47,10 +48,17 @@ class Transcriber:
     """A streaming STT model over ``slots`` rows.  Every method runs on the scheduler thread
     (``load`` too), which is the only caller: no locking."""
 
-    def __init__(self, model: SttModel, slots: int, *, device: str = "cpu") -> None:
+    def __init__(self, model: SttModel | None = None, slots: int = 0, *,
+                 config: TranscriberConfig | None = None) -> None:
+        """``model`` as loaded, or None to load the one ``config`` names in ``load`` (on the
+        scheduler thread, like the dialogue model); ``slots``: the batch, or 0 to take the
+        count ``load`` is given (the dialogue backend may choose its own at load)."""
+        if model is None and config is None:
+            raise ValueError("a transcriber needs a model or the config that names one")
         self.model = model
+        self.config = config
         self.slots = slots
-        self.device = device
+        self.device = config.device if config is not None else "cpu"
         #: ``("transcribe", ns)``: the last step's duration (joins and flushes included).
         self.last_stage: tuple[str, int] = ("transcribe", 0)
         #: Running totals: steps, seconds, and the extra masked steps joins and flushes cost.
@@ -62,19 +70,35 @@ class Transcriber:
     # -- loading -------------------------------------------------------------------------------
 
     @property
+    def stt(self) -> SttModel:
+        """The model (loaded)."""
+        if self.model is None:
+            raise RuntimeError("the transcriber is not loaded")
+        return self.model
+
+    @property
     def frame_size(self) -> int:
-        return int(self.model.mimi.frame_size)
+        return int(self.stt.mimi.frame_size)
 
     @property
     def sample_rate(self) -> int:
-        return int(self.model.mimi.sample_rate)
+        return int(self.stt.mimi.sample_rate)
 
-    def load(self) -> None:
-        """Start the fixed batch streaming and allocate the host buffers."""
+    def load(self, slots: int | None = None) -> None:
+        """Load the model if need be (``config``), then start the fixed batch of ``slots`` rows
+        streaming (``slots`` given at construction, unless given here) and allocate the host
+        buffers."""
         import torch
         from moshi.models import LMGen
 
-        model = self.model
+        if slots is not None:
+            self.slots = slots
+        if self.slots < 1:
+            raise ValueError("a transcriber needs at least one slot")
+        if self.model is None:
+            assert self.config is not None
+            self.model = load_model(self.config)
+        model = self.stt
         slots, frame = self.slots, self.frame_size
         self._torch = torch
         self._lm_gen = LMGen(model.lm, use_sampling=False, temp=0.0, temp_text=0.0, support_out_of_sync=True)
@@ -105,6 +129,14 @@ class Transcriber:
                                    (lm.text_padding_token_id, lm.end_of_text_padding_id))
         self._frame_ms = frame / self.sample_rate * 1e3
         self._delay_ms = model.delay_seconds * 1e3
+
+    def check_audio(self, sample_rate: int, frame_size: int) -> None:
+        """ConfigError unless the dialogue model's frames are the STT model's (the transcriber
+        reads the very frames the scheduler steps)."""
+        if (sample_rate, frame_size) != (self.sample_rate, self.frame_size):
+            raise ConfigError(f"the transcriber's model reads {self.frame_size}-sample frames at {self.sample_rate} Hz; "
+                              f"the server steps {frame_size} at {sample_rate} Hz: set audio.sample_rate = "
+                              f"{self.sample_rate} and audio.frame_size = {self.frame_size}")
 
     def close(self) -> None:
         """Stop streaming (the state's memory goes)."""
@@ -159,7 +191,7 @@ class Transcriber:
             self._mask_dev.copy_(self._mask_t)
             self._pcm_dev.copy_(self._pcm_t)
         mask = self._mask_dev
-        mimi = self.model.mimi
+        mimi = self.stt.mimi
         mimi.set_exec_mask(mask)
         codes = mimi.encode(self._pcm_dev)
         self._lm_gen.set_exec_mask(mask)
@@ -192,11 +224,11 @@ class Transcriber:
         joining = self._joining
         index = np.flatnonzero(joining)
         mask = torch.from_numpy(joining.copy()).to(self._mask_dev.device)
-        self.model.mimi.reset_streaming(mask)
+        self.stt.mimi.reset_streaming(mask)
         self._lm_gen.reset_streaming(mask)
         self._fresh.restore(torch.from_numpy(index).to(self._mask_dev.device))
         joining[:] = False
-        prefix = self.model.prefix_frames
+        prefix = self.stt.prefix_frames
         if prefix:
             self._mask[:] = False
             self._mask[index] = True
@@ -211,7 +243,7 @@ class Transcriber:
         ending = self._ending
         index = np.flatnonzero(ending)
         ending[:] = False
-        more = self.model.delay_frames - 1
+        more = self.stt.delay_frames - 1
         if more <= 0:
             return
         positions = {int(row): i for i, row in enumerate(rows.tolist())}
