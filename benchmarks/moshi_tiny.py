@@ -23,12 +23,24 @@ scatter + Mimi encoder; lm: LMGen step; decode: Mimi decoder + gather + text), f
    B ..., same backend, same calls), the median of each and their ratio.  Every other table is
    skipped.
 
+5. with ``--modes``: the step by active calls and call age on one server of ``--mode-slots`` slots
+   (32), in each way a step can be run, alternated step by step on the same calls (A B C D E A
+   B ...): the fixed batch with the package's full-ring attention (before either lever), the
+   fixed batch with filled-only attention, buckets with the full-ring read, buckets with
+   filled-only attention (the default), and a fixed batch of exactly as many slots as calls
+   (what a server sized to the load would pay: the bar the buckets are held to).  Each cell is
+   the median per mode and its ratio to the first, pair by pair.  ``--mode-shape kv-heavy``
+   runs it on table 4's LM (a 60 s ring), where the call's age matters.  Every other table is
+   skipped.
+
 Usage: python benchmarks/moshi_tiny.py [--steps 20] [--sizes 1,2,4,8,16,32,64]
        [--fixed-slots 64] [--greedy] [--device cpu] [--threads N] [--json out.json]
        [--random moshi-7b --dtype bfloat16]   (the full-size architecture, random weights: a GPU)
        [--rings model,1.28 --rounds 3]        (each row's K/V ring, backend.options.context_seconds)
        [--exactness --frames 16]              (table 3)
        [--kv-heavy --steps 40 --kv-calls 8 --kv-age 10]   (table 4 only)
+       [--modes --mode-slots 32 --mode-calls 1,2,8,32 --mode-ages 1,4 --mode-shape tiny|kv-heavy]  (table 5 only)
+       [--batch buckets|fixed]                (tables 1-3: backend.options.batch)
 
 ``--rings`` gives K/V ring lengths in seconds (``model``: the model's own context); with more than
 one, each cell is measured for every ring in turn, ``--rounds`` times (A B A B ...: a drift of the
@@ -136,6 +148,89 @@ def kv_heavy(calls: int, age_s: float, steps: int, options: dict) -> dict:
         result[f"{mode}_lm_ms"] = round(statistics.median(lm_times[mode]), 3)
     result["ratio"] = round(statistics.median(a / b for a, b in zip(times["filled"], times["ring"])), 4)
     return result
+
+
+#: Table 5's ways of running a step: (name, backend.options.batch, filled-only attention).
+MODES = (("fixed/ring", "fixed", False), ("fixed/filled", "fixed", True), ("buckets/ring", "buckets", False),
+         ("buckets/filled", "buckets", True), ("sized to calls", "fixed", True))
+
+
+def _loaded(slots: int, options: dict, shape: dict | None) -> MoshiBackend:
+    saved = {key: tiny.TINY_LM[key] for key in shape} if shape else {}
+    if shape:
+        tiny.TINY_LM.update(shape)  # the backend builds its tiny LM from TINY_LM (``tiny.lm_config``)
+    try:
+        backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots), {"tiny": True, **options})
+        backend.load()
+    finally:
+        tiny.TINY_LM.update(saved)
+    return backend
+
+
+def modes(slots: int, calls: list[int], ages: list[float], steps: int, options: dict, shape: dict | None) -> list[dict]:
+    """Table 5: for each number of calls and call age, every way of running a step (``MODES``)
+    on the same calls' frames, alternated step by step; one backend per batch mode, the
+    attention switched on the very model stepped."""
+    servers = {batch: _loaded(slots, {**options, "batch": batch}, shape) for batch in ("fixed", "buckets")}
+    rng = np.random.default_rng(0)
+    results = []
+    try:
+        for count in calls:
+            sized = _loaded(count, {**options, "batch": "fixed"}, shape)
+            backends = [servers[batch] if name != "sized to calls" else sized for name, batch, _ in MODES]
+            for age in ages:
+                rows = np.arange(count, dtype=np.int64)
+                for backend in {id(b): b for b in backends}.values():
+                    for slot in rows:
+                        backend.open_slot(int(slot), SlotSession(int(slot) + 1))
+                inputs = (rng.standard_normal((count, FRAME)) * 0.3).astype(np.float32)
+                outputs = np.empty_like(inputs)
+                before = max(1, round(age * 12.5) - steps)  # the timed steps straddle the age
+                for backend in {id(b): b for b in backends}.values():
+                    for _ in range(before):
+                        backend.step(rows, inputs, outputs)
+                times: dict[str, list[float]] = {name: [] for name, _, _ in MODES}
+                for _ in range(steps):
+                    for (name, _, filled), backend in zip(MODES, backends):
+                        lm = backend._model.lm
+                        if filled:
+                            attention.install(lm)
+                        else:
+                            attention.uninstall(lm)
+                        began = time.perf_counter_ns()
+                        backend.step(rows, inputs, outputs)
+                        times[name].append((time.perf_counter_ns() - began) / 1e6)
+                for backend in {id(b): b for b in backends}.values():
+                    for slot in rows:
+                        backend.close_slot(int(slot))
+                first = MODES[0][0]
+                cell = {"slots": slots, "calls": count, "age_s": age, "ring": servers["fixed"].ring.positions,
+                        "bucket": servers["buckets"]._chooser.covering(count)}
+                for name in times:
+                    cell[f"{name}_ms"] = round(statistics.median(times[name]), 3)
+                    cell[f"{name}_ratio"] = round(statistics.median(a / b for a, b in zip(times[name], times[first])), 4)
+                cell["buckets_vs_sized"] = round(statistics.median(
+                    a / b for a, b in zip(times["buckets/filled"], times["sized to calls"])), 4)
+                results.append(cell)
+                print(f"  calls={count} age={age:g}s: " + ", ".join(f"{n} {cell[n + '_ms']:.1f}" for n in times),
+                      file=sys.stderr)
+            sized.close()
+    finally:
+        for backend in servers.values():
+            backend.close()
+    return results
+
+
+def modes_table(results: list[dict]) -> str:
+    names = [name for name, _, _ in MODES]
+    r0 = results[0]
+    head = f"{'calls':>5} {'age s':>5} {'bucket':>6} " + " ".join(f"{n:>15}" for n in names) + f" {'buckets/sized':>13}"
+    lines = [f"5. the step (ms, median; ratio to fixed/ring pair by pair) on {r0['slots']} slots, a "
+             f"{r0['ring']}-position ring, by calls and their age", head, "-" * len(head)]
+    for r in results:
+        cells = " ".join(f"{r[n + '_ms']:>7.2f} ({r[n + '_ratio']:.2f})" for n in names)
+        lines.append(f"{r['calls']:>5} {r['age_s']:>5g} {r['bucket']:>6} {cells} {r['buckets_vs_sized']:>13.3f}")
+    return "\n".join(lines)
 
 
 def kv_heavy_table(r: dict) -> str:
@@ -261,12 +356,20 @@ def main() -> None:
     parser.add_argument("--kv-heavy", action="store_true", help="table 4 only: filled-only vs full-ring attention")
     parser.add_argument("--kv-calls", type=int, default=8)
     parser.add_argument("--kv-age", type=float, default=10.0, help="seconds each call has been going")
+    parser.add_argument("--modes", action="store_true", help="table 5 only: the step in every way it can be run")
+    parser.add_argument("--mode-slots", type=int, default=32)
+    parser.add_argument("--mode-calls", default="1,2,8,32")
+    parser.add_argument("--mode-ages", default="1,4", help="seconds each call has been going, comma separated")
+    parser.add_argument("--mode-shape", choices=("tiny", "kv-heavy"), default="tiny")
+    parser.add_argument("--batch", choices=("buckets", "fixed"), default="buckets",
+                        help="backend.options.batch for tables 1-3")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     rings = [None if s == "model" else float(s) for s in args.rings.split(",") if s]
     # torch.compile as served: the backend turns it off on a CPU (NO_TORCH_COMPILE=1 before moshi is
     # imported), never on a GPU.  Four warm-up steps: on a GPU the second captures the CUDA graphs.
-    options = {"device": args.device, "greedy": args.greedy, "warmup_steps": 4, "dtype": args.dtype}
+    options = {"device": args.device, "greedy": args.greedy, "warmup_steps": 4, "dtype": args.dtype,
+               "batch": args.batch}
     if args.random:
         options["random"] = args.random
 
@@ -281,6 +384,16 @@ def main() -> None:
         "greedy": args.greedy, "steps": args.steps, "rings_s": args.rings, "rounds": args.rounds,
     }
     print(f"{args.random or 'tiny'} random Moshi, {machine}", file=sys.stderr)
+
+    if args.modes:
+        shape = KV_HEAVY if args.mode_shape == "kv-heavy" else None
+        found = modes(args.mode_slots, [int(c) for c in args.mode_calls.split(",") if c],
+                      [float(a) for a in args.mode_ages.split(",") if a], args.steps, options, shape)
+        print(modes_table(found))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"machine": machine, "modes": found, "shape": args.mode_shape}, handle, indent=1)
+        return
 
     if args.kv_heavy:
         result = kv_heavy(args.kv_calls, args.kv_age, args.steps, options)

@@ -50,7 +50,10 @@ def info(slots: int, frame_size: int = FRAME) -> BackendInfo:
 
 
 def backend(slots: int = 3, **options) -> MoshiBackend:
-    options = {"tiny": True, "warmup_steps": 1, **options}
+    # The fixed batch unless a test says otherwise: these tests hold a session's output bit for bit
+    # its own whoever shares the step, the fixed batch's guarantee (steps sized to the active calls
+    # round by batch size: test_backend_moshi_buckets.py).
+    options = {"tiny": True, "warmup_steps": 1, "batch": "fixed", **options}
     if "checkpoint" in options:
         options.pop("tiny")
     b = MoshiBackend(info(slots), options)
@@ -397,8 +400,9 @@ async def serve_clients(runtime, clients: list[tuple[LockstepClient, object, int
 def tiny_config(*overrides: str):
     # "wait", not the preset's "fill": these tests compare exact frames, and a lockstep client on
     # a loaded CPU would otherwise see silence stepped in for audio it had not sent yet.
+    # The fixed batch: these tests compare a session's frames bit for bit with its solo run.
     return load_config(TINY, ["runtime.slots=3", "runtime.gather_window_ms=1", "backend.options.warmup_steps=1",
-                              "runtime.late_input=wait", *overrides])
+                              "runtime.late_input=wait", 'backend.options.batch="fixed"', *overrides])
 
 
 async def test_through_the_runtime_sessions_joining_and_leaving_change_nothing():

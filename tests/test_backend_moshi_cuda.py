@@ -116,8 +116,13 @@ def test_warm_up_steps_that_are_not_steady_never_seed_the_capacity_estimate(monk
     one.close()
     three = backend(3)
     three.load()
-    (rows, cost), (slots, same) = three.warmup_costs
-    assert (rows, slots) == (1, 2) and cost == same > 0
+    # Each bucket (1 and 2 rows) timed on its own steady steps.
+    assert [rows for rows, _ in three.warmup_costs] == [1, 2] and all(cost > 0 for _, cost in three.warmup_costs)
     three.close()
+    fixed = MoshiBackend(BackendInfo("moshi", 24000, 1920, 2), {"tiny": True, "warmup_steps": 3, "batch": "fixed"})
+    fixed.load()
+    (rows, cost), (slots, same) = fixed.warmup_costs
+    assert (rows, slots) == (1, 2) and cost == same > 0  # the fixed batch costs the same at any load
+    fixed.close()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # FAKE: only the settings are read
     assert backend(3, "cuda:0")._unsettled_steps == 2 and backend(3)._unsettled_steps == 1

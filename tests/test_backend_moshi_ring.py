@@ -332,6 +332,7 @@ def test_the_ring_at_exactly_the_models_context_or_one_frame_is_taken():
         try:
             assert backend.ring.positions == positions and backend.info.max_session_frames == positions
             out = np.empty((1, FRAME), dtype=np.float32)
+            backend.open_slot(0, SlotSession(1))
             for frame in _signal(1, 3):  # one position, overwritten every step under the hood
                 backend.step(np.array([0]), frame[None], out)
             assert np.isfinite(out).all()

@@ -30,7 +30,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _backend(slots: int, **options) -> MoshiBackend:
-    backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots), {"tiny": True, "warmup_steps": 1, **options})
+    # The fixed batch, where row = slot: these tests place and move sessions row by row
+    # themselves (the buckets' own moves are tested in test_backend_moshi_buckets.py).
+    backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots),
+                           {"tiny": True, "warmup_steps": 1, "batch": "fixed", **options})
     backend.load()
     return backend
 

@@ -1,25 +1,24 @@
 """``moshi``: Moshi, Hibiki and Hibiki-Zero through Kyutai's ``moshi`` package, batched over slots.
 
-One fixed batch of ``slots`` rows of Mimi (streaming encoder and decoder) and ``LMGen`` is built at
-load and streams for the life of the process; each slot is one row.
+One batch of ``slots`` rows of Mimi (streaming encoder and decoder) and ``LMGen`` is built at
+load and streams for the life of the process; each call holds one row.
 
 * **Joining** resets only the joining rows (``reset_streaming`` with a row mask), on the next step,
   so several sessions joining together cost one reset.  The package's reset rewinds offsets but
   keeps the KV caches' contents, which a NaN left by the last session would leak into the next
   (see ``rows``), so those rows' caches are restored to a fresh row's too.  Leaving needs nothing:
   the row keeps its state until its next session resets it.
-* **A step** runs every row of the fixed batch (shapes never change, which is what lets the
-  package CUDA-graph the model) with an execution mask set to the rows given: the state of every
-  other row (KV caches, convolution buffers, offsets, delayed-token cache) is left exactly as it
-  was, as if the step had not happened for it.  The frames of the given rows are scattered into
-  the batch buffer in place, and their outputs and text gathered back; no per-row state is ever
-  copied.  Compacting the active rows into a smaller batch instead would copy every KV cache in and
-  out each step (gigabytes per row for the 7B model) and break the fixed shapes CUDA graphs need,
-  so the masked full batch is the cheapest correct step the package offers.  A step over only the
-  first rows (a view of every per-row tensor, rows kept dense with ``move_row``) would copy
-  nothing, but it would change a session's audio with its neighbours: the kernels round a row
-  differently by batch size, and on some thread counts by its place in the batch
-  (``benchmarks/moshi_tiny.py --exactness``).
+* **A step** runs the first ``b`` rows of the batch (``buckets``): ``b`` the smallest bucket
+  size covering the active calls, which the backend keeps in the lowest rows (a call hanging up
+  below the top has the top call moved into its row, ``row_map``).  Every per-row tensor of the
+  package's streaming state is viewed, not copied: each bucket has its own state objects over
+  the batch's storage, put on the modules for the step.  An execution mask set to the rows given
+  leaves every other row's state (KV caches, convolution buffers, offsets, delayed-token cache)
+  exactly as it was; their frames are scattered into the batch buffer in place, and their
+  outputs and text gathered back.  A bucket rounds a row as its batch size does, so a call's
+  samples can differ by about an ulp with its neighbours; ``batch = "fixed"`` runs every row of
+  the batch on every step instead, where a call's output is bit for bit its own whoever shares
+  the step (``benchmarks/moshi_tiny.py --exactness`` shows the rounding).
 * **Warming rows**: with ``support_out_of_sync``, a row's first ``max_delay`` steps yield -2
   ("not generated yet") tokens.  Those rows are masked out of Mimi's decoder (its state does not
   advance) and hear silence; the decoder is fed a valid token in their place.
@@ -58,13 +57,14 @@ import numpy as np
 
 from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, Persona, PersonaError, PersonaRequest,
                                     SlotChoice, SlotSession)
-from duplexrt.backends.moshi import (attention, auto_slots, compiler, loading, memory, personaplex, presize, ring,
-                                    sampling)
+from duplexrt.backends.moshi import (attention, auto_slots, buckets, compiler, loading, memory, personaplex, presize,
+                                    ring, sampling)
 from duplexrt.backends.moshi.settings import (DEFAULTS, HIBIKI_FLUSH_FRAMES, MODEL_FRAME_SIZE, MODEL_SAMPLE_RATE,
                                               NAME, MoshiSettings)
 from duplexrt.backends.moshi.cuda import StepClock, select_device
 from duplexrt.backends.moshi.env import import_moshi
 from duplexrt.backends.moshi.prompter import Prompter
+from duplexrt.backends.moshi.row_map import RowMap
 from duplexrt.backends.moshi.staging import StagedRows
 from duplexrt.backends.moshi.rows import RowMover, RowWiper, uncovered
 from duplexrt.config import MAX_SLOTS, ConfigError
@@ -269,11 +269,14 @@ class MoshiBackend(Backend):
                                               self._memory_details(fit, device_memory))
                 if step:  # a full batch over the frame keeps no call in real time: say so, loudly
                     self.slot_choice = self._check_clock(self.slot_choice, step * 1e3)
+            self._warm_buckets()
             # The ring in the reason too: the start line shows the reason, and the ring is half of it.
             self.slot_choice = attrs.evolve(self.slot_choice,
                                             reason=f"{self.slot_choice.reason}; {self.ring.describe()}")
             self.description["ring"] = self.ring.as_dict()
             self.description["attention"] = "filled" if attention.installed(lm) else "ring"
+            self.description["batch"] = "buckets" if self._views is not None else "fixed"
+            self.description["buckets"] = list(self._chooser.sizes)
             flush = settings.flush_frames
             if flush is None:
                 flush = HIBIKI_FLUSH_FRAMES if self._model.model_type == "hibiki" else 0
@@ -514,7 +517,7 @@ class MoshiBackend(Backend):
         self._loaded_rows = False
         self._rows_stack.close()  # every module's streaming state (and its CUDA graphs) goes
         for name in ("_lm_gen", "_sampler", "_pcm_dev", "_exec", "_clock", "_wiper", "_encoder_wiper", "_mover",
-                     "_join", "_first"):
+                     "_join", "_first", "_views", "_row_map", "_chooser", "_samplers"):
             setattr(self, name, None)
         import gc
 
@@ -552,6 +555,18 @@ class MoshiBackend(Backend):
         self._mover = RowMover({"mimi": mimi, "lm_gen": lm_gen}, slots)
         for problem in uncovered(self._mover.fields, slots):
             log.warning("moshi streaming state %s: a row moved or reset may differ from a fresh one", problem)
+        # Steps sized to the active calls (``buckets``): views of the first rows of every per-row
+        # tensor, calls kept in the lowest rows; the fixed batch where the state cannot be viewed so.
+        self._views: buckets.ViewStates | None = None
+        if self.settings.batch == "buckets":
+            try:
+                self._views = buckets.ViewStates({"mimi": mimi, "lm_gen": lm_gen}, slots, buckets.sizes(slots))
+            except buckets.BucketsUnsupported as exc:
+                log.warning("moshi backend: every step runs the whole batch, as with batch = \"fixed\": %s", exc)
+        self._row_map = RowMap(slots, dense=self._views is not None)
+        self._chooser = buckets.BucketChooser(buckets.sizes(slots) if self._views is not None else (slots,))
+        #: The sampler over each bucket's rows (views of ``_sampler``'s).
+        self._samplers = {size: self._sampler.first_rows(size) for size in self._chooser.sizes}
 
         def host(shape: tuple[int, ...], dtype: Any) -> Any:
             return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
@@ -575,6 +590,8 @@ class MoshiBackend(Backend):
         # last copy is done (its event).  On a CPU the model reads the host buffers themselves.
         self._join = StagedRows(torch, slots, device, host)
         self._first = StagedRows(torch, slots, device, host)
+        #: CUDA events timing the stages (None on a CPU, timed by the host's clock).
+        self._clock: StepClock | None = None
         if cuda:
             self._exec = torch.zeros(slots, dtype=torch.bool, device=device)
             self._pcm_dev = torch.zeros((slots, 1, frame), dtype=torch.float32, device=device)
@@ -611,9 +628,11 @@ class MoshiBackend(Backend):
         silence = np.zeros((slots, self.info.frame_size), dtype=np.float32)
         out = np.empty_like(silence)
         costs = []
+        torch = self._torch
         for _ in range(steps):
             started = time.perf_counter()
-            self.step(rows, silence, out)
+            with torch.no_grad():
+                self._step(torch, rows, slots, silence, out)
             costs.append(time.perf_counter() - started)
         # Only steady steps say what a step costs: not the first (allocation, compilation), nor on
         # a GPU the second (graph capture).  A fixed batch costs the same whatever the rows: a
@@ -624,26 +643,53 @@ class MoshiBackend(Backend):
         if steps and not settled:
             log.info("moshi backend: %d warm-up step(s), none steady (the first %d are not): the capacity "
                      "estimate starts from the first sessions' steps", steps, self._unsettled_steps)
-        self._reset[:] = True
-        self._apply_resets()
-        self._frames[:] = 0
-        self._sampler.counters.zero_()
-        self.stage_seconds = dict.fromkeys(STAGES, 0.0)
-        self.stage_steps = 0
-        self.last_stages = ()
+        self._forget_rows()
         if self._prompter is not None:
             self._prompter.warm()
         return cost
+
+    def _warm_buckets(self) -> None:
+        """Each smaller bucket stepped full, as ``_warm_up`` steps the whole batch: its kernels
+        chosen and, on a GPU, its own CUDA graphs captured now, not on a caller's frame; their
+        costs join ``warmup_costs`` (what a bucket's calls pay is the bucket's step)."""
+        if self._views is None or not self.settings.warmup_steps:
+            return
+        torch = self._torch
+
+        def step(rows: np.ndarray, size: int, inputs: np.ndarray, outputs: np.ndarray) -> None:
+            with torch.no_grad():
+                self._step(torch, rows, size, inputs, outputs)
+
+        steady = max(self.settings.warmup_steps - self._unsettled_steps, 1)
+        costs = buckets.time_buckets(step, self._chooser.sizes[:-1], self.info.frame_size,
+                                     unsettled=self._unsettled_steps, steady=steady)
+        if self.warmup_costs:  # the whole batch was timed too: the buckets' costs beside it
+            self.warmup_costs = tuple(sorted({**dict(self.warmup_costs), **costs}.items()))
+        self._forget_rows()
+
+    def _forget_rows(self) -> None:
+        """Every row reset, every count zeroed: the rows as a fresh load leaves them."""
+        self._reset[:] = True
+        self._apply_resets()
+        self._frames[:] = 0
+        self._ending[:] = False
+        self._sampler.counters.zero_()
+        self._row_map.clear()
+        self._chooser.restart()
+        self.stage_seconds = dict.fromkeys(STAGES, 0.0)
+        self.stage_steps = 0
+        self.last_stages = ()
 
 
     # -- slots -------------------------------------------------------------------------------------
 
     def open_slot(self, slot: int, session: SlotSession) -> None:
         # The reset itself waits for the next step, so that sessions joining together share one.
-        self._reset[slot] = True
+        row = self._row_map.open(slot)
+        self._reset[row] = True
         self._pending_reset = True
-        self._frames[slot] = 0
-        self._keys[slot] = sampling.session_key(self.settings.seed, session.session_id)
+        self._frames[row] = 0
+        self._keys[row] = sampling.session_key(self.settings.seed, session.session_id)
 
     # -- personas (PersonaPlex: see ``prompter``) ---------------------------------------------------
 
@@ -659,23 +705,36 @@ class MoshiBackend(Backend):
             super().set_persona(slot, persona)
             return
         torch = self._torch
+        row = self._row_map.row(slot)
         with torch.no_grad():
             if self._pending_reset:  # the row was opened since the last step: fresh first
                 self._apply_resets()
-            self._prompter.prompt(self._lm_gen, slot, persona, int(self._keys[slot]), self._widths)
+            self._prompter.prompt(self._lm_gen, row, persona, int(self._keys[row]), self._widths)
 
     def persona_info(self) -> dict[str, Any] | None:
         return None if self._prompter is None else self._prompter.info()
 
     def close_slot(self, slot: int) -> None:
-        self._frames[slot] = 0
-        self._ending[slot] = False
+        row, top = self._row_map.close(slot)
+        if row < 0:
+            return
+        if top is not None:  # the top call into the row let go: the calls stay in the lowest rows
+            self._move_row(top, row)
+            row = top
+        self._frames[row] = 0
+        self._ending[row] = False
 
     def move_row(self, src: int, dst: int) -> None:
         """The whole state of row ``src`` (streaming state, sampling stream, frame count, end mark)
         into row ``dst``: the session there goes on as it would have in ``src``, where the kernels
-        round a row alike wherever it sits (see ``RowMover``).  ``src`` is left to nobody.  Not used
-        by the fixed batch, whose sessions never change rows."""
+        round a row alike wherever it sits (see ``RowMover``).  ``src`` is left to nobody.  Only
+        for the fixed batch (where row = slot): with buckets the backend moves its rows itself, on
+        a hang-up below the top."""
+        if self._row_map.dense:
+            raise RuntimeError("with batch = \"buckets\" the backend keeps its calls in the lowest rows itself")
+        self._move_row(src, dst)
+
+    def _move_row(self, src: int, dst: int) -> None:
         torch = self._torch
         with torch.no_grad():
             if self._pending_reset:  # a row opened since the last step is reset before it moves
@@ -688,7 +747,11 @@ class MoshiBackend(Backend):
         self._ending[src] = False
 
     def end_input(self, slot: int) -> None:
-        self._ending[slot] = True
+        try:
+            row = self._row_map.row(slot)
+        except KeyError:
+            return  # the call has left already: nothing to end
+        self._ending[row] = True
         self._pending_end = True
 
     def _apply_resets(self) -> None:
@@ -706,10 +769,16 @@ class MoshiBackend(Backend):
 
     def step(self, rows: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> Sequence[str]:
         torch = self._torch
+        row_map = self._row_map
         with torch.no_grad():
-            return self._step(torch, rows, inputs, outputs)
+            if not row_map.dense:
+                return self._step(torch, rows, self.info.slots, inputs, outputs)
+            # The smallest bucket covering the calls (they hold the lowest rows), with hysteresis.
+            size = self._chooser.choose(row_map.active)
+            return self._step(torch, row_map.rows_of(rows), size, inputs, outputs)
 
-    def _step(self, torch: Any, rows: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> list[str]:
+    def _step(self, torch: Any, rows: np.ndarray, size: int, inputs: np.ndarray, outputs: np.ndarray) -> list[str]:
+        """One step of ``rows`` (rows of the batch, not slots) over the first ``size`` rows."""
         cuda = self._cuda
         clock = time.perf_counter_ns
         t0 = clock()
@@ -719,13 +788,32 @@ class MoshiBackend(Backend):
         mask[:] = False
         mask[rows] = True
         self._pcm[rows] = inputs
+        t_first = t0
         if cuda:
-            marks = self._clock
+            marks: Any = self._clock  # None on a CPU, where it is never used
             t_first = clock()
             marks.mark(0)
             self._exec.copy_(self._mask_t, non_blocking=True)
             self._pcm_dev.copy_(self._pcm_t, non_blocking=True)
-        exec_mask = self._exec
+        views = self._views
+        if views is not None:
+            views.enter(size)  # this bucket's states on the modules, for this step only
+        try:
+            texts = self._run_model(torch, rows, size, outputs, t0, t_first)
+        finally:
+            if views is not None:
+                views.leave()
+        return texts
+
+    def _run_model(self, torch: Any, rows: np.ndarray, size: int, outputs: np.ndarray, t0: int,
+                   t_first: int) -> list[str]:
+        """Mimi's encoder, the LM and Mimi's decoder over the first ``size`` rows, ``rows``'
+        audio and text gathered into ``outputs`` and returned; the step began at ``t0`` and, on a
+        GPU, its first device mark was queued at ``t_first``."""
+        cuda = self._cuda
+        clock = time.perf_counter_ns
+        marks: Any = self._clock  # None on a CPU, where it is never used
+        exec_mask = self._exec[:size]
         mimi = self._mimi
 
         # A session's first frame: its row's encoder is reset once the frame is encoded; the mask
@@ -734,22 +822,23 @@ class MoshiBackend(Backend):
         first_reset = self._first.put(first) if len(first) else None
 
         # encode: every row's frame through Mimi's encoder; only the given rows' states advance.
-        ending = self._take_ending(torch) if self._pending_end else None
+        ending = self._take_ending(torch)[:size] if self._pending_end else None
         mimi.set_exec_mask(exec_mask if ending is None else exec_mask & ~ending)
-        codes = mimi.encode(self._pcm_dev)
+        codes = mimi.encode(self._pcm_dev[:size])
         if ending is not None:
             codes = torch.where(ending[:, None, None], mimi.cardinality, codes)
         if first_reset is not None:
-            self._reset_encoder(*first_reset[:2])
+            self._reset_encoder(first_reset[0][:size], first_reset[1])
         if cuda:
             marks.mark(1)
         t1 = clock()
 
         # lm: one LMGen step over the batch, sampling from each row's own stream.
         self._lm_gen.set_exec_mask(exec_mask)
-        with sampling.active(self._active_sampler):
+        sampler = self._samplers[size]
+        with sampling.active(sampler if self._active_sampler is not None else None):
             tokens = self._lm_gen.step(codes)
-        self._sampler.counters.add_(exec_mask)
+        sampler.counters.add_(exec_mask)
         if cuda:
             marks.mark(2)
         t2 = clock()
@@ -761,8 +850,8 @@ class MoshiBackend(Backend):
         pcm = mimi.decode(audio.clamp(min=0))[:, 0, :]
         pcm = torch.where(ready[:, None], pcm, 0.0)
         if cuda:
-            self._out_t.copy_(pcm, non_blocking=True)
-            self._text_t.copy_(tokens[:, 0, 0], non_blocking=True)
+            self._out_t[:size].copy_(pcm, non_blocking=True)
+            self._text_t[:size].copy_(tokens[:, 0, 0], non_blocking=True)
             marks.mark(3)
             marks.wait()  # blocking: the thread sleeps until the GPU is done (see ``cuda``)
             synced = clock()

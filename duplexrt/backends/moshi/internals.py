@@ -14,6 +14,9 @@ moshi 0.2.13 offers no public way to do these, and the backend needs them:
   step's K/V into the ring and get back the keys, values and positions it attends over), so it
   replaces that method on the module instance, and calls the package's own from inside.
 
+* a step sized to the active calls (``buckets``) puts its own state objects on each streaming
+  module (``_streaming_state``) for the length of the step, and the batch's back after it.
+
 * torch.compile is switched off, where the package was imported already, by its own module-level
   switch (``moshi.utils.compile._compile_disabled``, which its wrappers read at every call)
   (``compiler``).
@@ -34,6 +37,23 @@ def streaming_state(module: Any) -> Any | None:
     """A ``StreamingModule``'s state dataclass while it streams (``module._streaming_state``),
     or None when it is not streaming."""
     return getattr(module, "_streaming_state", None)
+
+
+#: The attribute a ``StreamingModule`` keeps its state in.
+STREAMING_STATE = "_streaming_state"
+
+
+def streaming_state_holder(module: Any) -> dict[str, Any]:
+    """The attribute dictionary holding ``module``'s streaming state (``module._streaming_state``,
+    a plain attribute, so in ``vars(module)``): a bucket's state objects go on and come off every
+    streaming module around each step (``buckets``), a hundred or so for Moshi, and writing the
+    dictionary costs a tenth of ``nn.Module.__setattr__`` (or of the package's
+    ``set_streaming_state``, which walks the tree by name)."""
+    holder: dict[str, Any] = vars(module)
+    if STREAMING_STATE not in holder:
+        raise RuntimeError(f"{type(module).__name__} keeps no {STREAMING_STATE} attribute: not the moshi "
+                           "package's StreamingModule this was written for")
+    return holder
 
 
 def attributes(obj: Any) -> dict[str, Any]:

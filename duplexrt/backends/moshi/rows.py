@@ -22,9 +22,8 @@ rows are written (``index_fill_``), never the whole batch: a 7B model's KV cache
 hold), and ``uncovered`` names each one the tables below do not place: per row (on which
 dimension), shared, a plain value of the batch's, or the package's machinery.  The backend logs
 what it names at load.  ``RowMover`` copies every per-row field of one row into another: what a
-step sized to the active rows would need to keep them dense.  Such a step is not built: it would
-make a session's output depend on its neighbours wherever the kernels round a row differently by
-batch size or by its place in the batch (``benchmarks/moshi_tiny.py --exactness`` shows where).
+step sized to the active rows (``buckets``) uses to keep the calls in the lowest rows when one
+below the top hangs up.
 """
 
 from __future__ import annotations

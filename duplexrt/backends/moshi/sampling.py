@@ -21,6 +21,7 @@ on the calling thread (only ever inside this backend's LM stage, on the schedule
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -85,6 +86,18 @@ class RowSampler:
         self._base = torch.zeros(batch, dtype=torch.int64, device=device)
         self.noise = torch.ones(batch, total, dtype=torch.float32, device=device)
         self.call = 0
+
+    def first_rows(self, rows: int) -> RowSampler:
+        """A sampler over this one's first ``rows`` rows, for a step sized to them (``buckets``):
+        its keys, counters and noise are views of these, so a row's stream goes on whichever
+        bucket steps it."""
+        view = copy.copy(self)
+        view.keys = self.keys[:rows]
+        view.counters = self.counters[:rows]
+        view._base = self._base[:rows]
+        view.noise = self.noise[:rows]
+        view.call = 0
+        return view
 
     def _step_base(self) -> torch.Tensor:
         return mix32(self.keys ^ mix32(self.counters * 0x3C6EF372 + 0x7F4A7C15))

@@ -22,6 +22,9 @@ RANDOM_ARCHITECTURES = ("moshi-7b",)
 #: The role prompt a caller who sets none gets (NVIDIA's own example prompt's opening).
 DEFAULT_INSTRUCTIONS = "You are a wise and friendly teacher. Answer questions or provide advice in a clear and engaging way."
 
+#: How a step is sized (``backend.options.batch``; see ``buckets``).
+BATCH_MODES = ("buckets", "fixed")
+
 #: Unset sampling options (None) take the checkpoint's ``lm_gen_config``, else LMGen's defaults.
 DEFAULTS: dict[str, Any] = {
     "checkpoint": "",
@@ -40,6 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "flush_frames": None,
     "context_seconds": None,
     "beyond_context": "end",
+    "batch": "buckets",
     # PersonaPlex: a voice and a role prompt per call (see ``persona``).
     "persona": False,
     "voices": "",
@@ -101,6 +105,10 @@ class MoshiSettings:
     context_seconds: float | None = None
     #: ``"end"``: a call ends with ``length`` at the ring's end; ``"slide"``: it forgets beyond it.
     beyond_context: str = "end"
+    #: ``"buckets"``: a step runs the smallest bucket of rows covering the active calls (a call's
+    #: output may differ by rounding with its neighbours); ``"fixed"``: every step runs the whole
+    #: batch, masked, and a call's output is bit for bit its own (see ``buckets``).
+    batch: str = "buckets"
     #: The model takes a persona (PersonaPlex): a voice and a role prompt stepped before each call.
     persona: bool = False
     #: The voices' folder ("": the checkpoint's ``voices/``, or the tiny model's made voices).
@@ -165,8 +173,18 @@ class MoshiSettings:
             random=random,
             context_seconds=_optional_number(opts, "context_seconds", 0, 7 * 24 * 3600),
             beyond_context=ring.check_beyond_context(opts["beyond_context"]),
+            batch=_batch_option(opts),
             **_persona_options(opts),
         )
+
+
+def _batch_option(opts: Mapping[str, Any]) -> str:
+    batch = _string_option(opts, "batch")
+    if batch not in BATCH_MODES:
+        raise ConfigError(f"backend.options.batch for {NAME} must be \"buckets\" (steps sized to the active calls, "
+                          f"the default) or \"fixed\" (every step the whole batch: a call's output bit for bit its "
+                          f"own whoever shares the step), got {batch!r}")
+    return batch
 
 
 def _none_or_int(value: float | None) -> int | None:
