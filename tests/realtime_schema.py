@@ -70,5 +70,5 @@ def every_server_event_is_checked(monkeypatch):
     any path (unit calls, or a whole server on loopback), is checked against the SDK's models."""
     from duplexrt.protocols.realtime import RealtimeTranslator
 
-    for name in ("start", "audio_out", "text_out", "error", "end", "parse"):
+    for name in ("start", "audio_out", "text_out", "input_text", "error", "end", "parse"):
         monkeypatch.setattr(RealtimeTranslator, name, _checked(getattr(RealtimeTranslator, name)))

@@ -26,7 +26,7 @@ PROTOCOLS = ROOT / "duplexrt" / "protocols"
 SOURCES: dict[str, tuple[str, ...]] = {
     "duplex": ("raw.py", "base.py"),
     "realtime": ("realtime.py", "realtime_client_events.py", "realtime_server_events.py", "realtime_items.py",
-                 "realtime_session.py", "b64audio.py"),
+                 "realtime_session.py", "realtime_transcripts.py", "b64audio.py"),
     "live": ("live.py", "base.py", "b64audio.py"),
     "moshi": ("moshi.py",),
     "twilio": ("twilio.py",),

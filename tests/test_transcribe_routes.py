@@ -11,6 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("moshi")
 
 from conftest import PATIENCE  # noqa: E402
+from realtime_schema import every_server_event_is_checked  # noqa: E402,F401  (autouse: the SDK checks every event)
 from test_protocol_live import _converse, _server, check_sequence  # noqa: E402
 from test_transcribe import FRAME, Reference, voice  # noqa: E402
 
@@ -46,3 +47,73 @@ async def test_the_live_route_streams_the_callers_words_before_it_closes(nursery
     assert all(e["start_ms"] <= 10 * 80 - delay_ms + 80 for e in deltas)
     # The mark that flushes it is one frame of the model's, not of the caller's.
     assert events[-1]["usage"]["frames_in"] == 10 and events[-1]["usage"]["frames_out"] == 11
+
+
+# -- /v1/realtime ------------------------------------------------------------------------------
+
+
+def _split_by_step(reference: Reference, audio: np.ndarray, cut: int) -> tuple[list[str], list[str]]:
+    """The reference's pieces of ``audio`` (flushed at its end), those of the steps before
+    ``cut`` and the rest."""
+    table = reference.table
+    texts = [table[t] for t in reference.tokens(audio)]
+    return [t for t in texts[:cut] if t], [t for t in texts[cut:] if t]
+
+
+async def test_the_realtime_route_transcribes_each_user_item_as_livekit_and_pipecat_read_it(start_server, reference):
+    import json
+
+    import trio_websocket
+
+    from realtime_helpers import b64
+
+    served = await start_server("runtime.slots=2", "realtime.turn_detection=none", *TINY)
+    first, first_frames = pcm16(voice(41, 10))
+    second, second_frames = pcm16(voice(42, 7))
+    events: list[dict] = []
+
+    async def until(kind: str, count: int = 1) -> None:
+        while sum(e["type"] == kind for e in events) < count:
+            events.append(json.loads(await ws.get_message()))
+
+    with trio.fail_after(PATIENCE * 3):
+        async with trio_websocket.open_websocket_url(served.url("/v1/realtime")) as ws:
+            await until("session.created")
+            await ws.send_message(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"input": {"transcription": {"model": "gpt-4o-mini-transcribe"},
+                                                        "turn_detection": None}}}}))
+            await until("session.updated")
+            for audio in (first, second):
+                for start in range(0, len(audio), 4800):  # 100 ms appends, as LiveKit sends
+                    await ws.send_message(json.dumps({"type": "input_audio_buffer.append",
+                                                      "audio": b64(audio[start:start + 4800])}))
+                await ws.send_message(json.dumps({"type": "input_audio_buffer.commit"}))
+                await until("input_audio_buffer.committed", 1 + (audio is second))
+            await until("conversation.item.input_audio_transcription.completed", 2)
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds
+    [updated] = [e for e in events if e["type"] == "session.updated"]
+    assert updated["session"]["audio"]["input"]["transcription"] == {"model": "stt-tiny"}
+    items = [e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed"]
+    assert len(items) == 2
+    # The caller's stream as the transcriber heard it: each commit flushed the delay's silence.
+    model = reference.model
+    silence = np.zeros((model.delay_frames, FRAME), dtype=np.float32)
+    expected = _split_by_step(reference, np.concatenate([first_frames, silence, second_frames]),
+                              len(first_frames) + model.delay_frames)
+    for item, texts in zip(items, expected):
+        deltas = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"
+                  and e["item_id"] == item]
+        [completed] = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"
+                       and e["item_id"] == item]
+        assert [d["delta"] for d in deltas] == texts and texts
+        # What both plugins read: ids, content_index, text; completed after the last delta and
+        # after the item itself was added (LiveKit attaches the transcript to it).
+        assert all(d["content_index"] == 0 and d["event_id"] for d in deltas)
+        assert completed["content_index"] == 0 and completed["event_id"]
+        assert completed["transcript"] == "".join(texts).strip()
+        assert completed["usage"]["type"] == "duration" and completed["usage"]["seconds"] > 0
+        position = events.index(completed)
+        assert all(events.index(d) < position for d in deltas)
+        added = [i for i, e in enumerate(events) if e["type"] == "conversation.item.added" and e["item"]["id"] == item]
+        assert added and added[0] < position

@@ -61,7 +61,7 @@ async def test_every_caller_gets_the_packages_transcript_whatever_the_backend(ba
         await _call(runtime, third, audio[2])
         for owner, call_audio in zip((first, second, third), audio):
             assert owner.failures == []
-            assert [p.text for p in owner.transcripts] == reference.text(call_audio)
+            assert [p.text for p in owner.transcripts if p.text] == reference.text(call_audio)
             assert [p.frame for p in owner.transcripts] == sorted(p.frame for p in owner.transcripts)
         stages = runtime.statistics().histograms.stages
         assert "transcribe" in stages
@@ -73,23 +73,24 @@ async def test_a_caller_that_leaves_without_ending_gets_its_words_so_far(referen
         owner = RecordingOwner()
         audio = voice(33, 9)
         await _call(runtime, owner, audio, ends=False)
-        assert [p.text for p in owner.transcripts] == reference.text(audio, flush=False)
+        assert [p.text for p in owner.transcripts if p.text] == reference.text(audio, flush=False)
 
 
 async def test_transcripts_cross_with_the_steps_outputs_not_on_their_own(reference):
-    # The same workload with and without the transcriber: the crossings by kind are the same
-    # kinds, and output deliveries never outnumber steps (pieces ride in the step's outcome).
-    counts = {}
-    for extra in ((), TINY):
-        config = make_config("runtime.slots=2", *extra)
-        async with open_runtime(config) as runtime:
-            owner = RecordingOwner()
-            await _call(runtime, owner, voice(34, 6))
-            stats = runtime.statistics()
-            by_kind = stats.handoffs.by_kind
-            counts[bool(extra)] = {kind for kind, n in by_kind.items() if n}
-            assert by_kind[HandoffKind.OUTPUT_DELIVERY.value] <= stats.scheduler.steps
-    assert counts[True] == counts[False]
+    # The crossings a call with a transcript causes: only the scheduler's own kinds (no worker
+    # thread of any sort), and never more output deliveries than steps: the pieces ride in the
+    # step's outcome, with its outputs.
+    config = make_config("runtime.slots=2", *TINY)
+    async with open_runtime(config) as runtime:
+        owner = RecordingOwner()
+        await _call(runtime, owner, voice(34, 6))
+        stats = runtime.statistics()
+    assert [p.text for p in owner.transcripts if p.text] == reference.text(voice(34, 6))
+    by_kind = stats.handoffs.by_kind
+    used = {kind for kind, n in by_kind.items() if n}
+    assert used <= {HandoffKind.SCHEDULER_WAKE.value, HandoffKind.OUTPUT_DELIVERY.value, HandoffKind.LIFECYCLE.value}
+    assert stats.handoffs.offloads == 0
+    assert 0 < by_kind[HandoffKind.OUTPUT_DELIVERY.value] <= stats.scheduler.steps
 
 
 def test_a_transcriber_needs_mimis_frames():

@@ -231,6 +231,12 @@ class Translator(abc.ABC):
         """Messages carrying model text; none by default."""
         return []
 
+    def offer_transcripts(self, model: str, delay_ms: float) -> None:
+        """The server writes down what its callers say (``[transcriber]``: the model's name, and
+        how far its text lags the audio): a protocol whose client asks for that (Realtime's
+        ``input_audio_transcription``) may now grant it.  Called by the server before the
+        session starts; by default nothing changes."""
+
     def input_text(self, pieces: Sequence[TranscriptPiece]) -> list[Message]:
         """Messages carrying what the caller said (a transcriber's pieces, each placed on the
         caller's timeline: ``TranscriptPiece.audio_ms``); none by default."""

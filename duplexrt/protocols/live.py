@@ -263,7 +263,7 @@ class LiveTranslator(Translator):
         frame_ms = self._frame_ms
         return [f'{{"type":"session.input_transcript.delta","delta":{json.dumps(piece.text)},'
                 f'"start_ms":{round(piece.audio_ms)},"end_ms":{round(piece.audio_ms + frame_ms)}}}'
-                for piece in pieces]
+                for piece in pieces if piece.text]
 
     def error(self, error: ProtocolError) -> list[Message]:
         if error.fatal:

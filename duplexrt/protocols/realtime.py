@@ -32,10 +32,17 @@ Server VAD (``turn_detection``, on by default as in OpenAI's service) reports sp
 stop; in turn mode it commits the turn, answers it (``create_response``) and cancels a response
 the user talks over (``interrupt_response``).  Conversation items are ids and echoes: audio in a
 created item is fed to the model, text is acknowledged but cannot reach a speech-only model.
-Settings that cannot be honoured (tools, input transcription, idle timeouts) get a non-fatal
-``unsupported_setting`` error naming the field; others that change nothing audible (voice,
-instructions, for a model that takes no persona) are simply not in force, and ``session.updated``
-shows only what is.
+Settings that cannot be honoured (tools, idle timeouts, input transcription on a server without
+a transcriber) get a non-fatal ``unsupported_setting`` error naming the field; others that change
+nothing audible (voice, instructions, for a model that takes no persona) are simply not in force,
+and ``session.updated`` shows only what is.
+
+Input transcription (a server with ``[transcriber]``, ``offer_transcripts``): a session that asks
+for it (GA ``session.audio.input.transcription``, beta ``session.input_audio_transcription``, any
+model name: the server's own STT model serves it, and ``session.updated`` names that) gets the
+caller's words as ``conversation.item.input_audio_transcription.delta`` events on its user items
+and one ``.completed`` per item once all of its text is out (``realtime_transcripts``); null turns
+it off.
 
 Persona (a model that takes one, such as PersonaPlex: ``Backend.takes_persona``).  ``session.update``
 sets it: ``instructions`` is the role prompt, the voice is GA's ``session.audio.output.voice`` or
@@ -102,9 +109,11 @@ from duplexrt.protocols.realtime_client_events import (
 )
 from duplexrt.protocols.realtime_items import Items, client_item, message_item
 from duplexrt.protocols.realtime_server_events import END_CODES, END_STATUS, Response, ServerEvents, usage
-from duplexrt.protocols.realtime_session import read_persona, render_turn_detection
+from duplexrt.protocols.realtime_session import read_persona, read_transcription, render_turn_detection
+from duplexrt.protocols.realtime_transcripts import CallerTranscripts
 from duplexrt.protocols.vad import InputVad, OutputGate, VadSettings
 from duplexrt.reasons import FinishReason
+from duplexrt.transcribe.pieces import TranscriptPiece
 from duplexrt.wire.transport import Message
 
 __all__ = ["RealtimeTranslator"]
@@ -172,6 +181,21 @@ class RealtimeTranslator(Translator):
         self._gate = OutputGate(duplex_gate_dbfs, self.output_spec) if duplex and duplex_gate_dbfs is not None else None
         self._hangover = max(1, math.ceil(duplex_hangover_ms / 1000 / frame_seconds - 1e-9))
         self._max_held_frames = max(1, int(MAX_HELD_SECONDS / frame_seconds + 1e-9))
+        self._frame_ms = frame_seconds * 1e3
+        #: The server's transcriber (``offer_transcripts``): its model's name and delay; None: none.
+        self._stt: tuple[str, float] | None = None
+        #: The caller's transcript, while the session asks for it (None: not asked, or off).
+        self._transcripts: CallerTranscripts | None = None
+        # Where a commit ends an item, on the model's frame timeline (the one transcript pieces
+        # are placed on): the audio appended (wire ms), anchored to the frames submitted at the
+        # last point the two were known to agree.  A turn-mode commit pads the caller's last
+        # frame and feeds the flush frames after it, and a clear drops a part frame: the first
+        # append after either anchors again (by then the session has submitted those frames).
+        self._wire_ms = 0.0
+        self._anchor_wire_ms = 0.0
+        self._anchor_model_ms = 0.0
+        self._reanchor = False
+        self._vad_wire_ms = 0.0  # the wire position the VAD's own clock started at
         self._quiet = 0  # frames under the gate since the last loud one
         self._muted = False  # duplex: the client cancelled this burst; drop it until a pause
         handlers: dict[str, Callable[[dict[str, Any]], Event]] = {
@@ -201,6 +225,24 @@ class RealtimeTranslator(Translator):
         return messages
 
     def audio_out(self, payload: bytes, frames: int) -> list[Message]:
+        messages = self._audio_out(payload, frames)
+        if self._transcripts is not None:
+            # The transcriber stepped these frames too: items whose audio ended the model's
+            # delay before them have all their text.
+            answered = (self.progress.frames_answered + frames) * self._frame_ms
+            messages += self._transcripts.progress(answered)
+        return messages
+
+    def offer_transcripts(self, model: str, delay_ms: float) -> None:
+        self._stt = (model, delay_ms)
+
+    def input_text(self, pieces: Sequence[TranscriptPiece]) -> list[Message]:
+        transcripts = self._transcripts
+        if transcripts is None:
+            return []
+        return list(transcripts.pieces(pieces, self.progress.frames_answered * self._frame_ms))
+
+    def _audio_out(self, payload: bytes, frames: int) -> list[Message]:
         if self._discard_below:
             if self.progress.frames_answered < self._discard_below:
                 return []  # the rest of a cancelled response (the batch was split at its end)
@@ -362,6 +404,12 @@ class RealtimeTranslator(Translator):
 
     def _take_audio(self, raw: bytes) -> AudioIn:
         self._pending_input = True
+        if self._reanchor:
+            self._reanchor = False
+            self._anchor_wire_ms = self._wire_ms
+            self._anchor_model_ms = self.progress.frames_in * self._frame_ms
+        spec = self.input_spec
+        self._wire_ms += len(raw) / ((spec.format.bytes_per_sample or 1) * spec.sample_rate) * 1e3
         if self._vad is not None:
             return AudioIn(raw, self._detect(raw))
         return AudioIn(raw)
@@ -384,6 +432,8 @@ class RealtimeTranslator(Translator):
                 self._speech_item = self._new_item_id()
                 messages.append(self._out.event("input_audio_buffer.speech_started", audio_start_ms=ms,
                                             item_id=self._speech_item))
+                if self._transcripts is not None:
+                    messages += self._transcripts.speech_started(self._speech_item)
                 response = self._response
                 if response is not None and vad.settings.interrupt_response and not self.duplex:
                     messages += self._cancel(response, "turn_detected")
@@ -391,19 +441,23 @@ class RealtimeTranslator(Translator):
             item_id = self._speech_item or self._new_item_id()
             self._speech_item = None
             messages.append(self._out.event("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id))
-            messages += self._commit_item(item_id)
+            messages += self._commit_item(item_id, self._model_ms(self._vad_wire_ms + ms))
             if vad.settings.create_response and not self.duplex and self._response is None:
                 messages += self._turn_response(None)
         return tuple(messages)
 
-    def _commit_item(self, item_id: str) -> list[Message]:
-        """The input so far becomes a user item: committed, then added to the conversation."""
+    def _commit_item(self, item_id: str, end_ms: float) -> list[Message]:
+        """The input so far (to ``end_ms`` on the caller's timeline) becomes a user item:
+        committed, then added to the conversation; its transcript follows, if asked for."""
         self._pending_input = False
         item = message_item(item_id, "user", [{"type": "input_audio", "transcript": None}], beta=self.beta)
         previous = self._items.add(item)
         self._last_item_id = item_id
-        return [self._out.event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id),
-                *self._out.item_added(previous, item)]
+        messages = [self._out.event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id),
+                    *self._out.item_added(previous, item)]
+        if self._transcripts is not None:
+            messages += self._transcripts.committed(item_id, end_ms)
+        return messages
 
     def _commit(self, data: dict[str, Any]) -> Event:
         if not self._pending_input:
@@ -412,13 +466,18 @@ class RealtimeTranslator(Translator):
                                  event_id=client_event_id(data))
         item_id = self._speech_item or self._new_item_id()
         self._speech_item = None
-        messages = tuple(self._commit_item(item_id))
+        messages = tuple(self._commit_item(item_id, self._model_ms(self._wire_ms)))
+        if not self.duplex:
+            self._reanchor = True  # the session pads the last frame and feeds the flush
         # Turn mode: the commit ends the speaker's turn, so a translation model is fed its
         # end-of-input flush and the next response carries the rest of the translation.
         return Reply(messages) if self.duplex else EndTurn(messages)
 
     def _clear_input(self, data: dict[str, Any]) -> Event:
         self._pending_input = False
+        if self._transcripts is not None:
+            self._transcripts.cleared(self._model_ms(self._wire_ms))
+        self._reanchor = True  # the part frame held is dropped
         return ClearInput(messages=(self._out.event("input_audio_buffer.cleared"),))
 
     def _clear_output(self, data: dict[str, Any]) -> Event:
@@ -568,13 +627,19 @@ class RealtimeTranslator(Translator):
             if isinstance(fields, str):
                 return ProtocolError("invalid_value", fields, event_id=event_id)
             asked = fields
-        warnings = [self._warning(field, why, event_id) for field, why in update.unsupported]
+        transcription = read_transcription(data["session"])
+        unsupported = update.unsupported
+        if self._stt is not None:  # a transcriber serves it: not a refusal
+            unsupported = [(field, why) for field, why in unsupported if "transcription" not in field]
+        warnings = [self._warning(field, why, event_id) for field, why in unsupported]
         # Everything checked: apply.  Other fields (tools, modalities, ...) change nothing here,
         # so they are neither kept nor echoed: session.updated shows what is in effect.
         if asked != (None, None):
             warnings += self._ask_persona(*asked, event_id=event_id)
         if detection is not UNSET:
             self._set_turn_detection(detection)
+        if self._stt is not None and transcription is not None:
+            self._set_transcription(transcription)
         new_input = specs.get("input", self.input_spec)
         new_output = specs.get("output", self.output_spec)
         changed = new_input != self.input_spec or new_output != self.output_spec
@@ -607,11 +672,27 @@ class RealtimeTranslator(Translator):
             return []
         return self.error(error)
 
+    def _set_transcription(self, on: bool) -> None:
+        """Transcripts on (from the next piece on) or off (what was pending is dropped)."""
+        if not on:
+            self._transcripts = None
+        elif self._transcripts is None:
+            assert self._stt is not None
+            self._transcripts = CallerTranscripts(self._out, delay_ms=self._stt[1], frame_ms=self._frame_ms,
+                                                  finish=self._item_transcribed)
+
+    def _item_transcribed(self, item_id: str, transcript: str) -> None:
+        """A user item's transcript is complete: ``conversation.item.retrieve`` shows it."""
+        item = self._items.get(item_id)
+        if item is not None and item.get("content"):
+            item["content"][0]["transcript"] = transcript
+
     def _set_turn_detection(self, settings: VadSettings | None) -> None:
         if settings is None:
             self._vad = None
         elif self._vad is None:
             self._vad = InputVad(settings, self.input_spec)
+            self._vad_wire_ms = self._wire_ms
         else:  # new settings, same stream: speech under way stays under way
             self._vad.settings = settings
             self._vad.set_mode(settings.mode)
@@ -628,6 +709,10 @@ class RealtimeTranslator(Translator):
         events the session took."""
         return [self._out.event("session.resumed", resume_token=token, received=received)]
 
+    def _model_ms(self, wire_ms: float) -> float:
+        """A wire position (ms of audio appended) on the model's frame timeline."""
+        return self._anchor_model_ms + (wire_ms - self._anchor_wire_ms)
+
     def _new_item_id(self) -> str:
         return f"item_{next(self._item_ids)}"
 
@@ -635,8 +720,11 @@ class RealtimeTranslator(Translator):
         return None if self._vad is None else render_turn_detection(self._vad.settings, duplex=self.duplex)
 
     def _session_object(self) -> dict[str, Any]:
+        transcription = None
+        if self._transcripts is not None and self._stt is not None:
+            transcription = {"model": self._stt[0]}
         return self._out.session_object(self.session_id, self.model, self.input_spec, self.output_spec,
-                                        self._turn_detection_object(), self.persona.shown())
+                                        self._turn_detection_object(), self.persona.shown(), transcription)
 
     def _open_response(self, target: int | None, fields: dict[str, Any] | None = None) -> list[Message]:
         """A new response and its one output item, announced before any of its deltas."""

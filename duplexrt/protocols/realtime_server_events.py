@@ -145,9 +145,11 @@ class ServerEvents:
         return body
 
     def session_object(self, session_id: str, model: str, input_spec: AudioSpec, output_spec: AudioSpec,
-                       turn_detection: dict[str, Any] | None, persona: Persona | None = None) -> dict[str, Any]:
+                       turn_detection: dict[str, Any] | None, persona: Persona | None = None,
+                       transcription: dict[str, Any] | None = None) -> dict[str, Any]:
         """The session in effect.  ``persona``: a model's that takes one, shown as the client would
-        set it (``instructions``, and the voice where its naming puts it); None: no such fields."""
+        set it (``instructions``, and the voice where its naming puts it); None: no such fields.
+        ``transcription``: the input transcription in force (the server's STT model), if any."""
         if self.beta:
             session: dict[str, Any] = {
                 "id": session_id,
@@ -165,6 +167,8 @@ class ServerEvents:
             if persona is not None:
                 session["instructions"] = persona.text
                 session["voice"] = persona.voice
+            if transcription is not None:
+                session["input_audio_transcription"] = transcription
             return session
         output: dict[str, Any] = {"format": self.format_object(output_spec)}
         session = {
@@ -181,6 +185,8 @@ class ServerEvents:
         if persona is not None:
             session["instructions"] = persona.text
             output["voice"] = persona.voice
+        if transcription is not None:
+            session["audio"]["input"]["transcription"] = transcription
         return session
 
     def response_object(self, response: Response, status: str, details: dict[str, Any] | None,

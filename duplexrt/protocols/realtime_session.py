@@ -11,7 +11,8 @@ from typing import Any
 from duplexrt.protocols.events import quote
 from duplexrt.protocols.vad import VadSettings
 
-__all__ = ["parse_turn_detection", "read_persona", "render_turn_detection", "unsupported_settings"]
+__all__ = ["parse_turn_detection", "read_persona", "read_transcription", "render_turn_detection",
+           "unsupported_settings"]
 
 #: Longest prefix padding or silence duration accepted (ms).
 _MAX_MS = 10_000
@@ -90,6 +91,23 @@ def read_persona(session: dict[str, Any]) -> tuple[str | None, str | None] | str
     if len(named) == 2 and named[0][1] != named[1][1]:
         return f"{named[0][0]} ({quote(named[0][1])}) and {named[1][0]} ({quote(named[1][1])}) disagree"
     return instructions, named[0][1] if named else None
+
+
+def read_transcription(session: dict[str, Any]) -> bool | None:
+    """Whether a ``session.update`` asks for input transcription (GA
+    ``session.audio.input.transcription``, beta ``session.input_audio_transcription``): True for
+    an object (its model is not read: the server has one STT model), False for null, None when
+    neither is named (no change)."""
+    audio = session.get("audio")
+    audio_input = audio.get("input") if type(audio) is dict else None
+    named = []
+    if type(audio_input) is dict and "transcription" in audio_input:
+        named.append(audio_input["transcription"])
+    if "input_audio_transcription" in session:
+        named.append(session["input_audio_transcription"])
+    if not named:
+        return None
+    return any(bool(value) for value in named)
 
 
 def unsupported_settings(session: dict[str, Any], audio_input: dict[str, Any]) -> list[tuple[str, str]]:

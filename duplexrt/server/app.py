@@ -482,6 +482,9 @@ class Server:
             self.refused["bad_options"] += 1
             await self._respond(stream, exc.status, exc.reason)
             return
+        transcriber = self.runtime.transcriber if self.runtime is not None else None
+        if transcriber is not None and transcriber.model is not None:
+            translator.offer_transcripts(transcriber.model.name, transcriber.model.delay_seconds * 1e3)
         if (refusal := self._check_url_persona(translator)) is not None:
             self.refused["bad_persona"] += 1
             await self._respond(stream, 400, refusal)

@@ -30,6 +30,10 @@ class TranscriptPiece:
     #: The same place in milliseconds from the session's first sample: ``frame * frame_ms -
     #: delay_ms``, never below 0.
     audio_ms: float
+    #: Written while flushing the caller's input (its end-of-input mark and the delay's silence
+    #: after it): with these, all the text of the audio before the mark is out.  A flush that
+    #: writes nothing still yields one such piece, with no text, to say so.
+    flushed: bool = False
 
 
 def piece_table(tokenizer: Any, sampled: int, silent: Sequence[int]) -> list[str]:

@@ -122,8 +122,10 @@ class Transcriber:
         self._joining = np.zeros(slots, dtype=bool)
         #: Rows whose frame in the next step is their end-of-input mark.
         self._ending = np.zeros(slots, dtype=bool)
-        #: Per row: caller frames stepped (the end-of-input mark included).
+        #: Per row: caller frames stepped (the end-of-input mark included), and where its next
+        #: audio starts after a flush (ms): text written about a flush's silence goes there.
         self._frames = np.zeros(slots, dtype=np.int64)
+        self._floor_ms = np.zeros(slots, dtype=np.float64)
         lm = model.lm
         self._pieces = piece_table(model.tokenizer, lm.text_linear.out_features,
                                    (lm.text_padding_token_id, lm.end_of_text_padding_id))
@@ -151,6 +153,7 @@ class Transcriber:
         self._joining[slot] = True
         self._ending[slot] = False
         self._frames[slot] = 0
+        self._floor_ms[slot] = 0.0
 
     def close_slot(self, slot: int) -> None:
         """The session left: nothing to do until the next one joins (and resets the row)."""
@@ -203,20 +206,22 @@ class Transcriber:
         """Each row's token as a piece (silent tokens as nothing), appended to ``out``."""
         table = self._pieces
         limit = len(table)
+        ending = self._ending
         for i, (row, token) in enumerate(zip(rows.tolist(), tokens[rows].tolist())):
             text = table[token] if 0 <= token < limit else ""
             if text:
-                out[i] = out[i] + (self._piece(row, text),)
+                out[i] = out[i] + (self._piece(row, text, bool(ending[row])),)
 
-    def _piece(self, row: int, text: str) -> TranscriptPiece:
+    def _piece(self, row: int, text: str, flushed: bool = False) -> TranscriptPiece:
         """``text`` from row ``row``'s step now, placed on its caller's timeline: the step's
-        caller frame less the delay.  (A flush's silent steps are not caller frames: the text
-        written during one is placed at the mark that started it, less the delay, and the rows'
-        later text on the caller's own frame count again.)"""
+        caller frame less the delay.  A flush's silent steps are not caller frames: the text
+        written during one is placed at the mark that started it, less the delay; the text the
+        next steps write about the flush's silence goes to the frame after the mark, where the
+        caller's next audio starts."""
         frame = int(self._frames[row])
         frame_ms = self._frame_ms
-        audio_ms = max(0.0, frame * frame_ms - self._delay_ms)
-        return TranscriptPiece(text, frame, int(audio_ms // frame_ms), round(audio_ms, 3))
+        audio_ms = max(0.0, frame * frame_ms - self._delay_ms, float(self._floor_ms[row]))
+        return TranscriptPiece(text, frame, int(audio_ms // frame_ms), round(audio_ms, 3), flushed)
 
     def _join(self) -> None:
         """Reset the joining rows to fresh ones, then feed them the silence prefix."""
@@ -243,26 +248,30 @@ class Transcriber:
         ending = self._ending
         index = np.flatnonzero(ending)
         ending[:] = False
-        more = self.stt.delay_frames - 1
-        if more <= 0:
-            return
         positions = {int(row): i for i, row in enumerate(rows.tolist())}
         index = np.array([row for row in index.tolist() if row in positions], dtype=np.int64)
         if not len(index):
             return
         # The mark's own step counted as a caller frame; the flush's text is placed at it.
         self._frames[index] -= 1
-        self._mask[:] = False
-        self._mask[index] = True
-        self._pcm[index] = 0.0
-        for _ in range(more):
-            tokens = self._advance()
+        more = self.stt.delay_frames - 1
+        if more > 0:
+            self._mask[:] = False
+            self._mask[index] = True
+            self._pcm[index] = 0.0
             table = self._pieces
-            for row in index.tolist():
-                token = int(tokens[row])
-                text = table[token] if 0 <= token < len(table) else ""
-                if text:
-                    i = positions[row]
-                    out[i] = out[i] + (self._piece(row, text),)
+            for _ in range(more):
+                tokens = self._advance()
+                for row in index.tolist():
+                    token = int(tokens[row])
+                    text = table[token] if 0 <= token < len(table) else ""
+                    if text:
+                        i = positions[row]
+                        out[i] = out[i] + (self._piece(row, text, True),)
+            self.extra_steps += more
+        for row in index.tolist():
+            i = positions[row]
+            if not out[i] or not out[i][-1].flushed:  # nothing written: say the flush is done
+                out[i] = out[i] + (self._piece(row, "", True),)
         self._frames[index] += 1
-        self.extra_steps += more
+        self._floor_ms[index] = self._frames[index] * self._frame_ms
