@@ -117,3 +117,25 @@ async def test_the_realtime_route_transcribes_each_user_item_as_livekit_and_pipe
         assert all(events.index(d) < position for d in deltas)
         added = [i for i, e in enumerate(events) if e["type"] == "conversation.item.added" and e["item"]["id"] == item]
         assert added and added[0] < position
+
+
+async def test_the_moshi_tiny_stt_preset_serves_the_callers_words_beside_the_models(nursery, reference):
+    from pathlib import Path
+
+    import torch
+
+    preset = Path(__file__).resolve().parent.parent / "configs" / "moshi-tiny-stt.toml"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server = await _server(nursery, preset, "runtime.slots=1", "backend.options.warmup_steps=1",
+                               "runtime.late_input=wait")
+        audio, frames = pcm16(voice(43, 8))
+        with trio.fail_after(PATIENCE * 3):
+            events = await _converse(f"ws://127.0.0.1:{server.ports[0]}/v1/live/sessions", audio)
+    finally:
+        torch.set_num_threads(threads)
+    check_sequence(events)
+    said = [e["delta"] for e in events if e["type"] == "session.input_transcript.delta"]
+    assert said == reference.text(frames)  # the caller's, whatever the dialogue model said
+    assert any(e["type"] == "session.output_transcript.delta" for e in events)
