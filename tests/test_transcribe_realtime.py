@@ -179,3 +179,17 @@ def test_server_vad_names_the_item_early_so_deltas_flow_before_the_commit(beta):
     said = events(transcripts.speech_started("item_speech"))
     said += events(protocol.input_text([piece(" yes", 8)]))
     assert [(e["type"], e["item_id"], e["delta"]) for e in said] == [(DELTA, "item_speech", " yes")]
+
+
+def test_a_caller_who_never_pauses_holds_a_bounded_transcript():
+    from duplexrt.protocols.realtime_transcripts import MAX_ITEM_CHARS
+
+    protocol, progress, _ = make()
+    transcripts = protocol._transcripts
+    assert transcripts is not None
+    transcripts.speech_started("item_long")
+    sent = 0
+    for i in range(MAX_ITEM_CHARS // 4 + 100):
+        sent += len(protocol.input_text([piece("abcd", 7 + i)]))
+    assert sent == MAX_ITEM_CHARS // 4 + 100  # every delta goes out
+    assert len(str(transcripts._open_text)) == MAX_ITEM_CHARS  # the transcript kept stops growing

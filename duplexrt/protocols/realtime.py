@@ -107,7 +107,7 @@ from duplexrt.protocols.realtime_client_events import (
     read_session_update,
     response_fields,
 )
-from duplexrt.protocols.realtime_items import Items, client_item, message_item
+from duplexrt.protocols.realtime_items import TEXT_LIMIT, Items, client_item, message_item
 from duplexrt.protocols.realtime_server_events import END_CODES, END_STATUS, Response, ServerEvents, usage
 from duplexrt.protocols.realtime_session import read_persona, read_transcription, render_turn_detection
 from duplexrt.protocols.realtime_transcripts import CallerTranscripts
@@ -685,7 +685,7 @@ class RealtimeTranslator(Translator):
         """A user item's transcript is complete: ``conversation.item.retrieve`` shows it."""
         item = self._items.get(item_id)
         if item is not None and item.get("content"):
-            item["content"][0]["transcript"] = transcript
+            item["content"][0]["transcript"] = clip(transcript, TEXT_LIMIT)
 
     def _set_turn_detection(self, settings: VadSettings | None) -> None:
         if settings is None:

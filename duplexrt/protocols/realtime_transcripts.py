@@ -32,22 +32,45 @@ from typing import Any
 from duplexrt.protocols.realtime_server_events import ServerEvents
 from duplexrt.transcribe.pieces import TranscriptPiece
 
-__all__ = ["CallerTranscripts", "MAX_HELD_PIECES", "MAX_PENDING_ITEMS"]
+__all__ = ["CallerTranscripts", "MAX_HELD_PIECES", "MAX_ITEM_CHARS", "MAX_PENDING_ITEMS"]
 
 #: Pieces kept for audio whose item has no id yet (about 80 s of text at one piece a frame).
 MAX_HELD_PIECES = 1000
 #: Committed items waiting for the rest of their text; past it the oldest is completed at once.
-MAX_PENDING_ITEMS = 64
+MAX_PENDING_ITEMS = 16
+#: Characters one item's ``completed`` transcript keeps (some minutes of speech): past it the
+#: deltas still go out, the transcript stops growing.  A caller who never pauses under server VAD
+#: holds no more than this; a session at most ``MAX_PENDING_ITEMS + 1`` such transcripts and the
+#: held pieces (a few hundred kB of text in all).
+MAX_ITEM_CHARS = 8000
+
+
+class _Text:
+    """An item's transcript so far, kept up to ``MAX_ITEM_CHARS``."""
+
+    __slots__ = ("parts", "chars")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.chars = 0
+
+    def add(self, text: str) -> None:
+        if self.chars + len(text) <= MAX_ITEM_CHARS:
+            self.parts.append(text)
+            self.chars += len(text)
+
+    def __str__(self) -> str:
+        return "".join(self.parts).strip()
 
 
 class _Item:
-    __slots__ = ("item_id", "start_ms", "end_ms", "texts")
+    __slots__ = ("item_id", "start_ms", "end_ms", "text")
 
-    def __init__(self, item_id: str, start_ms: float, end_ms: float) -> None:
+    def __init__(self, item_id: str, start_ms: float, end_ms: float, text: _Text) -> None:
         self.item_id = item_id
         self.start_ms = start_ms
         self.end_ms = end_ms
-        self.texts: list[str] = []
+        self.text = text
 
 
 class CallerTranscripts:
@@ -66,7 +89,7 @@ class CallerTranscripts:
         #: The audio since the last commit: where it starts, its item's id once known, its text.
         self._open_start = 0.0
         self._open_id: str | None = None
-        self._open_texts: list[str] = []
+        self._open_text = _Text()
         self._held: deque[str] = deque()
         #: Audio before this point belongs to items already completed (or cleared).
         self._closed_ms = 0.0
@@ -83,10 +106,9 @@ class CallerTranscripts:
         text; new audio opens the next item."""
         self._open_id = item_id
         messages = self._release()
-        item = _Item(item_id, self._open_start, max(end_ms, self._open_start))
-        item.texts = self._open_texts
+        item = _Item(item_id, self._open_start, max(end_ms, self._open_start), self._open_text)
         self._pending.append(item)
-        self._open_start, self._open_id, self._open_texts = item.end_ms, None, []
+        self._open_start, self._open_id, self._open_text = item.end_ms, None, _Text()
         while len(self._pending) > MAX_PENDING_ITEMS:
             messages += self._complete(self._pending.popleft())
         return messages
@@ -94,7 +116,7 @@ class CallerTranscripts:
     def cleared(self, at_ms: float) -> None:
         """``input_audio_buffer.clear``: the open audio up to ``at_ms`` is no one's; its text goes."""
         self._held.clear()
-        self._open_texts = []
+        self._open_text = _Text()
         self._open_start = self._closed_ms = max(self._closed_ms, at_ms)
 
     # -- the transcriber's side ------------------------------------------------------------------
@@ -117,7 +139,7 @@ class CallerTranscripts:
                 if piece.audio_ms >= self._open_start and piece.audio_ms >= self._closed_ms:
                     messages += self._open_piece(piece.text)
                 continue  # audio of an item already complete, or cleared
-            item.texts.append(piece.text)
+            item.text.add(piece.text)
             messages.append(self._delta(item.item_id, piece.text))
         if flushed_at is not None:
             pending = self._pending
@@ -160,7 +182,7 @@ class CallerTranscripts:
             if len(self._held) > MAX_HELD_PIECES:
                 self._held.popleft()
             return []
-        self._open_texts.append(text)
+        self._open_text.add(text)
         return [self._delta(self._open_id, text)]
 
     def _release(self) -> list[str]:
@@ -173,7 +195,7 @@ class CallerTranscripts:
 
     def _complete(self, item: _Item) -> list[str]:
         self._closed_ms = max(self._closed_ms, item.end_ms)
-        transcript = "".join(item.texts).strip()
+        transcript = str(item.text)
         if self._finish is not None:
             self._finish(item.item_id, transcript)
         seconds = round((item.end_ms - item.start_ms) / 1e3, 3)

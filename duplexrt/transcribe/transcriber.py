@@ -61,9 +61,11 @@ class Transcriber:
         self.device = config.device if config is not None else "cpu"
         #: ``("transcribe", ns)``: the last step's duration (joins and flushes included).
         self.last_stage: tuple[str, int] = ("transcribe", 0)
-        #: Running totals: steps, seconds, and the extra masked steps joins and flushes cost.
+        #: Running totals: steps, seconds (wall, and the scheduler thread's CPU inside them), and
+        #: the extra masked steps joins and flushes cost.
         self.steps = 0
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
         self.extra_steps = 0
         self._stack: ExitStack | None = None
 
@@ -169,6 +171,7 @@ class Transcriber:
         """One frame for each slot in ``rows`` (ascending; ``inputs[i]`` is row ``rows[i]``'s
         frame): the pieces each row's text became, in row order."""
         started = time.perf_counter_ns()
+        cpu = time.thread_time_ns()
         with self._torch.no_grad():
             if self._joining.any():
                 self._join()
@@ -185,6 +188,7 @@ class Transcriber:
         self.last_stage = ("transcribe", ns)
         self.steps += 1
         self.seconds += ns / 1e9
+        self.cpu_seconds += (time.thread_time_ns() - cpu) / 1e9
         return out
 
     def _advance(self) -> np.ndarray:
