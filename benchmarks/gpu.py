@@ -1,4 +1,4 @@
-"""The GPU table in one call: step time by batch, the wait's CPU, a masked batch, and one paced
+"""The GPU table in one call: step time by batch, the wait's CPU, fixed and bucketed batches, and one paced
 serving round over real WebSockets, for the Moshi 7B architecture with seeded random weights
 (``moshi-7b-random``: nothing to download), built once and reused by every phase.
 
@@ -34,7 +34,13 @@ Phases, each under its own time limit, the JSON (``DIR/gpu.json``) rewritten aft
    cap of 60 s) against the model's own 3000 (240 s), at 32 and 64 rows, alternated: the step, its
    stages, the state per slot and how many slots fit the memory at each ring, and the ratio of
    the short ring's step to the full one's at the same rows.
-7. ``masked``: the largest batch measured, with one and with an eighth of its rows active.
+7. ``batch``: the largest batch measured, with 1, 2, an eighth and all of its rows active, run as
+   the fixed batch (``backend.options.batch = "fixed"``, every row every step) and in buckets
+   (the default: the smallest bucket covering the calls); then ``probe``: one seeded call of
+   ``NEIGHBOUR_FRAMES`` frames alone and again while neighbours join (1 -> 2 -> 8 rows) and leave
+   around it, in buckets: how many of its frames' text and audio differ (rounding by batch size,
+   which at a near-tie samples another token).  The phases before it run the fixed batch, so
+   that ``steps``' ``exact`` still asks what a batch size changes.
 8. ``serve``: ``duplexrt serve`` on that model at the largest batch whose step leaves the capacity
    margin (5 % of the 80 ms frame), its host threads pinned to one CPU, and paced callers over
    real WebSockets from another process kept off that CPU (``benchmarks/bare_cli.py simulate
@@ -80,12 +86,14 @@ GPU_RING = ((32, 64), (750, 3000))
 CPU_RING = ((2, 4), (16, 64))
 #: Seconds each phase may take (GPU, CPU); the whole run is also bounded by --budget-s.
 LIMITS = {"build": (300, 120), "steps": (150, 120), "variants": (90, 60), "wait": (20, 10), "ring": (90, 60),
-          "masked": (40, 60), "serve": (90, 120)}
+          "batch": (60, 60), "serve": (90, 120)}
 #: The ``variants`` phase: (CUDA graphs, torch.compile) for each run, all on first.
 VARIANTS = ((True, True), (False, True), (True, False), (False, False))
 FRAME = 1920
 #: Frames of the one session the steps phase hears alone at each batch size.
 PROBE_FRAMES = 8
+#: Frames of the call the ``batch`` phase hears alone and among neighbours (GPU, CPU).
+NEIGHBOUR_FRAMES = (200, 24)
 FRAME_MS = 80.0
 
 
@@ -389,12 +397,69 @@ def ring_phase(backend, rows: tuple[int, ...], rings: tuple[int, ...], steps: in
     return {"cells": cells}
 
 
-def masked_phase(backend, slots: int, steps: int, cuda: bool) -> dict:
-    backend.resize(slots)
+def batch_phase(backend, slots: int, steps: int, cuda: bool, probe_frames: int) -> dict:
+    """The step by active rows, fixed batch against buckets, then the neighbour probe."""
+    import attrs
+
+    settings = backend.settings
     runs = []
-    for active in sorted({1, max(1, slots // 8), slots}):
-        runs.append({"active": active, **_timed_steps(backend, active, steps, cuda)})
-    return {"slots": slots, "runs": runs}
+    try:
+        for batch in ("fixed", "buckets"):
+            backend.settings = attrs.evolve(settings, batch=batch)
+            backend.resize(slots)
+            for active in sorted({1, min(2, slots), max(1, slots // 8), slots}):
+                runs.append({"batch": batch, "active": active, **_timed_steps(backend, active, steps, cuda)})
+        probe = _neighbour_probe(backend, probe_frames)
+    finally:
+        backend.settings = settings
+    fixed = {r["active"]: r["step_ms"]["p50"] for r in runs if r["batch"] == "fixed"}
+    for run in runs:
+        run["ratio_to_fixed"] = round(run["step_ms"]["p50"] / fixed[run["active"]], 4)
+    return {"slots": slots, "runs": runs, "probe": probe}
+
+
+def _neighbour_probe(backend, frames: int) -> dict:
+    """One seeded call alone, then the same call while 1 and then 6 neighbours join and leave
+    (buckets 1 -> 2 -> 8 -> 1, as the slots allow): the frames whose text or audio differ."""
+    import numpy as np
+
+    from duplexrt.backends.base import SlotSession
+
+    rng = np.random.default_rng(7)
+    signal = (rng.standard_normal((frames, FRAME)) * 0.3).astype(np.float32)
+    noise = (rng.standard_normal((frames, FRAME)) * 0.3).astype(np.float32)
+    slots = backend.info.slots
+    plan = [(slot, frames // 4 if slot == 1 else frames // 2, 3 * frames // 4) for slot in range(1, min(slots, 8))]
+
+    def call(with_neighbours: bool) -> tuple[np.ndarray, list[str]]:
+        backend.open_slot(0, SlotSession(4242))
+        heard = np.empty((frames, FRAME), dtype=np.float32)
+        texts: list[str] = []
+        for k in range(frames):
+            present = [0]
+            if with_neighbours:
+                for slot, start, end in plan:
+                    if k == start:
+                        backend.open_slot(slot, SlotSession(5000 + slot))
+                    if k == end:
+                        backend.close_slot(slot)
+                    if start <= k < end:
+                        present.append(slot)
+            rows = np.array(sorted(present), dtype=np.int64)
+            inputs = np.stack([signal[k] if r == 0 else noise[k] for r in rows])
+            out = np.empty_like(inputs)
+            said = backend.step(rows, inputs, out)
+            heard[k] = out[0]
+            texts.append(said[0])
+        backend.close_slot(0)
+        return heard, texts
+
+    alone = call(False)
+    among = call(True)
+    audio = [not np.array_equal(a, b) for a, b in zip(alone[0], among[0])]
+    return {"frames": frames, "neighbours": len(plan), "frames_text_differs": sum(a != b for a, b in zip(alone[1], among[1])),
+            "frames_audio_differs": int(sum(audio)), "max_abs_diff": float(np.abs(alone[0] - among[0]).max()),
+            "frames_audio_differs_over_1e-3": int((np.abs(alone[0] - among[0]).max(axis=1) > 1e-3).sum())}
 
 
 def serve_phase(backend, slots: int, seconds: float, out: Path, limit_s: float) -> dict:
@@ -408,6 +473,7 @@ def serve_phase(backend, slots: int, seconds: float, out: Path, limit_s: float) 
     import tempfile
 
     backend.info = attrs.evolve(backend.info, slots=slots)  # the scheduler's load sizes it again
+    backend.settings = attrs.evolve(backend.settings, batch="buckets")  # served as a user's server is
     # The server's host threads pinned to one CPU, as on CPUs given to it; the clients kept off it.
     config = load_config(None, ["server.port=0", 'backend.name="moshi"', f"runtime.slots={slots}",
                                 'runtime.late_input="fill"', "metrics.log_stats=false",
@@ -519,7 +585,9 @@ def main() -> int:
 
     # The presets' own model options: configs/moshi-7b-random.toml on a GPU, moshi-tiny.toml on a CPU.
     preset = ROOT / "configs" / ("moshi-7b-random.toml" if cuda else "moshi-tiny.toml")
-    options = dict(load_config(preset).backend.options)
+    # The fixed batch until the ``batch`` phase compares it with buckets: ``steps``' ``exact`` asks
+    # what the batch size changes, which only the fixed batch lets a lone call see.
+    options = {**dict(load_config(preset).backend.options), "batch": "fixed"}
     sizes = GPU_SIZES if cuda else CPU_SIZES
     steps = args.steps or (20 if cuda else 3)
     budget_ms = FRAME_MS * 0.95
@@ -555,8 +623,8 @@ def main() -> int:
             backend, ring_rows, rings, steps, cuda, deadline("ring"),
             lambda cells: results.put("ring", {"cells": cells})))
     if measured and time.monotonic() < end:
-        run_phase(results, "masked", LIMITS["masked"][which] + hard,
-                  lambda: masked_phase(backend, measured[-1]["rows"], steps, cuda))
+        run_phase(results, "batch", LIMITS["batch"][which] + hard,
+                  lambda: batch_phase(backend, measured[-1]["rows"], steps, cuda, NEIGHBOUR_FRAMES[which]))
     if measured and time.monotonic() < end:
         serve_slots = max(within) if within else 1
         seconds = args.serve_seconds or (30.0 if cuda else 3.0)

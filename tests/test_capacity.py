@@ -86,6 +86,27 @@ def test_a_fixed_batch_costs_the_same_for_any_rows_so_every_slot_fits_or_one():
     assert too_slow.estimate.sessions == 1  # it still serves one session, and says it is slow
 
 
+def test_bucketed_steps_price_a_session_count_at_the_bucket_that_carries_it():
+    """Buckets of 1, 2, 4, 8, 16, 24, 32 rows, each step costing its bucket's rows on the GPU-like
+    curve: the line runs through the buckets, and the estimate admits no count whose bucket's
+    step is over the budget (the line at the count itself would: 25 sessions ride a 32-row step)."""
+    from duplexrt.backends.moshi.buckets import BucketChooser, sizes
+
+    chooser = BucketChooser(sizes(32))
+
+    def staircase(n: int) -> float:
+        return 0.040 + 0.0013 * chooser.covering(n)
+
+    estimator = CapacityEstimator(32, FRAME_S, margin=0.05, refit_every=1, paid_rows=chooser.covering)
+    estimator.seed([(b, staircase(b)) for b in sizes(32)])
+    for n in (3, 5, 11, 20, 2, 30):  # each step recorded under the bucket it ran, as the scheduler does
+        estimator.record(chooser.covering(n), int(staircase(n) * 1e9))
+    edge = true_edge(staircase, 32)  # 24: a 32-row step is 81.6 ms
+    assert estimator.estimate.sessions == edge == 24
+    assert 0.040 + 0.0013 * 25 <= 0.076  # the line at 25 itself would have admitted it
+    assert sessions_within(40.0, 1.3, 76.0, 32) == 27 and sessions_within(40.0, 1.3, 76.0, 32, chooser.covering) == 24
+
+
 def test_a_batch_size_seen_over_the_budget_caps_the_estimate_whatever_the_line_says():
     # A fixed 64-row batch (tiny Moshi on a 2-core CPU) whose warm-up fits a line under the
     # budget, then steps of 89 ms at one row: the steps' own cost brings the estimate down.

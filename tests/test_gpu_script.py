@@ -82,7 +82,13 @@ def test_the_script_runs_every_phase_in_the_bare_layout(bare):
     cells = phases["ring"]["cells"]
     assert [(c["rows"], c["ring_positions"]) for c in cells] == [(2, 16), (2, 64), (4, 16), (4, 64)]
     assert all(c["step_ms"]["p50"] > 0 and c["ratio_to_full_ring"] > 0 for c in cells)
-    assert [run["active"] for run in phases["masked"]["runs"]] == [1, 4]
+    batch = phases["batch"]
+    assert [(run["batch"], run["active"]) for run in batch["runs"]] == [
+        ("fixed", 1), ("fixed", 2), ("fixed", 4), ("buckets", 1), ("buckets", 2), ("buckets", 4)]
+    assert all(run["ratio_to_fixed"] > 0 for run in batch["runs"])
+    probe = batch["probe"]
+    assert probe["frames"] == 24 and probe["neighbours"] == 3  # slots 1-3 of the 4 join and leave
+    assert 0 <= probe["frames_text_differs"] <= probe["frames"] and probe["max_abs_diff"] < 1e-3
     serve = phases["serve"]
     assert serve["clients_exit_status"] == 0, serve.get("clients_output")
     assert serve["frames_out"] == serve["sessions"] * serve["frames_per_session"] and not serve["failures"]

@@ -265,3 +265,16 @@ def test_transcriber_config_refuses_what_cannot_run():
     with pytest.raises(ConfigError, match="delay_seconds"):
         TranscriberConfig(delay_seconds=-1)
     assert not TranscriberConfig().enabled
+
+
+def test_a_warmed_up_transcriber_gives_the_same_transcripts(reference):
+    transcriber = Transcriber(tiny_model(), 2)
+    transcriber.load(warmup_steps=3)
+    try:
+        assert transcriber.warmup_cost > 0 and transcriber.steps == 0
+        calls = [Call(0, 0, voice(17, 6)), Call(1, 2, voice(18, 5))]
+        run(transcriber, calls)
+        for call in calls:
+            assert call.texts == reference.text(call.audio)
+    finally:
+        transcriber.close()

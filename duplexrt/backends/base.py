@@ -115,11 +115,20 @@ class Backend(abc.ABC):
     #: Step costs measured in ``load`` (the warm-up), as ``(rows, seconds)``: what the runtime's
     #: capacity estimate starts from before any session has been stepped.
     warmup_costs: tuple[tuple[int, float], ...] = ()
+    #: The rows the last step paid for, where the backend steps more rows than it was given (a
+    #: bucket covering its calls); None: the rows given.  The capacity estimate's unit.
+    stepped_rows: int | None = None
     #: Whether ``load`` can choose the slot count (``runtime.slots = "auto"``).
     chooses_slots = False
     #: How the slot count was arrived at (set by ``load`` where the backend has more to say than
     #: "configured"; the scheduler fills in the plain case).
     slot_choice: SlotChoice | None = None
+
+    def paid_rows(self, sessions: int) -> int:
+        """The rows a step of ``sessions`` sessions pays for: the capacity estimate prices a
+        session count at this many rows.  The sessions themselves, unless the backend steps
+        more (a bucket covering them: see the moshi backend's ``buckets``)."""
+        return sessions
 
     def __init__(self, info: BackendInfo) -> None:
         if info.slots == CHOSEN_AT_LOAD and not self.chooses_slots:

@@ -13,14 +13,17 @@ what the backend measured at load (``Backend.warmup_costs``).  The result is one
 no lock on either side.
 
 A model whose step costs the whole batch whatever the rows (Moshi's fixed batch) fits a flat line:
-every slot fits, or one does.
+every slot fits, or one does.  A model that steps a bucket of rows covering its sessions (Moshi's
+default) records each step under the rows it paid for, and a session count is priced at the
+bucket that would carry it (``Backend.paid_rows``): the line runs through the buckets' costs, and
+admission never counts on the rows between two buckets being cheaper than the larger one.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import numpy as np
@@ -62,11 +65,16 @@ class CapacityEstimate:
         return attrs.asdict(self)
 
 
-def sessions_within(base: float, per_session: float, budget: float, slots: int) -> int:
-    """The largest n in 1..slots with ``base + per_session * n <= budget`` (at least 1: a model
-    too slow for one session in real time still serves one, and says so in its estimate)."""
+def sessions_within(base: float, per_session: float, budget: float, slots: int,
+                    paid_rows: Callable[[int], int] | None = None) -> int:
+    """The largest n in 1..slots with ``base + per_session * paid_rows(n) <= budget`` (at least 1:
+    a model too slow for one session in real time still serves one, and says so in its
+    estimate).  ``paid_rows``: the rows a step of n sessions pays for (None: n)."""
     if per_session <= 0:
         return slots if base <= budget else 1
+    if paid_rows is not None:
+        fits = [n for n in range(1, slots + 1) if base + per_session * paid_rows(n) <= budget + 1e-9]
+        return max(fits, default=1)
     n = math.floor((budget - base) / per_session + 1e-9)
     return max(1, min(slots, n))
 
@@ -107,8 +115,10 @@ class CapacityEstimator:
     """Learns step cost by batch size on the scheduler thread; publishes ``estimate``."""
 
     def __init__(self, slots: int, frame_seconds: float, margin: float, max_sessions: int = 0,
-                 refit_every: int = 16) -> None:
+                 refit_every: int = 16, paid_rows: Callable[[int], int] | None = None) -> None:
         self.slots = slots
+        #: The rows a step of n sessions pays for (``Backend.paid_rows``); None: n.
+        self.paid_rows = paid_rows
         self.frame_ms = frame_seconds * 1e3
         self.budget_ms = self.frame_ms * (1.0 - margin)
         self.max_sessions = min(max_sessions, slots) if max_sessions else 0
@@ -178,7 +188,7 @@ class CapacityEstimator:
             sessions = self.slots
         else:
             base, slope = line
-            sessions = sessions_within(base, slope, self.budget_ms, self.slots)
+            sessions = sessions_within(base, slope, self.budget_ms, self.slots, self.paid_rows)
         limit = self.max_sessions or sessions
         return CapacityEstimate(
             sessions=sessions, limit=limit, slots=self.slots, base_ms=base, per_session_ms=slope,

@@ -46,6 +46,8 @@ DRAIN_BELOW_MS = 0.1
 #: a frame waits at most this long, and each cycle's wake-up and delivery serve the frames of
 #: every session that came meanwhile.
 CHEAP_STEP_CYCLE_MS = 5.0
+#: Steps on silence the transcriber takes at load (``Transcriber.load``), after the backend's.
+TRANSCRIBER_WARMUP_STEPS = 2
 #: A load interrupted by a stop (``Scheduler.run`` cancelled while the model loads) gets this
 #: long to unwind before its thread is left behind.
 LOAD_STOP_S = 10.0
@@ -314,7 +316,8 @@ class Scheduler:
         self.slots = slots
         #: Step cost by batch size, learnt on this thread; its ``estimate`` is what admission reads.
         self.capacity = CapacityEstimator(slots, info.frame_size / info.sample_rate,
-                                          config.capacity_margin, config.max_sessions)
+                                          config.capacity_margin, config.max_sessions,
+                                          paid_rows=self.backend.paid_rows)
         self.inbox = Inbox(slots, config.inbox_depth,
                            lambda: handoffs.count_from_any_thread(HandoffKind.SCHEDULER_WAKE))
         self._free_slots = list(range(slots - 1, -1, -1))  # pop() gives the lowest
@@ -505,7 +508,7 @@ class Scheduler:
                 self._size_slots(self.backend.info.slots)
             if self.transcriber is not None:
                 with self._load_interrupter.interruptible():
-                    self.transcriber.load(self.slots)
+                    self.transcriber.load(self.slots, warmup_steps=TRANSCRIBER_WARMUP_STEPS)
                 self.transcriber.check_audio(self.backend.info.sample_rate, self.frame_size)
             if self._stop.is_set():  # trio stopped while the model loaded: serve nothing
                 self.inbox.stop()
@@ -515,7 +518,12 @@ class Scheduler:
             self._outputs = _host_buffer(shape, self.backend.info.device)
             self._input_bytes = self._inputs.data.cast("B")
             self._frame_bytes = self.frame_size * self._inputs.itemsize
-            self.capacity.seed(self.backend.warmup_costs)
+            warmup_costs = self.backend.warmup_costs
+            if self.transcriber is not None:
+                # A step is the backend's and the transcriber's: admission starts from both.
+                extra = self.transcriber.warmup_cost
+                warmup_costs = tuple((rows, cost + extra) for rows, cost in warmup_costs)
+            self.capacity.seed(warmup_costs)
             # After load: whatever threads the model started keep every core.
             pin_this_thread(self.pin_cpu)
             self._rows = np.zeros(self.slots, dtype=np.int64)
@@ -715,7 +723,7 @@ class Scheduler:
         else:
             stepped = time.perf_counter_ns()
             self._consecutive_failures = 0
-            self.capacity.record(n, stepped - started)
+            self.capacity.record(self.backend.stepped_rows or n, stepped - started)
             # The only per-step allocation: trio keeps these rows after the buffer is reused.
             stages = self.backend.last_stages
             if transcriber is not None:

@@ -86,10 +86,12 @@ class Transcriber:
     def sample_rate(self) -> int:
         return int(self.stt.mimi.sample_rate)
 
-    def load(self, slots: int | None = None) -> None:
+    def load(self, slots: int | None = None, *, warmup_steps: int = 0) -> None:
         """Load the model if need be (``config``), then start the fixed batch of ``slots`` rows
-        streaming (``slots`` given at construction, unless given here) and allocate the host
-        buffers."""
+        streaming (``slots`` given at construction, unless given here), allocate the host
+        buffers, and step ``warmup_steps`` times on silence with every row (allocation and
+        kernel choice happen then, not in a caller's first step; ``warmup_cost`` is the median
+        of those steps), after which every row is a fresh one again."""
         import torch
         from moshi.models import LMGen
 
@@ -133,6 +135,32 @@ class Transcriber:
                                    (lm.text_padding_token_id, lm.end_of_text_padding_id))
         self._frame_ms = frame / self.sample_rate * 1e3
         self._delay_ms = model.delay_seconds * 1e3
+        if warmup_steps:
+            self._warm_up(warmup_steps)
+
+    #: Seconds one warm-up step took (median), 0.0 before any: what the scheduler adds to the
+    #: backend's own warm-up cost when it seeds the capacity estimate.
+    warmup_cost = 0.0
+
+    def _warm_up(self, steps: int) -> None:
+        rows = np.arange(self.slots, dtype=np.int64)
+        silence = np.zeros((self.slots, self.frame_size), dtype=np.float32)
+        costs = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            self.step(rows, silence)
+            costs.append(time.perf_counter() - started)
+        self.warmup_cost = sorted(costs)[len(costs) // 2]
+        with self._torch.no_grad():
+            everyone = self._torch.ones(self.slots, dtype=self._torch.bool, device=self._mask_dev.device)
+            self.stt.mimi.reset_streaming(everyone)
+            self._lm_gen.reset_streaming(everyone)
+            self._fresh.restore(self._torch.arange(self.slots, device=self._mask_dev.device))
+        self._frames[:] = 0
+        self._floor_ms[:] = 0.0
+        self._joining[:] = False
+        self._ending[:] = False
+        self.steps, self.seconds, self.cpu_seconds, self.extra_steps = 0, 0.0, 0.0, 0
 
     def check_audio(self, sample_rate: int, frame_size: int) -> None:
         """ConfigError unless the dialogue model's frames are the STT model's (the transcriber

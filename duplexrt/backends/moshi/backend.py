@@ -683,6 +683,11 @@ class MoshiBackend(Backend):
 
     # -- slots -------------------------------------------------------------------------------------
 
+    def paid_rows(self, sessions: int) -> int:
+        """A bucket step pays for the bucket covering the calls; the fixed batch's flat cost is
+        fitted as it is (a flat line over the sessions)."""
+        return self._chooser.covering(sessions) if self._row_map.dense else sessions
+
     def open_slot(self, slot: int, session: SlotSession) -> None:
         # The reset itself waits for the next step, so that sessions joining together share one.
         row = self._row_map.open(slot)
@@ -798,6 +803,7 @@ class MoshiBackend(Backend):
         views = self._views
         if views is not None:
             views.enter(size)  # this bucket's states on the modules, for this step only
+            self.stepped_rows = size
         try:
             texts = self._run_model(torch, rows, size, outputs, t0, t_first)
         finally:
