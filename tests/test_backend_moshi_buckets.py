@@ -273,3 +273,31 @@ def test_ending_a_call_that_has_left_is_ignored():
             backend.move_row(1, 0)
     finally:
         backend.close()
+
+
+def test_a_step_that_fails_inside_the_model_leaves_the_batch_s_own_state_on_the_modules(monkeypatch):
+    """The model raises mid-step (as a device error would): the bucket's states come off the
+    modules all the same, and the calls go on from the batch's own state."""
+    backend = _backend(4)
+    try:
+        own = backend._lm_gen._streaming_state
+        signal = _signal(3, 6)
+        backend.open_slot(2, SlotSession(5))
+        backend.open_slot(0, SlotSession(6))
+        order = np.array([0, 2], dtype=np.int64)
+        out = np.empty((2, FRAME), dtype=np.float32)
+        backend.step(order, np.stack([signal[0], signal[0]]), out)
+
+        def broken(codes):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(backend._lm_gen, "step", broken)
+        with pytest.raises(RuntimeError, match="device lost"):
+            backend.step(order, np.stack([signal[1], signal[1]]), out)
+        monkeypatch.undo()
+        assert backend._lm_gen._streaming_state is own
+        assert backend._lm_gen.lm_model.transformer._streaming_state.batch_size == 4
+        backend.step(order, np.stack([signal[1], signal[1]]), out)
+        assert np.isfinite(out).all()
+    finally:
+        backend.close()

@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -155,8 +154,8 @@ class _Bucket:
         self.size = size
         #: (the module's attribute dictionary, this bucket's state for it)
         self.installs: list[tuple[dict[str, Any], Any]] = []
-        #: (object holding the field, field name, its view, the batch's tensor it views)
-        self.views: list[tuple[Any, str, Any, Any]] = []
+        #: (the state object holding the field, the field's name, its view of the batch's tensor)
+        self.views: list[tuple[Any, str, Any]] = []
         #: (the batch's state, this bucket's copy) of every state with a step count
         self.counts: list[tuple[Any, Any]] = []
 
@@ -220,7 +219,7 @@ class ViewStates:
                                                  "model runs two per call)")
                     view = value.narrow(dim, 0, size)
                     setattr(clone, name, view)
-                    bucket.views.append((clone, name, view, value))
+                    bucket.views.append((clone, name, view))
                 elif field not in SHARED_TENSORS:
                     raise BucketsUnsupported(f"the streaming state's {field} is a tensor no table places")
             elif field == "batch_size":
@@ -234,7 +233,8 @@ class ViewStates:
         return clone
 
     def enter(self, size: int) -> None:
-        """Bucket ``size``'s states on their modules, its step counts the batch's."""
+        """Bucket ``size``'s states on their modules, its step counts the batch's: for one step,
+        ``leave`` after it however it ends."""
         bucket = self.buckets[size]
         for state, clone in bucket.counts:
             clone.offset_cpu = state.offset_cpu
@@ -249,7 +249,7 @@ class ViewStates:
         if bucket is None:
             return
         self._entered = None
-        for holder, name, view, _ in bucket.views:
+        for holder, name, view in bucket.views:
             value = getattr(holder, name)
             if value is not view:
                 view.copy_(value)
@@ -258,15 +258,6 @@ class ViewStates:
             state.offset_cpu = clone.offset_cpu
         for holder, state in self._own:
             holder[STREAMING_STATE] = state
-
-    @contextmanager
-    def entered(self, size: int) -> Iterator[None]:
-        """``enter`` for the length of a step, ``leave`` however it ends."""
-        self.enter(size)
-        try:
-            yield
-        finally:
-            self.leave()
 
 
 __all__ = ["SHRINK_AFTER_STEPS", "BucketChooser", "BucketsUnsupported", "ViewStates", "sizes", "time_buckets"]
