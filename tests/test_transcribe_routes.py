@@ -139,3 +139,28 @@ async def test_the_moshi_tiny_stt_preset_serves_the_callers_words_beside_the_mod
     said = [e["delta"] for e in events if e["type"] == "session.input_transcript.delta"]
     assert said == reference.text(frames)  # the caller's, whatever the dialogue model said
     assert any(e["type"] == "session.output_transcript.delta" for e in events)
+
+
+async def test_the_duplex_route_sends_input_text_before_its_end(start_server, reference):
+    import json
+
+    import trio_websocket
+
+    served = await start_server("runtime.slots=2", *TINY)
+    frames = np.clip(voice(44, 6), -1.0, 1.0)  # pcm_f32le: the server clips to full scale
+    events: list[dict] = []
+    with trio.fail_after(PATIENCE * 3):
+        async with trio_websocket.open_websocket_url(served.url("/v1/duplex")) as ws:
+            await ws.send_message(np.ascontiguousarray(frames, dtype="<f4").tobytes())
+            await ws.send_message(json.dumps({"type": "input.end"}))
+            try:
+                while True:
+                    message = await ws.get_message()
+                    if isinstance(message, str):
+                        events.append(json.loads(message))
+            except trio_websocket.ConnectionClosed:
+                pass
+    said = [e for e in events if e["type"] == "input_text"]
+    assert [e["text"] for e in said] == reference.text(frames)
+    assert all(e["audio_ms"] == max(0.0, e["frame"] * 80 - 500) for e in said)
+    assert events[-1]["type"] == "session.end" and events[-1]["usage"]["frames_flushed"] == 1

@@ -12,12 +12,16 @@ parameters are ignored and ``session.created`` has no ``persona``.  There is no 
 
 Server → client text: ``{"type": "session.created", "input": {...}, "output": {...}}`` first,
 ``{"type": "text", "text": ...}``, ``{"type": "error", "code": ..., "message": ...}``, and last
-``{"type": "session.end", "reason": ..., "usage": {...}}``.
+``{"type": "session.end", "reason": ..., "usage": {...}}``.  With a transcriber on the server
+(``[transcriber]``), what the caller said: ``{"type": "input_text", "text": ..., "frame": ...,
+"audio_ms": ...}``, one per piece (``frame``: the caller's frame whose step wrote it;
+``audio_ms``: where in the caller's audio it belongs, the model's delay earlier).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import attrs
 
@@ -25,6 +29,7 @@ from duplexrt.audio import AudioSpec
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import (AudioIn, Event, InputEnd, ProtocolError, Reply, SessionEnd, quote,
                                       too_many_values)
+from duplexrt.transcribe.pieces import TranscriptPiece
 from duplexrt.wire.transport import Message
 
 _PONG = json.dumps({"type": "pong"})
@@ -79,6 +84,10 @@ class RawTranslator(Translator):
 
     def text_out(self, text: str) -> list[Message]:
         return [json.dumps({"type": "text", "text": text})]
+
+    def input_text(self, pieces: Sequence[TranscriptPiece]) -> list[Message]:
+        return [json.dumps({"type": "input_text", "text": piece.text, "frame": piece.frame,
+                            "audio_ms": piece.audio_ms}) for piece in pieces if piece.text]
 
     def error(self, error: ProtocolError) -> list[Message]:
         return [json.dumps({"type": "error", "code": error.code, "message": error.message})]
