@@ -96,3 +96,34 @@ async def test_transcripts_cross_with_the_steps_outputs_not_on_their_own(referen
 def test_a_transcriber_needs_mimis_frames():
     with pytest.raises(ConfigError, match="audio.frame_size = 1920"):
         make_config("audio.frame_size=960", *TINY)
+
+
+async def test_a_transcriber_that_fails_a_step_fails_no_call(reference, caplog):
+    config = make_config("runtime.slots=2", *TINY)
+    async with open_runtime(config) as runtime:
+        transcriber = runtime.transcriber
+        assert transcriber is not None
+        real = transcriber.step
+        calls = {"n": 0}
+
+        def sometimes(rows, inputs):
+            calls["n"] += 1
+            if calls["n"] in (3, 4):
+                raise RuntimeError("injected transcriber failure")
+            return real(rows, inputs)
+
+        transcriber.step = sometimes  # the scheduler thread looks it up each step
+        owner = RecordingOwner()
+        audio = voice(35, 8)
+        await _call(runtime, owner, audio)
+        assert owner.failures == [] and len(owner.outputs) == len(audio) + 1
+        assert runtime.scheduler.transcriber_failures == 2
+    # Up to the failure, the words are the reference's; the two failed steps wrote nothing (the
+    # row's stream missed those frames, so what follows is its own), and words go on after them.
+    table = reference.table
+    before = [table[t] for t in reference.tokens(audio)[:2] if table[t]]
+    assert [p.text for p in owner.transcripts if p.text and p.frame < 2] == before
+    assert not [p for p in owner.transcripts if p.frame in (2, 3)]
+    assert [p for p in owner.transcripts if p.frame > 3]
+    assert sum("the transcriber failed a step" in r.message for r in caplog.records) == 1
+    assert any("the transcriber steps again" in r.message for r in caplog.records)

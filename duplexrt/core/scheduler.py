@@ -299,6 +299,10 @@ class Scheduler:
         # ready, whatever else is true (``failing``).
         self._consecutive_failures = 0
         self._step_time = Histogram()
+        #: Steps the transcriber failed (their calls went on without those words), and whether
+        #: the last one failed (scheduler thread only).
+        self.transcriber_failures = 0
+        self._transcriber_failing = False
         #: Slots whose persona the backend refused: their frames are dropped, never stepped
         #: without it, until the slot closes (scheduler thread only).
         self._refused: set[int] = set()
@@ -711,7 +715,7 @@ class Scheduler:
             if transcriber is not None:
                 # The same rows and frames, in the same thread: no crossing of its own; its
                 # pieces ride in this step's outcome.
-                transcripts = transcriber.step(rows, inputs)
+                transcripts = self._transcribe(transcriber, rows, inputs)
         except Exception as exc:
             stepped = time.perf_counter_ns()
             error_id = new_error_id()
@@ -737,6 +741,29 @@ class Scheduler:
         self._step_time.record(stepped - started)
         self.batch_sizes.record(n)
         return outcome
+
+    def _transcribe(self, transcriber: Transcriber, rows: np.ndarray,
+                    inputs: np.ndarray) -> Sequence[tuple[TranscriptPiece, ...]] | None:
+        """The transcriber's step.  Its failure fails no call: the model's output goes out, that
+        step's words are lost (None).  Said in the log with an error id when a run of failures
+        starts, and when it ends; counted in ``transcriber_failures``."""
+        try:
+            transcripts = transcriber.step(rows, inputs)
+        except Exception as exc:
+            self.transcriber_failures += 1
+            try:
+                transcriber.missed(rows)
+            except Exception:
+                log.exception("the transcriber failed to skip a failed step's frames")
+            if not self._transcriber_failing:
+                self._transcriber_failing = True
+                log.error("the transcriber failed a step of %d session(s) (error id %s); their calls go on "
+                          "without those words", len(rows), new_error_id(), exc_info=exc)
+            return None
+        if self._transcriber_failing:
+            self._transcriber_failing = False
+            log.warning("the transcriber steps again, after %d failed step(s) in all", self.transcriber_failures)
+        return transcripts
 
     def _step_failed(self) -> None:
         self._failed_steps += 1

@@ -193,6 +193,13 @@ class Transcriber:
         """``slot``'s frame in the next step is its end-of-input mark: flush its last words."""
         self._ending[slot] = True
 
+    def missed(self, rows: np.ndarray) -> None:
+        """The step of ``rows`` failed: their frames were not transcribed.  Their frame counts
+        move on all the same, so that later pieces stay on their callers' timeline, and an
+        end-of-input mark in that step is forgotten (its flush is lost with the step)."""
+        self._frames[rows] += 1
+        self._ending[rows] = False
+
     # -- stepping ------------------------------------------------------------------------------
 
     def step(self, rows: np.ndarray, inputs: np.ndarray) -> list[RowPieces]:
