@@ -278,3 +278,17 @@ def test_a_warmed_up_transcriber_gives_the_same_transcripts(reference):
             assert call.texts == reference.text(call.audio)
     finally:
         transcriber.close()
+
+
+def test_a_slot_s_state_is_measured_from_the_model_s_own_streaming_state():
+    small, large = Transcriber(tiny_model(), 1), Transcriber(tiny_model(), 4)
+    for transcriber in (small, large):
+        transcriber.load()
+    try:
+        # The tiny LM's K/V ring: 2 layers x keys and values x 4 heads x 64 positions x 16 x 4 B.
+        assert small.slot_bytes >= 2 * 2 * 4 * 64 * 16 * 4
+        # Per slot, whatever the batch (a few shared tensors, the initial tokens, spread over it).
+        assert abs(small.slot_bytes - large.slot_bytes) <= small.slot_bytes // 100
+    finally:
+        small.close()
+        large.close()

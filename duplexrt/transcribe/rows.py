@@ -48,6 +48,31 @@ class FreshRows:
                         lm_model: Any = module.lm_model
                         self.buffers.append((value, 0, int(lm_model.ungenerated_token_id)))
 
+    @staticmethod
+    def state_bytes(roots: list[Any]) -> int:
+        """Bytes of every tensor in the streaming states under ``roots`` (the K/V rings, the
+        convolution buffers, the token cache...): what the batch's rows hold, all together."""
+        import torch
+        from moshi.modules.transformer import RingKVCache
+
+        from duplexrt.backends.moshi.internals import attributes, streaming_state
+
+        total = 0
+        seen: set[int] = set()
+        for root in roots:
+            for module in root.modules():
+                state = streaming_state(module)
+                if state is None or id(state) in seen:
+                    continue
+                seen.add(id(state))
+                for value in attributes(state).values():
+                    if isinstance(value, RingKVCache):
+                        value = value.cache
+                    if isinstance(value, torch.Tensor) and id(value) not in seen:
+                        seen.add(id(value))
+                        total += value.numel() * value.element_size()
+        return total
+
     def restore(self, index: Any) -> None:
         """Restore the rows of ``index`` (a 1-D int64 tensor on the model's device)."""
         for tensor, dim, fill in self.buffers:

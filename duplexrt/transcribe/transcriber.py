@@ -28,6 +28,7 @@ package's own single-stream inference gives for the same audio, whoever shares t
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -38,6 +39,8 @@ from duplexrt.config import ConfigError, TranscriberConfig
 from duplexrt.transcribe.model import SttModel, load_model
 from duplexrt.transcribe.pieces import TranscriptPiece, piece_table
 from duplexrt.transcribe.rows import FreshRows
+
+log = logging.getLogger("duplexrt.transcribe")
 
 #: Each row's pieces from one step (``()`` for a row that wrote nothing).
 RowPieces = tuple[TranscriptPiece, ...]
@@ -135,8 +138,14 @@ class Transcriber:
                                    (lm.text_padding_token_id, lm.end_of_text_padding_id))
         self._frame_ms = frame / self.sample_rate * 1e3
         self._delay_ms = model.delay_seconds * 1e3
+        #: What one slot's streaming state holds (bytes), the batch's divided by its rows.
+        self.slot_bytes = FreshRows.state_bytes([model.mimi, self._lm_gen]) // slots
         if warmup_steps:
             self._warm_up(warmup_steps)
+        log.info("transcriber: %s on %s, text %g s behind the audio (%d frames of flush), %g s of silence "
+                 "before each call, %d slots, %.2f MB of state a slot, a warm-up step %.1f ms",
+                 model.name, self.device, model.delay_seconds, model.delay_frames, model.prefix_seconds, slots,
+                 self.slot_bytes / 1e6, self.warmup_cost * 1e3)
 
     #: Seconds one warm-up step took (median), 0.0 before any: what the scheduler adds to the
     #: backend's own warm-up cost when it seeds the capacity estimate.
@@ -150,7 +159,8 @@ class Transcriber:
             started = time.perf_counter()
             self.step(rows, silence)
             costs.append(time.perf_counter() - started)
-        self.warmup_cost = sorted(costs)[len(costs) // 2]
+        steady = costs[1:] or costs  # the first step allocates: not what a step costs
+        self.warmup_cost = sorted(steady)[len(steady) // 2]
         with self._torch.no_grad():
             everyone = self._torch.ones(self.slots, dtype=self._torch.bool, device=self._mask_dev.device)
             self.stt.mimi.reset_streaming(everyone)
