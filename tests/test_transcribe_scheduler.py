@@ -127,3 +127,25 @@ async def test_a_transcriber_that_fails_a_step_fails_no_call(reference, caplog):
     assert [p for p in owner.transcripts if p.frame > 3]
     assert sum("the transcriber failed a step" in r.message for r in caplog.records) == 1
     assert any("the transcriber steps again" in r.message for r in caplog.records)
+
+
+async def test_a_transcriber_that_cannot_load_stops_the_start_and_says_why(tmp_path):
+    from duplexrt.core.scheduler import BackendLoadError
+
+    missing = tmp_path / "no-such-stt"
+    config = make_config("transcriber.enabled=true", f'transcriber.checkpoint="{missing}"')
+    with pytest.raises(BackendLoadError, match=r"^the transcriber failed to load: transcriber.checkpoint: "
+                                                 r"no checkpoint directory at .*no-such-stt"):
+        async with open_runtime(config):
+            pass
+
+
+async def test_a_transcriber_refuses_a_dialogue_checkpoint(tmp_path):
+    from duplexrt.backends.moshi.tiny import save_tiny_checkpoint
+    from duplexrt.core.scheduler import BackendLoadError
+
+    directory = save_tiny_checkpoint(tmp_path / "moshi", 0)
+    config = make_config("transcriber.enabled=true", f'transcriber.checkpoint="{directory}"')
+    with pytest.raises(BackendLoadError, match="is not a speech-to-text model"):
+        async with open_runtime(config):
+            pass

@@ -65,6 +65,10 @@ class BackendLoadError(RuntimeError):
     """The backend could not load: the runtime cannot start."""
 
 
+class TranscriberLoadError(RuntimeError):
+    """The transcriber (``[transcriber]``) could not load: the runtime cannot start either."""
+
+
 class BackendStepError(RuntimeError):
     """The model failed on a step this session was part of.
 
@@ -370,9 +374,10 @@ class Scheduler:
         try:
             await self._started.wait()
             if self._finished.is_set():
-                raise BackendLoadError(
-                    f"backend {self.backend.info.name!r} failed to load: {self._thread_error}"
-                ) from self._thread_error
+                error = self._thread_error
+                what = (str(error) if isinstance(error, TranscriberLoadError)
+                        else f"backend {self.backend.info.name!r} failed to load: {error}")
+                raise BackendLoadError(what) from error
             task_status.started(self)
             await self._finished.wait()
             raise RuntimeError("the scheduler thread stopped unexpectedly") from self._thread_error
@@ -511,9 +516,12 @@ class Scheduler:
             if self.backend.info.slots != self.slots:  # chosen at load (``runtime.slots = "auto"``)
                 self._size_slots(self.backend.info.slots)
             if self.transcriber is not None:
-                with self._load_interrupter.interruptible():
-                    self.transcriber.load(self.slots, warmup_steps=TRANSCRIBER_WARMUP_STEPS)
-                self.transcriber.check_audio(self.backend.info.sample_rate, self.frame_size)
+                try:
+                    with self._load_interrupter.interruptible():
+                        self.transcriber.load(self.slots, warmup_steps=TRANSCRIBER_WARMUP_STEPS)
+                    self.transcriber.check_audio(self.backend.info.sample_rate, self.frame_size)
+                except Exception as exc:
+                    raise TranscriberLoadError(f"the transcriber failed to load: {exc}") from exc
             if self._stop.is_set():  # trio stopped while the model loaded: serve nothing
                 self.inbox.stop()
             self.slot_choice = self.backend.slot_choice or self.slot_choice

@@ -70,7 +70,10 @@ def load_model(config: TranscriberConfig) -> SttModel:
     else:
         from duplexrt.backends.moshi import loading
 
-        info = loading.resolve(config.checkpoint, models.loaders)
+        try:
+            info = loading.resolve(config.checkpoint, models.loaders)
+        except ConfigError as exc:  # its words name the backend's key: this is the transcriber's
+            raise ConfigError(str(exc).replace(loading.KEY, "transcriber.checkpoint")) from None
         lm_config = info.lm_config or {}
         if lm_config.get("dep_q", 8) != 0:
             raise ConfigError(f"transcriber.checkpoint = {config.checkpoint!r} is not a speech-to-text model "
