@@ -148,6 +148,62 @@ def test_f32_non_finite_message_is_refused_and_the_stream_goes_on(bad: float, ra
                                                                                  MODEL_RATE), [good.tobytes()]))
 
 
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_f32_check_by_top_byte_decides_as_the_full_check(kind: type) -> None:
+    """The check reads each sample's top byte first (every value of it, with the lowest and
+    highest bits below it): whatever it lets through unchecked must be what the reductions would
+    let through untouched, and the rest is refused (NaN, infinity) or clipped as before."""
+    quiet = noise(1920, seed=8, scale=0.1).clip(-0.49, 0.49)
+    for top in range(256):
+        for low in (0x000000, 0x7FFFFF, 0x800000, 0xFFFFFF):
+            samples = quiet.copy()
+            samples.view(np.uint32)[5] = top << 24 | low
+            value = samples[5]
+            payload = kind(samples.astype("<f4").tobytes())
+            decoder = make_decoder(spec("pcm_f32le"), MODEL_RATE)
+            if not np.isfinite(value):
+                with pytest.raises(AudioFormatError, match=r"1 NaN or infinite sample \(the first at sample 5\)"):
+                    decoder.decode(payload)
+                continue
+            decoded = decoder.decode(payload)
+            assert np.array_equal(decoded, np.clip(samples, -1.0, 1.0)), hex(top << 24 | low)
+            if abs(value) <= 1.0:  # nothing to clip: the payload's own memory, not a copy
+                assert np.shares_memory(decoded, np.frombuffer(payload, np.uint8))
+
+
+def test_f32_quiet_message_skips_the_reductions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Numpy's reductions release the GIL over more than 500 samples (a context switch of the
+    scheduler thread when it waits for the GIL): a message whose samples all stay under 0.5 in
+    magnitude is checked without them; one at 0.5 or more takes them, and so does the message
+    after it, until the reductions find one under 0.5 again."""
+    from duplexrt.audio import formats
+
+    calls: list[int] = []
+
+    def counted_min(samples: np.ndarray) -> np.floating:
+        calls.append(samples.size)
+        return np.minimum.reduce(samples)
+
+    monkeypatch.setattr(formats, "_MIN", counted_min)
+    decoder = make_decoder(spec("pcm_f32le"), MODEL_RATE)
+    quiet = noise(3840, seed=9, scale=0.1).clip(-0.4999999, 0.4999999)
+    assert np.array_equal(decoder.decode(quiet.tobytes()), quiet) and calls == []
+    loud = quiet.copy()
+    loud[100] = -0.5
+    assert np.array_equal(decoder.decode(loud.tobytes()), loud) and calls == [3840]
+    assert np.array_equal(decoder.decode(loud.tobytes()), loud) and calls == [3840] * 2
+    assert np.array_equal(decoder.decode(quiet.tobytes()), quiet) and calls == [3840] * 3
+    assert np.array_equal(decoder.decode(quiet.tobytes()), quiet) and calls == [3840] * 3
+    # Straight to the reductions after loud audio: NaN and out-of-range samples as before.
+    decoder.decode(loud.tobytes())
+    poisoned = loud.copy()
+    poisoned[7] = np.nan
+    with pytest.raises(AudioFormatError, match=r"1 NaN or infinite sample \(the first at sample 7\)"):
+        decoder.decode(poisoned.tobytes())
+    poisoned[7] = 1.5
+    assert np.array_equal(decoder.decode(poisoned.tobytes()), np.clip(poisoned, -1.0, 1.0))
+
+
 def test_f32_encode_accepts_float64() -> None:
     samples = noise(100).astype(np.float64)
     assert make_encoder(spec("pcm_f32le"), MODEL_RATE).encode(samples) == samples.astype("<f4").tobytes()

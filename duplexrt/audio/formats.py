@@ -97,34 +97,64 @@ _MAX = np.maximum.reduce
 
 # --- wire bytes -> float32 (payload length already checked) ----------------
 
-def _f32_from_wire(payload: Buffer) -> np.ndarray:
-    # On little-endian hosts '<f4' is the native float32: a view, no copy.
-    samples = np.frombuffer(payload, _F32LE)
-    return _in_range(samples if _LITTLE_ENDIAN else samples.astype(np.float32))
+#: The top byte of a little-endian float32 (its sign and the exponent's high seven bits) of every
+#: value under 0.5 in magnitude, and of no other (0.5 is 0x3F000000; NaN and infinity 0x7F or 0xFF).
+_UNDER_HALF = bytes(b for b in range(256) if b & 0x7F < 0x3F)
 
 
-def _in_range(samples: np.ndarray) -> np.ndarray:
-    """``samples`` if every one is in [-1, 1]; clipped (a copy) if some finite ones are not;
-    AudioFormatError if any is NaN or infinite.
+class _F32FromWire:
+    """``pcm_f32le`` to float32 for one decoder: the samples as they are if every one is in
+    [-1, 1]; clipped (a copy) if some finite ones are not; AudioFormatError if any is NaN or
+    infinite.
 
     A model fed NaN or infinity keeps it in its state (a KV cache, a convolution buffer) for the
-    rest of the session, so such a message is refused outright.  The check is two reductions
-    over the view and no allocation (what it costs in a loaded server: the hottest functions
-    ``benchmarks/profile_server.py`` lists for ``/v1/duplex``): min and max propagate NaN,
-    and a NaN fails every comparison, so one test catches NaN, infinities and out-of-range values
-    alike, and only a payload that fails it pays for a closer look and a copy.
+    rest of the session, so such a message is refused outright.  Numpy's reductions over more
+    than 500 elements release the GIL and take it back, and each release wakes the scheduler
+    thread if it waits for the GIL, only to find it taken again: a voluntary context switch
+    (``duplexrt simulate`` reports them per frame; docs/benchmarks.md has the before and after).
+    So each sample's top byte is read first, with bytes operations that keep the GIL: a message
+    whose samples all stay under 0.5 in magnitude needs nothing more.  A louder one (one byte
+    cannot tell 1.0 apart) takes two reductions over the view: min and max propagate NaN, and a
+    NaN fails every comparison, so one test catches NaN, infinities and out-of-range values
+    alike.  After a loud message the next goes straight to the reductions, until one says the
+    audio fell under 0.5 again: a loud stream pays the reductions alone, not both.
     """
-    if samples.size and not (-1.0 <= _MIN(samples) and _MAX(samples) <= 1.0):
-        finite = np.isfinite(samples)
-        if not finite.all():
-            bad = int(samples.size - np.count_nonzero(finite))
-            first = int(np.argmin(finite))
-            raise AudioFormatError(
-                f"pcm_f32le payload holds {bad} NaN or infinite sample{'s' if bad > 1 else ''} "
-                f"(the first at sample {first}); samples must be finite, from -1 to 1"
-            )
-        return np.clip(samples, -1.0, 1.0)
-    return samples
+
+    __slots__ = ("_loud",)
+
+    def __init__(self) -> None:
+        self._loud = False
+
+    def __call__(self, payload: Buffer) -> np.ndarray:
+        # On little-endian hosts '<f4' is the native float32: a view, no copy.
+        samples = np.frombuffer(payload, _F32LE)
+        if not _LITTLE_ENDIAN:
+            samples = samples.astype(np.float32)
+        if not samples.size or not self._loud and _all_under_half(payload):
+            return samples
+        low, high = _MIN(samples), _MAX(samples)
+        self._loud = not (-0.5 < low and high < 0.5)
+        return samples if -1.0 <= low and high <= 1.0 else _refused_or_clipped(samples)
+
+
+def _all_under_half(payload: Buffer) -> bool:
+    """Whether every sample of a ``pcm_f32le`` payload is finite and under 0.5 in magnitude, from
+    a slice and a ``translate`` of its bytes (which keep the GIL)."""
+    data = payload if type(payload) is bytes or type(payload) is bytearray else bytes(payload)
+    return not data[3::4].translate(None, _UNDER_HALF)
+
+
+def _refused_or_clipped(samples: np.ndarray) -> np.ndarray:
+    """AudioFormatError if a sample is NaN or infinite; else the samples clipped to [-1, 1]."""
+    finite = np.isfinite(samples)
+    if not finite.all():
+        bad = int(samples.size - np.count_nonzero(finite))
+        first = int(np.argmin(finite))
+        raise AudioFormatError(
+            f"pcm_f32le payload holds {bad} NaN or infinite sample{'s' if bad > 1 else ''} "
+            f"(the first at sample {first}); samples must be finite, from -1 to 1"
+        )
+    return np.clip(samples, -1.0, 1.0)
 
 
 def _s16_from_wire(payload: Buffer) -> np.ndarray:
@@ -161,7 +191,6 @@ def _alaw_to_wire(samples: np.ndarray) -> bytes:
 
 
 _FROM_WIRE: dict[AudioFormat, Callable[[Buffer], np.ndarray]] = {
-    AudioFormat.PCM_F32LE: _f32_from_wire,
     AudioFormat.PCM_S16LE: _s16_from_wire,
     AudioFormat.G711_ULAW: _ulaw_from_wire,
     AudioFormat.G711_ALAW: _alaw_from_wire,
@@ -249,7 +278,7 @@ class _PcmDecoder(Decoder):
         if sample_bytes is None:  # Opus: its decoder is _OpusDecoder
             raise ValueError(f"{spec.format.value} has no fixed sample size to decode by")
         self._sample_bytes = sample_bytes
-        self._from_wire = _FROM_WIRE[spec.format]
+        self._from_wire = _F32FromWire() if spec.format is AudioFormat.PCM_F32LE else _FROM_WIRE[spec.format]
         if max_seconds is not None:
             self.max_bytes = self.max_samples * self._sample_bytes
         inline = _samples_in(INLINE_DECODE_SECONDS, spec.sample_rate) * self._sample_bytes
