@@ -65,6 +65,7 @@ from duplexrt.backends.moshi.cuda import StepClock, select_device
 from duplexrt.backends.moshi.env import import_moshi
 from duplexrt.backends.moshi.prompter import Prompter
 from duplexrt.backends.moshi.row_map import RowMap
+from duplexrt.backends.moshi.text import piece_table
 from duplexrt.backends.moshi.staging import StagedRows
 from duplexrt.backends.moshi.rows import RowMover, RowWiper, uncovered
 from duplexrt.config import MAX_SLOTS, ConfigError
@@ -604,20 +605,11 @@ class MoshiBackend(Backend):
         self._ending = np.zeros(slots, dtype=bool)
         self._pending_end = False
         self._keys = np.zeros(slots, dtype=np.int64)
-        # Text pieces by token id, decoded once: "" for padding, specials and anything out of range.
-        specials = {lm.text_padding_token_id, lm.end_of_text_padding_id}
-        pieces = []
-        vocab = tokenizer.vocab_size()
         sampled = lm.text_linear.out_features
-        if vocab < sampled:
+        if tokenizer.vocab_size() < sampled:
             log.warning("the text tokenizer has %d pieces for a model that samples %d: the rest "
-                        "decode as nothing", vocab, sampled)
-        for token in range(sampled):
-            if token >= vocab or token in specials or tokenizer.is_control(token) or tokenizer.is_unknown(token):
-                pieces.append("")
-            else:
-                pieces.append(tokenizer.id_to_piece(token).replace("\u2581", " "))
-        self._pieces = pieces
+                        "decode as nothing", tokenizer.vocab_size(), sampled)
+        self._pieces = piece_table(tokenizer, sampled, (lm.text_padding_token_id, lm.end_of_text_padding_id))
 
     def _warm_up(self, steps: int, unsettled: int | None = None) -> float:
         """Steps on silence with every row, so that allocation, kernel selection, torch.compile and
