@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from duplexrt.protocols.realtime_server_events import ServerEvents
 from duplexrt.transcribe.pieces import TranscriptPiece

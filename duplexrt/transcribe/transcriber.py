@@ -24,6 +24,10 @@ package's own single-stream inference gives for the same audio, whoever shares t
   same silence Kyutai's inference appends to a file).
 * **Greedy**: text is the argmax (``use_sampling = False``), as Kyutai's STT inference runs: a
   transcript is a function of the audio alone.
+* **Warm-up and failures**: ``load`` may step every row on silence first (allocation and kernel
+  choice then, not in a caller's first step), then makes every row a fresh one again.  A step
+  that raises is the scheduler's to report; ``missed`` then keeps the rows' frame counts on
+  their callers' timeline.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import ExitStack
-from typing import Any
 
 import numpy as np
 
