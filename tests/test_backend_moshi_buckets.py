@@ -301,3 +301,24 @@ def test_a_step_that_fails_inside_the_model_leaves_the_batch_s_own_state_on_the_
         assert np.isfinite(out).all()
     finally:
         backend.close()
+
+
+def test_buckets_whose_graphs_do_not_fit_leave_the_fixed_batch_serving(monkeypatch, caplog):
+    """FAKE: no GPU here, so the out-of-memory a bucket's CUDA graphs would raise at load is
+    raised by the warm-up itself.  The backend says so and serves every slot as the fixed batch."""
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+
+    monkeypatch.setattr(buckets, "time_buckets", no_room)
+    backend = _backend(4, warmup_steps=2)
+    try:
+        assert backend.description["batch"] == "fixed" and backend.description["buckets"] == [4]
+        assert any("CUDA graphs do not fit" in r.getMessage() for r in caplog.records)
+        assert backend.paid_rows(3) == 3 and backend.stepped_rows is None
+        signal = _signal(9, 3)
+        calls = Calls(backend)
+        calls.run({1: (3, 0, signal), 2: (1, 1, signal)})
+        assert len(calls.got[1][0]) == 3 and backend._row_map.row(3) == 3  # row = slot again
+    finally:
+        backend.close()

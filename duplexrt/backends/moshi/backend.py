@@ -559,15 +559,19 @@ class MoshiBackend(Backend):
         # Steps sized to the active calls (``buckets``): views of the first rows of every per-row
         # tensor, calls kept in the lowest rows; the fixed batch where the state cannot be viewed so.
         self._views: buckets.ViewStates | None = None
+        refused = None
         if self.settings.batch == "buckets":
             try:
                 self._views = buckets.ViewStates({"mimi": mimi, "lm_gen": lm_gen}, slots, buckets.sizes(slots))
             except buckets.BucketsUnsupported as exc:
-                log.warning("moshi backend: every step runs the whole batch, as with batch = \"fixed\": %s", exc)
-        self._row_map = RowMap(slots, dense=self._views is not None)
-        self._chooser = buckets.BucketChooser(buckets.sizes(slots) if self._views is not None else (slots,))
-        #: The sampler over each bucket's rows (views of ``_sampler``'s).
-        self._samplers = {size: self._sampler.first_rows(size) for size in self._chooser.sizes}
+                refused = str(exc)
+        if self._views is not None:
+            self._row_map = RowMap(slots, dense=True)
+            self._chooser = buckets.BucketChooser(buckets.sizes(slots))
+            #: The sampler over each bucket's rows (views of ``_sampler``'s).
+            self._samplers = {size: self._sampler.first_rows(size) for size in self._chooser.sizes}
+        else:
+            self._keep_fixed_batch(refused)
 
         def host(shape: tuple[int, ...], dtype: Any) -> Any:
             return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
@@ -653,11 +657,34 @@ class MoshiBackend(Backend):
                 self._step(torch, rows, size, inputs, outputs)
 
         steady = max(self.settings.warmup_steps - self._unsettled_steps, 1)
-        costs = buckets.time_buckets(step, self._chooser.sizes[:-1], self.info.frame_size,
-                                     unsettled=self._unsettled_steps, steady=steady)
+        try:
+            costs = buckets.time_buckets(step, self._chooser.sizes[:-1], self.info.frame_size,
+                                         unsettled=self._unsettled_steps, steady=steady)
+        except torch.OutOfMemoryError:
+            # Each bucket's CUDA graphs hold their own activations: where they do not fit beside
+            # the rows, the fixed batch (one set of graphs) still serves every slot.
+            self._forget_rows()
+            self._keep_fixed_batch("the buckets' CUDA graphs do not fit the device's memory beside the rows")
+            return
         if self.warmup_costs:  # the whole batch was timed too: the buckets' costs beside it
             self.warmup_costs = tuple(sorted({**dict(self.warmup_costs), **costs}.items()))
         self._forget_rows()
+
+    def _keep_fixed_batch(self, why: str | None) -> None:
+        """Every step the whole batch (``batch = "fixed"``, or buckets refused: ``why``, said)."""
+        if why is not None:
+            log.warning("moshi backend: every step runs the whole batch, as with batch = \"fixed\": %s", why)
+        slots = self.info.slots
+        self._views = None
+        self._row_map = RowMap(slots, dense=False)
+        self._chooser = buckets.BucketChooser((slots,))
+        self._samplers = {slots: self._sampler.first_rows(slots)}
+        self.stepped_rows = None
+        if self._cuda and why is not None:
+            import gc
+
+            gc.collect()
+            self._torch.cuda.empty_cache()
 
     def _forget_rows(self) -> None:
         """Every row reset, every count zeroed: the rows as a fresh load leaves them."""
