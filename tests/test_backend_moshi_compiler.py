@@ -50,19 +50,19 @@ _PROBE = textwrap.dedent("""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     torch.cuda.is_available = lambda: True  # FAKE: the settings accept cuda:0
     from duplexrt.backends.base import BackendInfo
-    from duplexrt.backends.moshi import backend as moshi_backend
+    from duplexrt.backends.moshi import backend as moshi_backend, model as moshi_model
 
     class Stop(Exception):
         pass
 
-    def build(self, models, torch_module):
+    def build(settings, models, torch_module):
         from moshi.modules import transformer
         print("compiled", hasattr(transformer._rms_norm, "__wrapped__"), flush=True)
         print("env", os.environ.get("NO_TORCH_COMPILE"), flush=True)
         raise Stop()
 
     moshi_backend.select_device = lambda cuda, device: None
-    moshi_backend.MoshiBackend._load_model = build
+    moshi_model.load_weights = build
     for _ in range(2):  # two loads, one warning
         backend = moshi_backend.MoshiBackend(BackendInfo("moshi", 24000, 1920, 2), {"tiny": True, "device": "cuda:0"})
         try:

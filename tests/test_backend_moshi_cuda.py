@@ -84,16 +84,17 @@ def test_the_backend_selects_its_device_before_building_anything(monkeypatch):
     (the model build is stopped right after, at the first call that would need a GPU)."""
     from duplexrt.backends.base import BackendInfo
     from duplexrt.backends.moshi import backend as moshi_backend
+    from duplexrt.backends.moshi import model as moshi_model
 
     order: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # FAKE: the settings accept cuda:2
     monkeypatch.setattr(moshi_backend, "select_device", lambda cuda, device: order.append(f"select {device}"))
 
-    def build(self, models, torch_module):
+    def build(settings, models, torch_module):
         order.append("build")
         raise RuntimeError("no GPU here")
 
-    monkeypatch.setattr(moshi_backend.MoshiBackend, "_load_model", build)
+    monkeypatch.setattr(moshi_model, "load_weights", build)
     backend = moshi_backend.MoshiBackend(BackendInfo("moshi", 24000, 1920, 2), {"tiny": True, "device": "cuda:2"})
     with pytest.raises(RuntimeError, match="no GPU here"):
         backend.load()

@@ -25,6 +25,7 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
 from duplexrt.backends.base import BackendInfo  # noqa: E402
 from duplexrt.backends.moshi import MoshiBackend, memory  # noqa: E402
+from duplexrt.backends.moshi import model as moshi_model  # noqa: E402
 from duplexrt.config import ConfigError, load_config  # noqa: E402
 
 torch = pytest.importorskip("torch")
@@ -34,12 +35,12 @@ FRAME = 1920
 GB = 10**9
 
 
-def _never_built(self, models, torch_module):
+def _never_built(settings, models, torch_module):
     raise AssertionError("the weights were built before the slots were checked")
 
 
 def test_slots_that_cannot_fit_a_7b_are_refused_before_its_weights_are_built(monkeypatch):
-    monkeypatch.setattr(MoshiBackend, "_load_model", _never_built)
+    monkeypatch.setattr(moshi_model, "load_weights", _never_built)
     room = memory.DeviceMemory(24 * GB, 32 * GB, "a 24 GB box")
     backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, 64),
                            {"random": "moshi-7b", "device": "cpu", "dtype": "bfloat16"},
@@ -58,7 +59,7 @@ def test_slots_that_cannot_fit_a_7b_are_refused_before_its_weights_are_built(mon
 
 
 def test_slots_that_fit_go_on_to_the_build(monkeypatch):
-    monkeypatch.setattr(MoshiBackend, "_load_model", _never_built)
+    monkeypatch.setattr(moshi_model, "load_weights", _never_built)
     room = memory.DeviceMemory(200 * GB, 200 * GB, "a big box")
     backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, 4),
                            {"random": "moshi-7b", "device": "cpu", "dtype": "bfloat16"},

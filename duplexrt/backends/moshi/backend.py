@@ -45,7 +45,6 @@ load and streams for the life of the process; each call holds one row.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -57,8 +56,8 @@ import numpy as np
 
 from duplexrt.backends.base import (CHOSEN_AT_LOAD, Backend, BackendInfo, Persona, PersonaError, PersonaRequest,
                                     SlotChoice, SlotSession)
-from duplexrt.backends.moshi import (attention, auto_slots, buckets, compiler, loading, memory, personaplex, presize,
-                                    ring, sampling)
+from duplexrt.backends.moshi import (attention, auto_slots, buckets, compiler, memory, model, presize, ring,
+                                    sampling)
 from duplexrt.backends.moshi.settings import (DEFAULTS, HIBIKI_FLUSH_FRAMES, MODEL_FRAME_SIZE, MODEL_SAMPLE_RATE,
                                               NAME, MoshiSettings)
 from duplexrt.backends.moshi.cuda import StepClock, select_device
@@ -75,22 +74,6 @@ __all__ = ["DEFAULTS", "HIBIKI_FLUSH_FRAMES", "STAGES", "MoshiBackend", "MoshiSe
 log = logging.getLogger("duplexrt.backends.moshi")
 
 STAGES = ("encode", "lm", "decode")
-
-
-@attrs.frozen
-class _Model:
-    """What ``load`` built, kept to allocate the rows (again, while ``"auto"`` times sizes)."""
-
-    models: Any
-    torch: Any
-    mimi: Any
-    lm: Any
-    tokenizer: Any
-    model_type: str
-    gen_config: dict[str, Any]
-    cfg_coef: float
-    #: The temporal transformer's context as built, before any ring was applied to it.
-    model_positions: int
 
 
 def _streaming_roots(module: Any) -> list[Any]:
@@ -134,82 +117,15 @@ class MoshiBackend(Backend):
         self._memory_source = memory_source
         self._loaded = False
         self._loaded_rows = False
-        self._model: _Model | None = None
+        self._model: model.BuiltModel | None = None
         self._cuda = self.settings.device.startswith("cuda")
         #: PersonaPlex's prompts (``persona``), built with the model; None for a model without.
         self._prompter: Prompter | None = None
-        self._voices_folder: Any = None
         self.takes_persona = self.settings.persona
         #: Why torch.compile was turned off at load (no C compiler on CUDA), or None.
         self._compile_off: str | None = None
 
     # -- loading -----------------------------------------------------------------------------------
-
-    def _torch_dtype(self, torch: Any) -> Any:
-        name = self.settings.dtype
-        if name == "auto":
-            name = "bfloat16" if self.settings.device.startswith("cuda") else "float32"
-        return getattr(torch, name)
-
-    def _load_model(self, models: Any, torch: Any) -> tuple[Any, Any, Any, str, dict[str, Any]]:
-        settings = self.settings
-        dtype = self._torch_dtype(torch)
-        if settings.persona:
-            return self._load_personaplex(dtype)
-        if settings.random:
-            from duplexrt.backends.moshi.tiny import build_random
-
-            mimi, lm, tokenizer = build_random(settings.random, settings.seed, device=settings.device, dtype=dtype)
-            return mimi, lm, tokenizer, "moshi", {}
-        if settings.tiny:
-            from duplexrt.backends.moshi.tiny import build_tiny
-
-            conditioned = settings.cfg_coef is not None and settings.cfg_coef != 1.0
-            mimi, lm, tokenizer = build_tiny(settings.seed, device=settings.device, dtype=dtype,
-                                             conditioned=conditioned)
-            return mimi, lm, tokenizer, "hibiki" if conditioned else "moshi", {}
-        info = loading.resolve(settings.checkpoint, models.loaders)
-        mimi = info.get_mimi(device=settings.device)
-        lm = info.get_moshi(device=settings.device, dtype=dtype)
-        tokenizer = info.get_text_tokenizer()
-        return mimi, lm, tokenizer, info.model_type, dict(info.lm_gen_config)
-
-    def _load_personaplex(self, dtype: Any) -> tuple[Any, Any, Any, str, dict[str, Any]]:
-        """PersonaPlex: the tiny random model of its shape, or NVIDIA's checkpoint (a directory in
-        its repository's layout, or the repository itself through the hub cache)."""
-        settings = self.settings
-        if settings.tiny:
-            mimi, lm, tokenizer = personaplex.build_tiny_personaplex(settings.seed, device=settings.device, dtype=dtype)
-            self._voices_folder = None
-        elif settings.random:
-            raise ConfigError("backend.options.random builds Moshi's shape, not PersonaPlex's voices: "
-                              "use tiny = true or a PersonaPlex checkpoint with persona = true")
-        else:
-            directory = loading.personaplex_directory(settings.checkpoint)
-            mimi, lm, tokenizer, self._voices_folder = personaplex.load_checkpoint(
-                directory, device=settings.device, dtype=dtype)
-        return mimi, lm, tokenizer, "personaplex", {}
-
-    def _conditions(self, lm: Any, model_type: str, cfg_coef: float) -> Any:
-        """Condition tensors for a conditioned model (Hibiki's "description"), with the negative
-        half CFG needs; None for an unconditioned one."""
-        provider = lm.condition_provider
-        if provider is None or not provider.conditioners:
-            if cfg_coef != 1.0:
-                raise ConfigError(f"backend.options.cfg_coef = {cfg_coef:g}, but this model has no "
-                                  "conditioning to guide: leave cfg_coef at 1")
-            return None
-        if model_type != "hibiki":
-            raise ConfigError(f"this {model_type!r} checkpoint expects conditioning the {NAME} backend "
-                              "only knows how to give Hibiki models")
-        from moshi.conditioners import ConditionAttributes
-
-        slots = self.info.slots
-        attributes = [ConditionAttributes(text={"description": "very_good"}, tensor={}) for _ in range(slots)]
-        if cfg_coef != 1.0:
-            attributes += [ConditionAttributes(text={"description": "very_bad"}, tensor={})
-                           for _ in range(slots)]
-        return provider.prepare_and_provide(attributes)
 
     def load(self) -> None:
         """Build the model (once: a backend loaded again keeps it, and only sizes its rows
@@ -309,35 +225,14 @@ class MoshiBackend(Backend):
         self.info = attrs.evolve(self.info, slots=slots)
         self.load()
 
-    def _build(self, torch: Any) -> _Model:
+    def _build(self, torch: Any) -> model.BuiltModel:
+        built = model.build(self.settings, self.info, torch)
         settings = self.settings
-        models = import_moshi(settings.device)
-        mimi, lm, tokenizer, model_type, gen_config = self._load_model(models, torch)
-        if mimi.sample_rate != self.info.sample_rate or mimi.frame_size != self.info.frame_size:
-            raise ConfigError(f"audio.sample_rate / audio.frame_size ({self.info.sample_rate}, "
-                              f"{self.info.frame_size}) differ from the model's ({mimi.sample_rate}, "
-                              f"{mimi.frame_size})")
-        if lm.dep_q == 0:
-            raise ConfigError(f"this checkpoint generates no audio (dep_q = 0): the {NAME} backend "
-                              "serves speech-to-speech models only")
-        cfg_coef = settings.cfg_coef if settings.cfg_coef is not None else float(gen_config.pop("cfg_coef", 1.0))
-        gen_config.pop("cfg_coef", None)
-        if settings.greedy is not None:
-            gen_config["use_sampling"] = not settings.greedy
-        for key in ("temp", "temp_text", "top_k", "top_k_text"):
-            value = getattr(settings, key)
-            if value is not None:
-                gen_config[key] = value
-        accepted = inspect.signature(models.LMGen).parameters
-        for key in [k for k in gen_config if k not in accepted or k in ("lm_model", "condition_tensors")]:
-            log.warning("ignoring %r from the checkpoint's lm_gen_config: LMGen takes no such argument", key)
-            del gen_config[key]
         if settings.persona:
-            self._prompter = Prompter.from_model(settings, mimi=mimi, lm=lm, tokenizer=tokenizer,
-                                                 voices_folder=self._voices_folder, tiny=settings.tiny)
+            self._prompter = Prompter.from_model(settings, mimi=built.mimi, lm=built.lm, tokenizer=built.tokenizer,
+                                                 voices_folder=built.voices_folder, tiny=settings.tiny)
             self.persona_voices = self._prompter.rules.voices.names
-        return _Model(models, torch, mimi, lm, tokenizer, model_type, gen_config, cfg_coef,
-                      ring.model_context(lm))
+        return built
 
     # -- sizing ------------------------------------------------------------------------------------
 
@@ -361,7 +256,7 @@ class MoshiBackend(Backend):
             raise RuntimeError("the moshi backend has not chosen its K/V ring: load it first")
         return self.ring
 
-    def _built_model(self) -> _Model:
+    def _built_model(self) -> model.BuiltModel:
         """The built model (built once, at the first load; a resize reuses it)."""
         if self._model is None:
             raise RuntimeError("the moshi backend has no model: load it first")
@@ -389,7 +284,7 @@ class MoshiBackend(Backend):
     def _refuse_before_building(self, torch: Any) -> None:
         """A configured slot count that cannot fit, refused from the model's configuration on the
         meta device before any weight is built (``presize``); the check after the build stays."""
-        early = presize.before_building(self.settings, self._torch_dtype(torch),
+        early = presize.before_building(self.settings, model.torch_dtype(self.settings, torch),
                                         max_session_seconds=self.info.max_session_seconds,
                                         memory_source=self._memory_source or memory.device_memory)
         if early is None or early.fit is None or self.info.slots <= early.fit:
@@ -489,26 +384,26 @@ class MoshiBackend(Backend):
 
     def _allocate(self, slots: int) -> None:
         """Streaming state for ``slots`` rows (whatever state there was is let go first)."""
-        model = self._built_model()
-        torch = model.torch
+        built = self._built_model()
+        torch = built.torch
         self._release_rows()
         self.info = attrs.evolve(self.info, slots=slots)
-        conditions = self._conditions(model.lm, model.model_type, model.cfg_coef)
-        lm_gen = model.models.LMGen(model.lm, cfg_coef=model.cfg_coef, condition_tensors=conditions,
-                                    support_out_of_sync=True, **model.gen_config)
+        conditions = model.conditions(built.lm, built.model_type, built.cfg_coef, self.info.slots)
+        lm_gen = built.models.LMGen(built.lm, cfg_coef=built.cfg_coef, condition_tensors=conditions,
+                                    support_out_of_sync=True, **built.gen_config)
         self._rows_stack = ExitStack()
         self._loaded_rows = True  # from here on, a release closes whatever was entered
-        self._rows_stack.enter_context(model.mimi.streaming(slots))
+        self._rows_stack.enter_context(built.mimi.streaming(slots))
         self._rows_stack.enter_context(lm_gen.streaming(slots))
-        self._setup(torch, model.mimi, model.lm, lm_gen, model.tokenizer)
+        self._setup(torch, built.mimi, built.lm, lm_gen, built.tokenizer)
         settings = self.settings
         self.description = {
-            "model_type": model.model_type,
+            "model_type": built.model_type,
             "checkpoint": settings.checkpoint or f"{settings.random or 'tiny'}(seed={settings.seed})",
-            "dtype": str(model.lm.dtype).removeprefix("torch."), "device": settings.device,
+            "dtype": str(built.lm.dtype).removeprefix("torch."), "device": settings.device,
             "use_sampling": lm_gen.use_sampling, "temp": lm_gen.temp, "temp_text": lm_gen.temp_text,
-            "top_k": lm_gen.top_k, "top_k_text": lm_gen.top_k_text, "cfg_coef": model.cfg_coef,
-            "max_delay": lm_gen.max_delay, "text_card": model.lm.text_card, "slots": slots,
+            "top_k": lm_gen.top_k, "top_k_text": lm_gen.top_k_text, "cfg_coef": built.cfg_coef,
+            "max_delay": lm_gen.max_delay, "text_card": built.lm.text_card, "slots": slots,
             "torch_compile": "on" if compiler.compile_enabled() else self._compile_off or "off (NO_TORCH_COMPILE)",
         }
 
