@@ -164,3 +164,63 @@ async def test_the_duplex_route_sends_input_text_before_its_end(start_server, re
     assert [e["text"] for e in said] == reference.text(frames)
     assert all(e["audio_ms"] == max(0.0, e["frame"] * 80 - 500) for e in said)
     assert events[-1]["type"] == "session.end" and events[-1]["usage"]["frames_flushed"] == 1
+
+
+async def test_server_vad_items_get_their_words_and_complete_once_the_output_passes_them(start_server, reference):
+    """LiveKit's default: server VAD finds the turns (real speech, espeak-ng), no client commit,
+    so no flush: each item completes once the model's output is the delay past its end."""
+    import json
+
+    import trio_websocket
+
+    import speech
+    from realtime_helpers import b64
+
+    talk = speech.speech_24k()  # int16 at 24 kHz, about four seconds
+    silence = np.zeros(24000, dtype="<i2")
+    wire = np.concatenate([silence[:12000], talk, silence, silence]).astype("<i2")
+    wire = wire[:len(wire) // FRAME * FRAME]
+    frames = (wire.astype(np.float32) / 32768).reshape(-1, FRAME)
+    served = await start_server("runtime.slots=2", *TINY)
+    events: list[dict] = []
+    with trio.fail_after(PATIENCE * 3):
+        async with trio_websocket.open_websocket_url(served.url("/v1/realtime")) as ws:
+            finished = trio.Event()
+
+            def every_committed_item_is_complete() -> bool:
+                committed = [e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed"]
+                done = [e["item_id"] for e in events
+                        if e["type"] == "conversation.item.input_audio_transcription.completed"]
+                return bool(committed) and sorted(done) == sorted(committed)
+
+            async def receive() -> None:
+                while True:
+                    events.append(json.loads(await ws.get_message()))
+                    if events[-1]["type"].endswith(".completed") and every_committed_item_is_complete():
+                        finished.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive)
+                await ws.send_message(json.dumps({"type": "session.update", "session": {
+                    "type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}}))
+                data = wire.tobytes()
+                for start in range(0, len(data), 4800):
+                    await ws.send_message(json.dumps({"type": "input_audio_buffer.append",
+                                                      "audio": b64(data[start:start + 4800])}))
+                await finished.wait()
+                nursery.cancel_scope.cancel()
+    committed = [e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed"]
+    assert not [e for e in events if e["type"] == "error"]
+    started = [e["item_id"] for e in events if e["type"] == "input_audio_buffer.speech_started"]
+    assert committed and set(committed) <= set(started)
+    deltas = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    assert deltas and {d["item_id"] for d in deltas} <= set(committed)
+    # The words, item after item, are the reference's from the start of the call.
+    expected = reference.text(frames, flush=False)
+    assert [d["delta"] for d in deltas] == expected[:len(deltas)]
+    for item in committed:
+        [completed] = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"
+                       and e["item_id"] == item]
+        mine = [d for d in deltas if d["item_id"] == item]
+        assert all(events.index(d) < events.index(completed) for d in mine)
+        assert completed["transcript"] == "".join(d["delta"] for d in mine).strip()
