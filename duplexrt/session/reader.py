@@ -99,6 +99,10 @@ class Reader:
         self._persona = persona
         self._persona_pending = persona is not None
         self._persona_refused = False
+        #: The reader takes no message now: it waits for credit or room, or its input is over.
+        #: ``watch_for_close`` reads ahead meanwhile (woken through ``_away_lot``).
+        self._away = False
+        self._away_lot = trio.lowlevel.ParkingLot()
 
     # -- the reader task ---------------------------------------------------------------------------
 
@@ -110,6 +114,7 @@ class Reader:
             await self._read_loop()
         if lifecycle.reader_scope.cancelled_caught:  # stopped while waiting for a message
             await self._end_input()
+        self._set_away(True)  # no message is taken any more: a Close still ends the session at once
 
     async def _read_loop(self) -> None:
         poll = poller(self._transport)
@@ -207,8 +212,12 @@ class Reader:
         if not lifecycle.taking_input:
             return  # the reader stops now; its goodbye waits for the writer anyway
         lifecycle.between_messages = True  # the message that queued the replies is handled
-        while self._outgoing.full():
-            await self._credits.lot.park()
+        self._set_away(True)
+        try:
+            while self._outgoing.full():
+                await self._credits.lot.park()
+        finally:
+            self._set_away(False)
         lifecycle.between_messages = False
 
     async def _take_audio(self, payload: bytes | bytearray | memoryview) -> None:
@@ -263,7 +272,7 @@ class Reader:
         credits = self._credits
         if (credits.submitted - credits.delivered >= credits.inbox_depth
                 or credits.in_flight >= credits.max_in_flight):
-            await credits.wait_to_submit()  # rare on the paced path: no coroutine per frame otherwise
+            await self._wait_for_credit()  # rare on the paced path: no coroutine per frame otherwise
         credits.in_flight += 1
         started = _perf_counter_ns()
         lease = self._lease
@@ -277,6 +286,55 @@ class Reader:
             await trio.lowlevel.checkpoint()  # the cancellation just requested lands here...
             raise  # ... so this only runs if the reader was shielded: the slot is gone either way
         self._submitted_one(started)
+
+    async def _wait_for_credit(self) -> None:
+        """``Credits.wait_to_submit``, with ``watch_for_close`` looking for the client's Close
+        meanwhile (not for the fill loop's submit: the reader is reading then)."""
+        if self._lifecycle.between_messages:
+            await self._credits.wait_to_submit()
+            return
+        self._set_away(True)
+        try:
+            await self._credits.wait_to_submit()
+        finally:
+            self._set_away(False)
+
+    def _set_away(self, away: bool) -> None:
+        self._away = away
+        if self._away_lot:
+            self._away_lot.unpark_all()
+
+    async def watch_for_close(self) -> None:
+        """Beside the reader (for a transport that can read ahead: ``NativeWebSocket``, and
+        ``ResumableTransport`` over it): while the reader takes no message, the transport reads
+        ahead for the client's Close, and a Close (or a drop that cannot resume) ends the
+        session at once, with reason ``client_closed``.
+
+        Why: a model slower than real time leaves seconds of a caller's audio queued ahead of it
+        (in the socket, read and not yet taken, in the slot's inbox), and the reader takes the
+        next message only once the model has stepped what came before.  A Close behind that
+        audio was heard only after it: the session, its slot and its admission were held for
+        1-13 s for a call that no longer existed, whose answer nobody could hear.  Now the
+        frames not yet stepped are dropped with the slot (``SlotLease.release``; the count is in
+        the session's end log line) and the messages not yet taken with the connection.  An end
+        of input that is not a Close (``input.end``, a commit, a flush) is a caller still
+        listening: it waits for its frames as before.  A drop that may resume detaches the
+        session as before, once the reader has taken what came first (docs/resume.md)."""
+        watch = self._transport.watch_for_close  # type: ignore[attr-defined]  # the session checked
+        lot = self._away_lot
+
+        def taking() -> bool:
+            return not self._away
+
+        while True:
+            while not self._away:
+                await lot.park()
+            closed = await watch(taking)
+            if closed is not None:
+                self._lifecycle.transport_closed(closed)
+                return
+            while self._away:  # read ahead as far as it may: look again at the reader's next wait
+                await lot.park()
 
     def set_persona(self) -> bool:
         """Fix the session's persona and hand it to the slot, ahead of any frame (the first

@@ -94,6 +94,9 @@ class Session:
         # that never answers cannot keep the session, its slot or a shutdown waiting.
         self._close_timeout = config.server.close_timeout_s
         self.lease: SlotLease | None = None
+        #: Frames the slot held not yet stepped when the session ended (a client's Close drops
+        #: its queued audio at once: ``Reader.watch_for_close``), for the end's log line.
+        self.frames_dropped = 0
         #: The two halves, built once the slot is open (``run``).
         self.reader: Reader | None = None
         self.writer: Writer | None = None
@@ -186,7 +189,10 @@ class Session:
                     # frame, so its prompt runs before the caller speaks (and, on /api/chat,
                     # before the handshake that tells the caller to).
                     reader.set_persona()
-                nursery.start_soon(writer.run)
+                watch_scope = trio.CancelScope()  # the Close watch lasts as long as the writer
+                nursery.start_soon(self._write, writer, watch_scope)
+                if getattr(self._transport, "watch_for_close", None) is not None:
+                    nursery.start_soon(self._watch_for_close, reader, watch_scope)
                 fill_scope = trio.CancelScope()
                 if reader.fills:
                     nursery.start_soon(reader.fill_loop, fill_scope)
@@ -201,7 +207,7 @@ class Session:
                     lifecycle.finish(FinishReason.ERROR, "internal error", CloseCode.INTERNAL_ERROR)
             raise
         finally:
-            lease.release()
+            self.frames_dropped = lease.release()  # frames not yet stepped: a Close, an error, a cut
             writer.outbox.clear()  # drops any output not yet sent
             writer.close_outbox()
             reader.release()
@@ -215,6 +221,18 @@ class Session:
             self._log_end(end)
             self._let_go()
         return end
+
+    @staticmethod
+    async def _write(writer: Writer, watch_scope: trio.CancelScope) -> None:
+        try:
+            await writer.run()
+        finally:
+            watch_scope.cancel()  # every output is out: nothing is left for a Close to cut short
+
+    @staticmethod
+    async def _watch_for_close(reader: Reader, scope: trio.CancelScope) -> None:
+        with scope:
+            await reader.watch_for_close()
 
     def _let_go(self) -> None:
         """Over: break the references back to this session (the translator's counters, the
@@ -230,9 +248,11 @@ class Session:
     def _log_end(self, end: SessionEnd) -> None:
         timing = self._meter.describe(end.frames_out) if self._meter is not None else ""
         log.info("session %s ended: %s, %d frames in (%.2f s), %d out (%.2f s), %d text pieces, "
-                 "%.2f s generating%s%s%s", self.lease.session_id if self.lease else None, end.reason,
+                 "%.2f s generating%s%s%s%s", self.lease.session_id if self.lease else None, end.reason,
                  end.frames_in, end.seconds_in, end.frames_out, end.seconds_out, end.text_tokens_out,
-                 end.generation_seconds, f", error: {end.error}" if end.error else "", timing, self._where)
+                 end.generation_seconds, f", error: {end.error}" if end.error else "",
+                 f", {self.frames_dropped} queued frames dropped unstepped" if self.frames_dropped else "",
+                 timing, self._where)
 
     def summary(self) -> SessionEnd:
         credits = self.credits

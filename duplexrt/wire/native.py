@@ -29,6 +29,7 @@ import math
 import os
 import socket
 from collections import deque
+from collections.abc import Callable
 
 from time import perf_counter_ns as _now_ns
 
@@ -37,7 +38,7 @@ import trio
 from duplexrt.reasons import CloseCode, FinishReason
 from duplexrt.wire.connection import Connection
 from duplexrt.wire.frames import MIN_ROOM, Close, FrameError, Ping
-from duplexrt.wire.transport import DEFAULT_CLOSE_TIMEOUT, Message, wait_for_silence
+from duplexrt.wire.transport import DEFAULT_CLOSE_TIMEOUT, Message, TransportClosed, wait_for_silence
 
 log = logging.getLogger("duplexrt.wire.native")
 
@@ -76,6 +77,8 @@ class NativeWebSocket:
             self._parser.feed(received)
         self._unparsed = bool(received)
         self._queue_limit = queue_limit
+        #: What ``watch_for_close`` reads ahead at most (bytes held unread): one message's worth.
+        self._read_ahead_limit = max_message
         #: The subprotocol the handshake settled on, if any.
         self.subprotocol = subprotocol
         self._messages: deque[Message] = deque()
@@ -255,6 +258,28 @@ class NativeWebSocket:
         if self._close_scope is not None:
             self._close_scope.cancel()
         self._drop_stream()
+
+    async def watch_for_close(self, taking: Callable[[], bool]) -> TransportClosed | None:
+        """Read ahead while the session takes no message (``taking()`` is False: its reader waits
+        for the model), to find the peer's Close behind the messages it sent before it.  A caller
+        who hangs up while seconds of its audio wait for a model slower than real time is heard
+        at once, not once that audio has been stepped: the session ends then, and its slot is free.
+
+        Returns how the peer ended the connection (its Close, or a drop) once it has.  Returns None
+        once ``taking()`` is True again, once this end has ended the connection (a limit: the
+        session hears it from ``receive``), or once a message's worth of bytes (``max_message``)
+        waits unread: the read-ahead holds no more than one message of the peer's could, and a
+        Close further back is found as the session catches up, as before.  The messages read go
+        to ``receive`` as usual; none is taken here."""
+        connection = self._connection
+        while True:
+            if connection.ended is not None:  # first: this end's own reason (an abort also drops the stream)
+                return None
+            if connection.gone is not None:
+                return connection.gone
+            if taking() or not connection.reading or self.held_bytes >= self._read_ahead_limit:
+                return None
+            await self._read_more(limit=False)
 
     # -- keeping the peer honest -------------------------------------------------------------------
 

@@ -228,6 +228,19 @@ class ResumableTransport:
             self.taken += 1
         return message
 
+    async def watch_for_close(self, taking: Callable[[], bool]) -> TransportClosed | None:
+        """The connection's own ``watch_for_close`` (``NativeWebSocket``): how the client ended
+        it, once it has, while the session takes no message.  A drop that may resume is not an
+        end: None, and the session notices it, as before, once it has taken what came first."""
+        transport = self._current
+        watch = getattr(transport, "watch_for_close", None)
+        if watch is None:
+            return None
+        closed: TransportClosed | None = await watch(taking)
+        if closed is None or transport is not self._current or self._resumable_drop(closed):
+            return None
+        return closed
+
     async def send(self, message: Message) -> None:
         if self._expired or self._closed:
             raise self._ended()
