@@ -20,7 +20,10 @@ import trio_websocket
 
 from duplexrt.audio import AudioSpec
 from duplexrt.protocols.realtime import MAX_HELD_SECONDS, RealtimeTranslator
-from duplexrt.server.budget import held_json_bytes, journal_bytes
+from duplexrt.protocols.realtime_transcripts import (MAX_HELD_PIECES, MAX_ITEM_CHARS, MAX_PENDING_ITEMS,
+                                                     MAX_TEXT_PARTS)
+from duplexrt.server.budget import held_json_bytes, journal_bytes, transcript_bytes
+from duplexrt.transcribe.pieces import MAX_PIECE_CHARS
 
 #: The table moved with the rest of the operator's reference out of the README (issue 40).
 README = Path(__file__).resolve().parent.parent / "docs" / "operator.md"
@@ -53,6 +56,8 @@ def test_the_readme_table_states_the_bounds_the_code_holds():
         "`/v1/realtime`, `/v1/live/sessions` journal, pcm16 24 kHz": journal_bytes(s16, 15, 0.08, base64=True),
         "`/v1/realtime` held turn audio and its JSON, pcm16 24 kHz":
             held_json_bytes(s16, MAX_HELD_SECONDS, 0.08),
+        "`/v1/realtime` the caller's transcript for its items (a transcriber on)":
+            transcript_bytes(MAX_HELD_PIECES, MAX_PENDING_ITEMS, MAX_ITEM_CHARS, MAX_TEXT_PARTS, MAX_PIECE_CHARS),
     }
     assert set(rows) == set(expected), rows
     for name, figure in expected.items():

@@ -97,7 +97,8 @@ def test_a_commit_in_turn_mode_completes_its_item_at_the_flush_after_its_last_de
     said = events(commit.messages)
     item = of("input_audio_buffer.committed", said)[0]["item_id"]
     assert [(e["item_id"], e["delta"]) for e in of(DELTA, said)] == [(item, " he")]
-    assert [(e["item_id"], e["delta"]) for e in events(protocol.input_text([piece("llo", 9)]))] == [(item, "llo")]
+    said = events(protocol.input_text([piece("llo", 9)]))
+    assert [(e["item_id"], e["delta"]) for e in said] == [(item, "llo")]
     # The session pads nothing (whole frames) and feeds the end-of-input mark at frame 10: the
     # flush's text, then the item is complete.
     progress.frames_in += 1
@@ -116,10 +117,12 @@ def test_a_commit_in_turn_mode_completes_its_item_at_the_flush_after_its_last_de
 def test_commits_that_run_ahead_of_the_steps_each_get_their_own_flush():
     protocol, progress, _ = make()
     append(protocol, progress, 4)
-    first = of("input_audio_buffer.committed", events(protocol.parse('{"type": "input_audio_buffer.commit"}').messages))
+    first = of("input_audio_buffer.committed",
+               events(protocol.parse('{"type": "input_audio_buffer.commit"}').messages))
     progress.frames_in += 1  # the mark, fed before the next append is read
     append(protocol, progress, 3)
-    second = of("input_audio_buffer.committed", events(protocol.parse('{"type": "input_audio_buffer.commit"}').messages))
+    second = of("input_audio_buffer.committed",
+                events(protocol.parse('{"type": "input_audio_buffer.commit"}').messages))
     items = [first[0]["item_id"], second[0]["item_id"]]
     # Only now do the first turn's pieces and flush come back from the model.
     said = events(protocol.input_text([piece(" one", 3)]))
@@ -193,3 +196,39 @@ def test_a_caller_who_never_pauses_holds_a_bounded_transcript():
         sent += len(protocol.input_text([piece("abcd", 7 + i)]))
     assert sent == MAX_ITEM_CHARS // 4 + 100  # every delta goes out
     assert len(str(transcripts._open_text)) == MAX_ITEM_CHARS  # the transcript kept stops growing
+
+
+def _deep_size(transcripts) -> int:
+    """What a session's caller transcript holds: its containers, items, texts and strings."""
+    import sys
+
+    size = sys.getsizeof(transcripts._held) + sum(sys.getsizeof(text) for text in transcripts._held)
+    texts = [transcripts._open_text] + [item.text for item in transcripts._pending]
+    size += sum(sys.getsizeof(item) for item in transcripts._pending) + sys.getsizeof(transcripts._pending)
+    for text in texts:
+        size += sys.getsizeof(text) + sys.getsizeof(text.parts) + sum(sys.getsizeof(p) for p in text.parts)
+    return size
+
+
+def test_a_sessions_transcript_stays_within_the_per_session_memory_table():
+    from duplexrt.protocols.realtime_transcripts import (MAX_HELD_PIECES, MAX_ITEM_CHARS, MAX_PENDING_ITEMS,
+                                                         MAX_TEXT_PARTS)
+    from duplexrt.server.budget import transcript_bytes
+    from duplexrt.transcribe.pieces import MAX_PIECE_CHARS
+
+    protocol, _, _ = make()
+    transcripts = protocol._transcripts
+    assert transcripts is not None
+    wide = "\U0001F600" * MAX_PIECE_CHARS  # the widest string a piece can be
+    at = 0.0
+    for k in range(MAX_PENDING_ITEMS + 3):  # more items than wait: the oldest complete at once
+        transcripts.speech_started(f"item_{k}")
+        for _ in range(MAX_ITEM_CHARS // MAX_PIECE_CHARS + 5):
+            transcripts.pieces([TranscriptPiece(wide, 0, 0, at + 1.0)], 0.0)
+        at += 100.0
+        transcripts.committed(f"item_{k}", at)
+    for _ in range(MAX_HELD_PIECES + 5):  # the open audio, no id yet
+        transcripts.pieces([TranscriptPiece(wide, 0, 0, at + 1.0)], 0.0)
+    assert len(transcripts._pending) == MAX_PENDING_ITEMS and len(transcripts._held) == MAX_HELD_PIECES
+    bound = transcript_bytes(MAX_HELD_PIECES, MAX_PENDING_ITEMS, MAX_ITEM_CHARS, MAX_TEXT_PARTS, MAX_PIECE_CHARS)
+    assert bound * 0.5 < _deep_size(transcripts) <= bound

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from duplexrt.protocols.realtime_server_events import ServerEvents
 from duplexrt.transcribe.pieces import TranscriptPiece
 
-__all__ = ["CallerTranscripts", "MAX_HELD_PIECES", "MAX_ITEM_CHARS", "MAX_PENDING_ITEMS"]
+__all__ = ["CallerTranscripts", "MAX_HELD_PIECES", "MAX_ITEM_CHARS", "MAX_PENDING_ITEMS", "MAX_TEXT_PARTS"]
 
 #: Pieces kept for audio whose item has no id yet (about 80 s of text at one piece a frame).
 MAX_HELD_PIECES = 1000
@@ -42,6 +42,9 @@ MAX_PENDING_ITEMS = 16
 #: holds no more than this; a session at most ``MAX_PENDING_ITEMS + 1`` such transcripts and the
 #: held pieces (a few hundred kB of text in all).
 MAX_ITEM_CHARS = 8000
+#: An item's text is kept as pieces, joined into one string when there are this many (a
+#: one-character piece costs a whole string object: the join keeps the bound in characters).
+MAX_TEXT_PARTS = 64
 
 
 class _Text:
@@ -55,8 +58,11 @@ class _Text:
 
     def add(self, text: str) -> None:
         if self.chars + len(text) <= MAX_ITEM_CHARS:
-            self.parts.append(text)
+            parts = self.parts
+            parts.append(text)
             self.chars += len(text)
+            if len(parts) >= MAX_TEXT_PARTS:
+                parts[:] = ["".join(parts)]
 
     def __str__(self) -> str:
         return "".join(self.parts).strip()

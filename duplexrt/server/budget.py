@@ -8,7 +8,10 @@ everything) holds no more than one that talks at the pace of speech:
 - the resume journal (``duplexrt.wire.resume``): ``runtime.resume_journal_s`` seconds of the
   session's output as sent (``journal_bytes``);
 - realtime turn mode's held audio (``protocols/realtime.py``, ``MAX_HELD_SECONDS``) and the JSON
-  it becomes when released (``held_json_bytes``).
+  it becomes when released (``held_json_bytes``);
+- the caller's transcript a realtime session keeps for its user items, with a transcriber on
+  (``protocols/realtime_transcripts.py``): bounded in pieces and characters
+  (``transcript_bytes``).
 
 The byte figures are upper bounds worked out from the format, so a test can hold the code to them
 and the operator guide can print them.
@@ -53,3 +56,23 @@ def held_json_bytes(spec: AudioSpec, seconds: float, frame_seconds: float) -> in
     audio = int(audio_bytes_per_second(spec) * seconds)
     frames = int(seconds / frame_seconds) + 1
     return audio + base64_size(audio) + frames * MESSAGE_ALLOWANCE_PER_FRAME
+
+
+#: CPython's string object: at most this much beside its characters, and at most 4 bytes a
+#: character (a string holding any character past U+FFFF).
+STR_OVERHEAD = 80
+STR_BYTES_PER_CHAR = 4
+#: A pointer to a piece in a list or deque, and an item's own objects (its record, its text's).
+POINTER = 8
+ITEM_OVERHEAD = 400
+
+
+def transcript_bytes(held_pieces: int, pending_items: int, item_chars: int, text_parts: int,
+                     piece_chars: int) -> int:
+    """The most a realtime session's caller transcript holds: ``held_pieces`` pieces waiting
+    for an item's id, and the open item's and ``pending_items`` committed items' text, each at
+    most ``item_chars`` characters in one joined string plus ``text_parts`` pieces not yet
+    joined; a piece at most ``piece_chars`` characters."""
+    piece = STR_OVERHEAD + STR_BYTES_PER_CHAR * piece_chars + POINTER
+    item = STR_OVERHEAD + STR_BYTES_PER_CHAR * item_chars + text_parts * piece + ITEM_OVERHEAD
+    return held_pieces * piece + (pending_items + 1) * item
