@@ -118,6 +118,9 @@ class Backend(abc.ABC):
     #: The rows the last step paid for, where the backend steps more rows than it was given (a
     #: bucket covering its calls); None: the rows given.  The capacity estimate's unit.
     stepped_rows: int | None = None
+    #: Bytes each slot needs on the backend's device beside the backend's own state (a transcriber's
+    #: row there): a backend that sizes its slots by the device's memory counts them.
+    extra_slot_bytes = 0
     #: Whether ``load`` can choose the slot count (``runtime.slots = "auto"``).
     chooses_slots = False
     #: How the slot count was arrived at (set by ``load`` where the backend has more to say than

@@ -65,6 +65,11 @@ class BackendLoadError(RuntimeError):
     """The backend could not load: the runtime cannot start."""
 
 
+def _device_key(device: str) -> str:
+    """``cuda`` and ``cuda:0`` are one device."""
+    return f"{device}:0" if device.startswith("cuda") and ":" not in device else device
+
+
 class TranscriberLoadError(RuntimeError):
     """The transcriber (``[transcriber]``) could not load: the runtime cannot start either."""
 
@@ -505,12 +510,28 @@ class Scheduler:
         assert self._token is not None
         return self.handoffs.deliver_from_thread(self._token, kind, fn, *args)
 
+    def _load_transcriber_weights(self) -> None:
+        """The transcriber's weights first, on a device it shares with the backend: the backend
+        then sizes its slots by the memory left beside them, each slot counting the
+        transcriber's row too (``Backend.extra_slot_bytes``)."""
+        transcriber = self.transcriber
+        if transcriber is None:
+            return
+        try:
+            with self._load_interrupter.interruptible():
+                transcriber.load_weights()
+            if _device_key(transcriber.device) == _device_key(self.backend.info.device):
+                self.backend.extra_slot_bytes = transcriber.state_bytes_per_slot()
+        except Exception as exc:
+            raise TranscriberLoadError(f"the transcriber failed to load: {exc}") from exc
+
     def _thread_main(self) -> None:
         error: BaseException | None = None
         try:
             # Born pinned like the trio thread that started it: the model loads with every core
             # (a CPU model's thread pool starts here), and only then does this thread pin itself.
             restore(self.unpinned_cpus)
+            self._load_transcriber_weights()
             with self._load_interrupter.interruptible():
                 self.backend.load()
             if self.backend.info.slots != self.slots:  # chosen at load (``runtime.slots = "auto"``)

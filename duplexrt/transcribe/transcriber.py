@@ -92,6 +92,23 @@ class Transcriber:
     def sample_rate(self) -> int:
         return int(self.stt.mimi.sample_rate)
 
+    def load_weights(self) -> None:
+        """The model's weights on its device, before any row: the scheduler loads them ahead of
+        the dialogue model, so that the free memory the dialogue model sizes its slots by is what
+        is left beside them."""
+        if self.model is None:
+            assert self.config is not None
+            self.model = load_model(self.config)
+
+    def state_bytes_per_slot(self) -> int:
+        """What one row's streaming state will hold (Mimi and the LM's K/V, from the loaded
+        model's own modules, before any row is allocated): what each of the dialogue model's
+        slots needs beside its own, on a shared device."""
+        from duplexrt.backends.moshi import memory
+
+        model = self.stt
+        return memory.slot_bytes(model.mimi, model.lm, guided=False).total
+
     def load(self, slots: int | None = None, *, warmup_steps: int = 0) -> None:
         """Load the model if need be (``config``), then start the fixed batch of ``slots`` rows
         streaming (``slots`` given at construction, unless given here), allocate the host
@@ -105,9 +122,7 @@ class Transcriber:
             self.slots = slots
         if self.slots < 1:
             raise ValueError("a transcriber needs at least one slot")
-        if self.model is None:
-            assert self.config is not None
-            self.model = load_model(self.config)
+        self.load_weights()
         model = self.stt
         slots, frame = self.slots, self.frame_size
         self._torch = torch

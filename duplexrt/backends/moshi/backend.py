@@ -173,7 +173,7 @@ class MoshiBackend(Backend):
                 device_memory = attrs.evolve(device_memory, free=max(0, device_memory.free - held),
                                              source=f"{device_memory.source}, less {memory.gigabytes(held)} "
                                                     "for the prompt lane and cache")
-            fit = memory.slots_that_fit(self.slot_bytes.total, device_memory) if device_memory else None
+            fit = memory.slots_that_fit(self._slot_total(), device_memory) if device_memory else None
             if self.info.slots == CHOSEN_AT_LOAD:
                 self.slot_choice = self._choose_slots(fit, device_memory)
             else:
@@ -239,10 +239,16 @@ class MoshiBackend(Backend):
     def _memory_details(self, fit: int | None, device_memory: memory.DeviceMemory | None) -> dict[str, Any]:
         details: dict[str, Any] = {"bytes_per_slot": self._sized().as_dict(), "fit_memory": fit,
                                    "ring": self._ring().as_dict()}
+        if self.extra_slot_bytes:
+            details["transcriber_bytes_per_slot"] = self.extra_slot_bytes
         if device_memory is not None:
             details.update(free_bytes=device_memory.free, total_bytes=device_memory.total,
                            reserve_bytes=device_memory.reserve, memory_source=device_memory.source)
         return details
+
+    def _slot_total(self) -> int:
+        """What one slot needs on the device: its own state, and a transcriber's row beside it."""
+        return self._sized().total + self.extra_slot_bytes
 
     def _sized(self) -> memory.SlotBytes:
         """What one slot holds: known from the first load on, before anything is allocated."""
@@ -277,8 +283,11 @@ class MoshiBackend(Backend):
         else:
             free = (f"{self.settings.device} has {gb(device_memory.free)} free after the weights "
                     f"({device_memory.source}), less {gb(device_memory.reserve)} kept for activations and CUDA graphs")
-        return (f"runtime.slots = {slots} does not fit: each slot holds {gb(per.total)} of state ({parts}), "
-                f"{gb(slots * per.total)} for {slots}, and {free}: at most {fit} slot{'s' if fit != 1 else ''} "
+        if self.extra_slot_bytes:
+            parts += f"; and {gb(self.extra_slot_bytes)} for the transcriber's row beside it"
+        total = self._slot_total()
+        return (f"runtime.slots = {slots} does not fit: each slot holds {gb(total)} of state ({parts}), "
+                f"{gb(slots * total)} for {slots}, and {free}: at most {fit} slot{'s' if fit != 1 else ''} "
                 f"fit; {advice}")
 
     def _refuse_before_building(self, torch: Any) -> None:
@@ -356,7 +365,7 @@ class MoshiBackend(Backend):
             cost = self._warm_up(self._unsettled_steps + steady)
             timings.setdefault(found.slots, cost * 1e3)
         step = timings[found.slots]  # what the choice was made on
-        memory_note = (f"{fit} fit the memory ({memory.gigabytes(self._sized().total)} a slot)"
+        memory_note = (f"{fit} fit the memory ({memory.gigabytes(self._slot_total())} a slot)"
                        if fit is not None else "the device's free memory is unknown")
         frame = f"{info.capacity_margin:.0%} of the {info.frame_ms:g} ms frame"
         if not found.within_budget:
