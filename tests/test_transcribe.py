@@ -19,7 +19,8 @@ pytest.importorskip("moshi")
 
 from duplexrt.config import ConfigError, TranscriberConfig  # noqa: E402
 from duplexrt.transcribe.model import SttModel, load_model  # noqa: E402
-from duplexrt.transcribe.pieces import frames_for, piece_table  # noqa: E402
+from duplexrt.backends.moshi.text import piece_table  # noqa: E402
+from duplexrt.transcribe.pieces import frames_for  # noqa: E402
 from duplexrt.transcribe.tiny import TINY_STT_CONFIG, save_tiny_stt  # noqa: E402
 from duplexrt.transcribe.transcriber import Transcriber  # noqa: E402
 

@@ -10,8 +10,6 @@ client shows as a word's time), on the same frame count as the session's input.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
@@ -39,21 +37,6 @@ class TranscriptPiece:
 #: A token's text is cut to this many characters (sentencepiece's own pieces are at most 16 by
 #: default): what a piece can cost is bounded whatever the tokenizer (``server/budget.py``).
 MAX_PIECE_CHARS = 64
-
-
-def piece_table(tokenizer: Any, sampled: int, silent: Sequence[int]) -> list[str]:
-    """Each token id's text, decoded once: ``""`` for the ids in ``silent`` (padding, end of
-    padding), for control and unknown ids, and for ids past the tokenizer's pieces (a random
-    model may sample those); at most ``MAX_PIECE_CHARS`` characters."""
-    vocab = tokenizer.vocab_size()
-    quiet = set(silent)
-    table = []
-    for token in range(sampled):
-        if token >= vocab or token in quiet or tokenizer.is_control(token) or tokenizer.is_unknown(token):
-            table.append("")
-        else:
-            table.append(tokenizer.id_to_piece(token).replace("\u2581", " ")[:MAX_PIECE_CHARS])
-    return table
 
 
 def frames_for(seconds: float, frame_rate: float) -> int:

@@ -40,7 +40,8 @@ import numpy as np
 
 from duplexrt.config import ConfigError, TranscriberConfig
 from duplexrt.transcribe.model import SttModel, load_model
-from duplexrt.transcribe.pieces import TranscriptPiece, piece_table
+from duplexrt.backends.moshi.text import piece_table
+from duplexrt.transcribe.pieces import TranscriptPiece
 from duplexrt.transcribe.rows import FreshRows
 
 log = logging.getLogger("duplexrt.transcribe")
