@@ -192,6 +192,24 @@ def test_every_server_message_is_a_kind_kyutais_web_client_decodes():
             metadata_of(message)  # strict JSON
 
 
+def test_the_callers_words_go_as_metadata_only_to_a_client_that_asked_in_the_url():
+    """Kyutai's and NVIDIA's web clients throw on an unknown kind and log every metadata message
+    they cannot match: the caller's words are opt-in (``?input_text=1``), a kind-4 message."""
+    from duplexrt.transcribe.pieces import TranscriptPiece
+
+    pieces = [TranscriptPiece(" hello", 9, 2, 220.0), TranscriptPiece("", 10, 3, 300.0, flushed=True)]
+    assert MoshiTranslator().input_text(pieces) == []  # no transcriber offered
+    for query in ({}, {"input_text": "0"}, {"input_text": ""}):
+        protocol = MoshiTranslator()
+        protocol.offer_transcripts("stt-tiny", 500.0, query=query)
+        assert protocol.input_text(pieces) == []
+    protocol = MoshiTranslator()
+    protocol.offer_transcripts("stt-tiny", 500.0, query={"input_text": "1", "text_prompt": "x"})
+    [message] = protocol.input_text(pieces)  # a piece without text sends nothing
+    assert message[0] in SERVER_KINDS
+    assert metadata_of(message) == {"type": "input_text", "text": " hello", "frame": 9, "audio_ms": 220.0}
+
+
 # -- whole sessions ------------------------------------------------------------------------------------
 
 

@@ -224,3 +224,77 @@ async def test_server_vad_items_get_their_words_and_complete_once_the_output_pas
         mine = [d for d in deltas if d["item_id"] == item]
         assert all(events.index(d) < events.index(completed) for d in mine)
         assert completed["transcript"] == "".join(d["delta"] for d in mine).strip()
+
+
+# -- /api/chat ---------------------------------------------------------------------------------
+
+
+async def _moshi_call(url: str, frames: np.ndarray, steps: int) -> tuple[list[bytes], np.ndarray]:
+    """A Moshi client's call: ``frames`` as Ogg Opus (sphn, as Kyutai's clients send it), held
+    open until the echo's audio says the server has stepped ``steps`` frames (the protocol has no
+    end of input: a client that hangs up earlier hears no more).  Returns every message received
+    and the frames the server decoded from the Opus stream (the same decoder, the same bytes)."""
+    import sphn
+    import trio_websocket
+
+    from test_protocol_moshi import RATE
+
+    writer = sphn.OpusStreamWriter(RATE)
+    payloads = [data for frame in frames if (data := writer.append_pcm(frame))]
+    decoded = np.concatenate([sphn.OpusStreamReader(RATE).append_bytes(b"".join(payloads))])
+    received: list[bytes] = []
+    reader = sphn.OpusStreamReader(RATE)
+    heard = 0
+    async with trio_websocket.open_websocket_url(url) as ws:
+        first = await ws.get_message()
+        assert first[0] == 0  # the handshake first, as the web client waits for it
+        received.append(first)
+        for data in payloads:
+            await ws.send_message(b"\x01" + data)
+        while heard < steps * FRAME:
+            message = await ws.get_message()
+            assert isinstance(message, bytes)
+            received.append(message)
+            if message[0] == 1:
+                heard += len(reader.append_bytes(message[1:]))
+    return received, decoded[:len(decoded) // FRAME * FRAME].reshape(-1, FRAME)
+
+
+def _input_text(received: list[bytes]) -> list[dict]:
+    import json
+
+    bodies = [json.loads(m[1:]) for m in received if m[0] == 4]  # strict JSON, as the web client parses
+    return [b for b in bodies if b.get("type") == "input_text"]
+
+
+async def test_api_chat_sends_the_callers_words_as_metadata_to_a_client_that_asks(start_server, reference):
+    from test_protocol_moshi import SERVER_KINDS
+
+    served = await start_server("runtime.slots=2", *TINY)
+    delay = reference.model.delay_frames
+    spoken = 10
+    frames = np.concatenate([np.clip(voice(45, spoken), -1.0, 1.0), np.zeros((delay + 8, FRAME), np.float32)])
+    steps = spoken + delay  # every step whose text is about the voice
+    with trio.fail_after(PATIENCE * 3):
+        received, decoded = await _moshi_call(served.url("/api/chat?input_text=1"), frames, steps)
+    assert {m[0] for m in received} <= SERVER_KINDS  # no kind the web clients' decoders throw on
+    said = _input_text(received)
+    # Token for token the package's own inference on the audio the server decoded, for every
+    # step the server is known to have taken (later ones may or may not have come yet).
+    expected = [reference.table[t] for t in reference.tokens(decoded[:steps], flush=False)]
+    assert [e["text"] for e in said if e["frame"] < steps] == [t for t in expected if t] != []
+    assert all(e["audio_ms"] == max(0.0, e["frame"] * 80 - 500) for e in said)
+    assert [e["frame"] for e in said] == sorted(e["frame"] for e in said)
+
+
+async def test_api_chat_sends_no_words_to_a_client_that_did_not_ask(start_server, reference):
+    """Kyutai's and NVIDIA's web clients as published: not one message more than before."""
+    from test_protocol_moshi import SERVER_KINDS
+
+    served = await start_server("runtime.slots=2", *TINY)
+    frames = np.concatenate([np.clip(voice(45, 10), -1.0, 1.0), np.zeros((15, FRAME), np.float32)])
+    with trio.fail_after(PATIENCE * 3):
+        for url in ("/api/chat", "/api/chat?input_text=0"):
+            received, _ = await _moshi_call(served.url(url), frames, 17)
+            assert not _input_text(received)
+            assert {m[0] for m in received} <= SERVER_KINDS

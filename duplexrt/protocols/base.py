@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Protocol
 
 from duplexrt.audio import AudioSpec
@@ -34,6 +35,9 @@ from duplexrt.backends.base import Persona, PersonaError, PersonaRequest
 from duplexrt.protocols.events import Event, ProtocolError, SessionEnd
 from duplexrt.transcribe.pieces import TranscriptPiece
 from duplexrt.wire.transport import Message
+
+#: ``offer_transcripts``'s default: a URL with no query string.
+NO_QUERY: Mapping[str, str] = MappingProxyType({})
 
 
 #: ``Backend.check_persona``: a request checked and completed with the defaults, or PersonaError.
@@ -166,6 +170,11 @@ class Translator(abc.ABC):
     #: The session's resume token, set by the server before ``start`` when resume is on
     #: (``runtime.resume_window_s``): ``start`` names it in the session's first message.
     resume_token: str | None = None
+    #: The id this session's client is told when it starts (Realtime's ``session.id``, Live's,
+    #: ``/v1/duplex``'s ``session.created`` ``id``), set by the server when it builds the route's
+    #: translator: what the client fetches the call's transcript by (``GET /v1/transcripts/{id}``).
+    #: Random (``transcripts/ids.py``); None on a route that tells its client no id.
+    call_id: str | None = None
     #: Whether the session fixes the persona when it starts (a route whose persona comes in the
     #: URL) rather than at the caller's first audio frame (one that may set it in an event).
     persona_at_start: bool = False
@@ -231,11 +240,12 @@ class Translator(abc.ABC):
         """Messages carrying model text; none by default."""
         return []
 
-    def offer_transcripts(self, model: str, delay_ms: float) -> None:
+    def offer_transcripts(self, model: str, delay_ms: float, *, query: Mapping[str, str] = NO_QUERY) -> None:
         """The server writes down what its callers say (``[transcriber]``: the model's name, and
         how far its text lags the audio): a protocol whose client asks for that (Realtime's
-        ``input_audio_transcription``) may now grant it.  Called by the server before the
-        session starts; by default nothing changes."""
+        ``input_audio_transcription``, or in the URL's ``query``: Moshi's ``?input_text=1``,
+        whose clients cannot ask any other way) may now grant it.  Called by the server before
+        the session starts; by default nothing changes."""
 
     def input_text(self, pieces: Sequence[TranscriptPiece]) -> list[Message]:
         """Messages carrying what the caller said (a transcriber's pieces, each placed on the

@@ -43,6 +43,19 @@ kyutai-labs/hibiki-zero's ``state.py`` and web page), and what this translator d
   constructor after the handshake, and a ``{"type": "session.end", ...}`` metadata message last.
   The web client parses every kind-4 payload with ``JSON.parse``, so it must be strict JSON (no NaN).
   The web client's decoder throws on kinds above 7 (we never send any).
+* The caller's words (a server with ``[transcriber]``).  The protocol has no message for them,
+  and both web clients are strict about kinds: their decoders (Kyutai's
+  ``client/src/protocol/encoder.ts`` ``decodeMessage``, ``default: throw new Error("Unknown
+  message type")``, line 92 at kyutai-labs/moshi e6a55d2; NVIDIA's copy of it, line 84 at
+  NVIDIA/personaplex 3428dfd) throw on any kind they do not know, and run in each message
+  listener with no ``try`` (``useSocket.ts``, ``useServerText.ts``, ``useServerAudio.ts``,
+  ``useServerInfo.ts``), so a new kind would raise an uncaught error in four listeners for every
+  piece.  A metadata message does not throw, but each one that does not match their server-info
+  schema is logged with ``console.error`` (``useServerInfo.ts`` ``parseInfo``).  So the caller's
+  words are opt-in: a client that adds ``?input_text=1`` to the URL gets each piece as a
+  metadata message ``{"type": "input_text", "text", "frame", "audio_ms"}`` (the fields of
+  ``/v1/duplex``'s ``input_text``), a kind every Moshi client already parses; without it
+  (Kyutai's and NVIDIA's clients as published) nothing changes.
 * Persona (NVIDIA's PersonaPlex, a Moshi-architecture model whose role prompt and voice are set per
   call).  NVIDIA's server (``NVIDIA/personaplex``: ``moshi/moshi/server.py``) and web client
   (``client/src/pages/Conversation/Conversation.tsx``) put it in the URL: ``text_prompt`` and
@@ -63,13 +76,15 @@ kyutai-labs/hibiki-zero's ``state.py`` and web page), and what this translator d
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioSpec
-from duplexrt.protocols.base import Translator
+from duplexrt.protocols.base import NO_QUERY, Translator
 from duplexrt.protocols.events import AudioIn, EndTurn, Event, Ignored, ProtocolError, SessionEnd
+from duplexrt.protocols.options import wants_input_text
 from duplexrt.reasons import CloseCode
+from duplexrt.transcribe.pieces import TranscriptPiece
 from duplexrt.wire.transport import Message
 
 __all__ = [
@@ -137,6 +152,9 @@ class MoshiTranslator(Translator):
             self._start.append(_metadata(dict(metadata)))
         #: The handshake, held until the model has taken the session's persona.
         self._held: list[Message] = []
+        #: The client asked for the caller's words (``?input_text=1``) and the server has a
+        #: transcriber (``offer_transcripts``).
+        self._input_text = False
 
     def start(self) -> list[Message]:
         if self.resume_token is None:
@@ -179,6 +197,17 @@ class MoshiTranslator(Translator):
 
     def text_out(self, text: str) -> list[Message]:
         return [_TEXT_PREFIX + text.encode("utf-8", "replace")]
+
+    def offer_transcripts(self, model: str, delay_ms: float, *, query: Mapping[str, str] = NO_QUERY) -> None:
+        self._input_text = wants_input_text(query)
+
+    def input_text(self, pieces: Sequence[TranscriptPiece]) -> list[Message]:
+        """Each piece with text as a metadata message, only for a client that asked (see the
+        module's docstring: an unasked message would log an error in Kyutai's web client)."""
+        if not self._input_text:
+            return []
+        return [_metadata({"type": "input_text", "text": piece.text, "frame": piece.frame,
+                           "audio_ms": piece.audio_ms}) for piece in pieces if piece.text]
 
     def error(self, error: ProtocolError) -> list[Message]:
         return [_ERROR_PREFIX + error.message.encode("utf-8", "replace")]

@@ -65,6 +65,14 @@ def moshi_persona(query: Mapping[str, str]) -> PersonaRequest:
     return PersonaRequest(query.get("text_prompt"), query.get("voice_prompt"))
 
 
+def wants_input_text(query: Mapping[str, str]) -> bool:
+    """``/api/chat?input_text=1``: send what the caller said (a server with ``[transcriber]``).
+    Opt-in because the Moshi protocol has no message for it and its web clients are strict:
+    Kyutai's and NVIDIA's decoders throw on a kind they do not know, and log an error for every
+    metadata message their server-info schema does not match (``protocols/moshi.py``)."""
+    return query.get("input_text", "").lower() in ("1", "true", "yes")
+
+
 def _rate(text: str | None, name: str) -> int | None:
     if not text:
         return None

@@ -76,13 +76,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from duplexrt.audio import AudioFormat, AudioSpec
 from duplexrt.backends.base import PersonaError
 from duplexrt.protocols.b64audio import Base64Audio
-from duplexrt.protocols.base import PersonaLocked, Translator
+from duplexrt.protocols.base import NO_QUERY, PersonaLocked, Translator
 from duplexrt.protocols.events import (
     AudioIn,
     ClearInput,
@@ -233,7 +233,7 @@ class RealtimeTranslator(Translator):
             messages += self._transcripts.progress(answered)
         return messages
 
-    def offer_transcripts(self, model: str, delay_ms: float) -> None:
+    def offer_transcripts(self, model: str, delay_ms: float, *, query: Mapping[str, str] = NO_QUERY) -> None:
         self._stt = (model, delay_ms)
 
     def input_text(self, pieces: Sequence[TranscriptPiece]) -> list[Message]:
