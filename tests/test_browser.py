@@ -98,6 +98,9 @@ async def test_talk_page_echoes_the_microphone_shows_text_and_the_dashboard_sees
         assert state["receivedPeak"] > 0.1 and state["playedPeak"] > 0.1
         assert 0 < state["ttfaMs"] < 5000 and 0 < state["lagMs"] < 5000
         assert "hello hello" in await talk.evaluate("document.getElementById('text').textContent")
+        # No transcriber: no panel for the caller's words, the page as it always was.
+        assert await talk.evaluate("[document.getElementById('callerpanel').hidden, duplexrt.transcriber, "
+                                   "document.getElementById('texts').className]") == [True, None, "texts"]
 
         dashboard = await browser.open(f"{base}/dashboard")
         await dashboard.wait_for("dashboard.readings >= 3 && dashboard.current.stepsPerSecond > 0",
@@ -275,6 +278,64 @@ async def _persona_on_the_talk_page(nursery, tmp_path):
     assert server.runtime.metrics.sessions_opened == 1
     assert (tmp_path / "talk-page-persona.png").read_bytes().startswith(b"\x89PNG")
     _keep(tmp_path / "talk-page-persona.png")
+
+
+def _varied(path: Path, seconds: float = 3.0, rate: int = 24000) -> Path:
+    """A WAV whose every 80 ms differs (tones, noise, silence), as a caller's voice does: a tone
+    held for seconds gives a speech-to-text model the same frame over and over."""
+    rng = np.random.default_rng(7)
+    frame = rate * 80 // 1000
+    t = np.arange(frame) / rate
+    pieces = []
+    for i in range(int(seconds * rate) // frame):
+        loud = rng.uniform(0.05, 0.6)
+        tone = loud * np.sin(2 * np.pi * rng.uniform(120, 3000) * t) if i % 3 else np.zeros(frame)
+        pieces.append(tone + (rng.standard_normal(frame) * loud * 0.5 if i % 4 == 0 else 0.0))
+    pcm = (np.clip(np.concatenate(pieces), -1, 1) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(pcm.tobytes())
+    return path
+
+
+@needs_chromium
+@needs_personaplex
+async def test_talk_page_shows_the_callers_words_beside_the_models_on_moshi_tiny_stt(nursery, tmp_path):
+    """The real ``moshi-tiny-stt`` preset (the tiny Moshi and ``stt-tiny`` on the CPU): the page
+    learns from ``/stats`` that the server transcribes its callers, shows a panel for the
+    caller's words beside the model's, and fills it from ``/v1/duplex``'s ``input_text`` while
+    the call runs.  ``docs/talk-page-transcript.png`` comes from here."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = load_config(presets.resolve("moshi-tiny-stt"),
+                             ["server.port=0", "runtime.slots=1", "metrics.log_stats=false",
+                              "backend.options.warmup_steps=1"])
+        server = Server(config)
+        await nursery.start(server.run)
+        async with open_browser(_varied(tmp_path / "voice.wav")) as browser:
+            talk = await browser.open(f"http://127.0.0.1:{server.ports[0]}/", height=900)
+            await talk.wait_for("!document.getElementById('callerpanel').hidden", "the caller's panel")
+            assert await talk.evaluate("duplexrt.transcriber") == {"model": "stt-tiny"}
+            assert await talk.evaluate("document.getElementById('texts').className") == "texts both"
+            await talk.evaluate("document.getElementById('start').click()")
+            await talk.wait_for("duplexrt.callerPieces > 3 && duplexrt.textPieces > 3",
+                                "the caller's words and the model's", timeout=60)
+            state = await talk.evaluate("window.duplexrt")
+            assert state["error"] is None and state["state"] == "talking"
+            shown = await talk.evaluate("document.getElementById('callertext').textContent")
+            assert shown == state["callerText"] and shown.strip()
+            assert await talk.evaluate("document.getElementById('text').textContent") == state["text"]
+            await talk.screenshot(tmp_path / "talk-page-transcript.png")
+            await talk.evaluate("document.getElementById('stop').click()")
+            await talk.wait_for("duplexrt.state === 'idle'", "the call to end", timeout=60)
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "talk-page-transcript.png").read_bytes().startswith(b"\x89PNG")
+    _keep(tmp_path / "talk-page-transcript.png")
 
 
 @needs_firefox

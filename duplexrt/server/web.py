@@ -82,6 +82,15 @@ def readyz_answer(stats: ServerStatistics, query: dict[str, str]) -> tuple[int, 
     return (200 if reason is None else 503), json.dumps(body).encode(), "application/json"
 
 
+def _transcriber(config: Config) -> dict[str, str] | None:
+    """``/stats`` "transcriber": read from the config, since a server whose transcriber cannot
+    load does not start (so an enabled one is a running one)."""
+    transcriber = config.transcriber
+    if not transcriber.enabled:
+        return None
+    return {"model": "stt-tiny" if transcriber.tiny else transcriber.checkpoint}
+
+
 def stats_json(stats: ServerStatistics, config: Config) -> bytes:
     """What the dashboard draws, read from ``Server.statistics()`` (nothing per frame).
 
@@ -108,6 +117,9 @@ def stats_json(stats: ServerStatistics, config: Config) -> bytes:
         "slot_choice": runtime.slot_choice.as_dict(),
         # The persona a caller may set (voices, defaults, prompt cache); null: the model takes none.
         "persona": runtime.persona,
+        # The caller's words are written down ([transcriber]): its model; null: no transcriber.
+        # The talk page shows the caller's words beside the model's when it is there.
+        "transcriber": _transcriber(config),
         # What admission lets in: the sessions the fitted step cost fits in a frame period (or
         # runtime.max_sessions), never above the slots.
         "capacity": runtime.capacity.limit,

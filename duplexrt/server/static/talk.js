@@ -20,6 +20,9 @@ const talk = window.duplexrt = {
   sentMessages: 0, sentSamples: 0, receivedMessages: 0, receivedSamples: 0, receivedPeak: 0,
   playedSamples: 0, playedPeak: 0, late: 0, dropped: 0, bufferMs: 0,
   ttfaMs: null, lagMs: null, text: '', textPieces: 0, end: null,
+  // What the caller said, from the server's transcriber (/v1/duplex "input_text"); the server's
+  // transcriber (/stats "transcriber": its model), null when it has none.
+  callerText: '', callerPieces: 0, transcriber: null,
   // A model that takes a persona: what the server offers (/stats "persona"), what this call asked
   // for, and what session.created said is in effect.  All null for a model that takes none.
   personaOffer: null, personaAsked: null, persona: null,
@@ -73,6 +76,16 @@ function showServer(s) {
   $('info').textContent = `backend ${s.backend} · ${s.sample_rate} Hz · ${s.admitted}/${s.slots} slots in use` +
     (s.draining ? ' · draining: no new calls' : '');
   offerPersona(s.persona);
+  offerTranscript(s.transcriber);
+}
+
+// The caller's words beside the model's, once the server says it transcribes its callers.
+function offerTranscript(transcriber) {
+  if (!transcriber || talk.transcriber) return;
+  talk.transcriber = transcriber;
+  $('callerhead').textContent = `Your words (${transcriber.model}, a moment behind)`;
+  $('callerpanel').hidden = false;
+  $('texts').classList.add('both');
 }
 // No answer: no slot count (the last one would be stale).
 function serverLost(e) {
@@ -136,8 +149,9 @@ async function start() {
   lockPersona(true);
   Object.assign(talk, { state: 'starting', error: null, sentMessages: 0, sentSamples: 0, receivedMessages: 0,
     receivedSamples: 0, receivedPeak: 0, ttfaMs: null, lagMs: null, text: '', textPieces: 0, end: null,
-    personaAsked: null, persona: null });
+    personaAsked: null, persona: null, callerText: '', callerPieces: 0 });
   $('text').textContent = '';
+  $('callertext').textContent = '';
   firstSentAt = null; sendLog = []; lagHistory.length = 0;
   try {
     talk.server = await serverInfo();
@@ -262,6 +276,10 @@ function onControl(m) {
   if (m.type === 'text') {
     talk.text += m.text; talk.textPieces++;
     $('text').textContent = talk.text;
+  } else if (m.type === 'input_text') {
+    // The transcriber's piece: its text lags the caller's audio by the model's delay.
+    talk.callerText += m.text; talk.callerPieces++;
+    $('callertext').textContent = talk.callerText;
   } else if (m.type === 'session.created') {
     talk.persona = m.persona || null;
     if (talk.persona) {
