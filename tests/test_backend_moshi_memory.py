@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 
-import attrs
 import pytest
 import trio
 
@@ -23,6 +22,7 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")
 from duplexrt.backends.base import CHOSEN_AT_LOAD, BackendInfo  # noqa: E402
 from duplexrt.backends.moshi import MoshiBackend  # noqa: E402
 from duplexrt.backends.moshi import memory  # noqa: E402
+from duplexrt.backends.moshi import model as moshi_model  # noqa: E402
 from duplexrt.config import ConfigError, load_config  # noqa: E402
 
 torch = pytest.importorskip("torch")
@@ -104,10 +104,9 @@ def test_with_guidance_a_slot_holds_two_lm_rows_as_the_guided_backend_allocates(
         model = backend._model
 
         def generator(slots: int):
-            backend.info = attrs.evolve(backend.info, slots=slots)  # the conditions' rows
             return model.models.LMGen(model.lm, cfg_coef=model.cfg_coef, support_out_of_sync=True,
-                                      condition_tensors=backend._conditions(model.lm, model.model_type,
-                                                                            model.cfg_coef))
+                                      condition_tensors=moshi_model.conditions(model.lm, model.model_type,
+                                                                               model.cfg_coef, slots))
 
         backend._release_rows()  # measure fresh states, not the backend's own
         assert _measured_per_row(model.mimi, model.lm, generator, 2) == guided.total
