@@ -481,6 +481,47 @@ class TranscriberConfig:
             raise ConfigError("transcriber.tiny and transcriber.checkpoint both name a model: give one")
 
 
+TRANSCRIPT_SINKS = ("none", "jsonl")
+
+
+@attrs.frozen(kw_only=True)
+class TranscriptsConfig:
+    """``[transcripts]``: each call's transcript (the caller's words and the model's, with their
+    times) kept after the call to be fetched by id (``GET /v1/transcripts/{id}``) and/or appended
+    to a JSON Lines file per day (``duplexrt.transcripts``).  Kept for ``keep_seconds`` by
+    default; ``keep_seconds``, ``max_calls`` or ``max_bytes`` 0 turns the keeping off."""
+
+    #: How long an ended call's transcript can be fetched; 0: not kept.
+    keep_seconds: float = attrs.field(default=600.0, validator=_float_range("transcripts.keep_seconds", 0, 604800))
+    #: The most ended calls kept at once (the oldest go first); 0: none kept.
+    max_calls: int = attrs.field(default=1000, validator=_int_range("transcripts.max_calls", 0, 1_000_000))
+    #: The most bytes of JSON kept at once (the oldest go first); 0: none kept.
+    max_bytes: int = attrs.field(default=64_000_000, validator=_int_range("transcripts.max_bytes", 0, 2**40))
+    #: One call's text, both sides together, in characters; past it the rest is dropped and the
+    #: transcript says ``"truncated": true``.
+    max_chars_per_call: int = attrs.field(
+        default=20_000, validator=_int_range("transcripts.max_chars_per_call", 64, 1_000_000))
+    #: ``"jsonl"``: append each ended call's transcript to ``directory``; ``"none"``: no file.
+    sink: str = attrs.field(default="none", validator=_one_of("transcripts.sink", TRANSCRIPT_SINKS))
+    #: Where ``sink = "jsonl"`` writes ``transcripts-YYYY-MM-DD.jsonl`` (created 0700 if missing).
+    directory: str = attrs.field(default="", validator=_is_string("transcripts.directory", may_be_empty=True))
+
+    @property
+    def kept(self) -> bool:
+        """Ended calls are kept to be fetched."""
+        return self.keep_seconds > 0 and self.max_calls > 0 and self.max_bytes > 0
+
+    @property
+    def recorded(self) -> bool:
+        """Sessions record their transcript at all (kept, written, or both)."""
+        return self.kept or self.sink != "none"
+
+    def __attrs_post_init__(self) -> None:
+        if self.sink == "jsonl" and not self.directory.strip():
+            raise ConfigError('transcripts.sink = "jsonl" needs transcripts.directory: where the '
+                              "transcripts-YYYY-MM-DD.jsonl files go")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     audio: AudioConfig = attrs.field(factory=AudioConfig)
@@ -490,6 +531,7 @@ class Config:
     metrics: MetricsConfig = attrs.field(factory=MetricsConfig)
     realtime: RealtimeConfig = attrs.field(factory=RealtimeConfig)
     transcriber: TranscriberConfig = attrs.field(factory=TranscriberConfig)
+    transcripts: TranscriptsConfig = attrs.field(factory=TranscriptsConfig)
 
     def __attrs_post_init__(self) -> None:
         audio = self.audio
@@ -510,6 +552,7 @@ class Config:
 _SECTIONS: dict[str, type] = {
     "audio": AudioConfig, "runtime": RuntimeConfig, "backend": BackendConfig, "server": ServerConfig,
     "metrics": MetricsConfig, "realtime": RealtimeConfig, "transcriber": TranscriberConfig,
+    "transcripts": TranscriptsConfig,
 }
 
 

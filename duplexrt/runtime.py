@@ -27,6 +27,7 @@ from duplexrt.session.session import Session, SessionServices
 from duplexrt.protocols.base import Translator
 from duplexrt.protocols.events import SessionEnd
 from duplexrt.protocols.raw import RawTranslator
+from duplexrt.transcripts.keeper import Transcripts
 from duplexrt.wire.transport import Transport
 
 if TYPE_CHECKING:
@@ -118,6 +119,10 @@ class Runtime:
         self.scheduler = Scheduler(self.backend, config.runtime, self.handoffs, self.transcriber)
         self.metrics = FrameMetrics()
         self.sessions: set[Session] = set()
+        #: Ended calls' transcripts (``[transcripts]``): kept to be fetched, written to a file;
+        #: None when neither is on (sessions then record nothing).
+        self.transcripts: Transcripts | None = (Transcripts(config.transcripts, self.handoffs)
+                                                if config.transcripts.recorded else None)
 
     async def run(self, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model on the scheduler thread, then serve until cancelled."""
@@ -161,7 +166,8 @@ class Runtime:
                                    metrics=self.metrics, registry=self.sessions,
                                    max_session_frames=self.backend.info.max_session_frames,
                                    flush_frames=self._flush_frames(),
-                                   persona_check=self.backend.check_persona if self.backend.takes_persona else None)
+                                   persona_check=self.backend.check_persona if self.backend.takes_persona else None,
+                                   transcripts=self.transcripts)
         return await Session(services, transport, protocol, session_id, route=route, peer=peer).run()
 
     def _flush_frames(self) -> int:
@@ -222,6 +228,8 @@ async def open_runtime(config: Config, backend: Backend | None = None) -> AsyncI
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.run)
+            if runtime.transcripts is not None and runtime.transcripts.sink is not None:
+                nursery.start_soon(runtime.transcripts.run)  # the file's writer, off the hot path
             try:
                 yield runtime
             finally:

@@ -22,7 +22,8 @@ from duplexrt.audio import AudioSpec
 from duplexrt.protocols.realtime import MAX_HELD_SECONDS, RealtimeTranslator
 from duplexrt.protocols.realtime_transcripts import (MAX_HELD_PIECES, MAX_ITEM_CHARS, MAX_PENDING_ITEMS,
                                                      MAX_TEXT_PARTS)
-from duplexrt.server.budget import held_json_bytes, journal_bytes, transcript_bytes
+from duplexrt.config import TranscriptsConfig
+from duplexrt.server.budget import call_transcript_bytes, held_json_bytes, journal_bytes, transcript_bytes
 from duplexrt.transcribe.pieces import MAX_PIECE_CHARS
 
 #: The table moved with the rest of the operator's reference out of the README (issue 40).
@@ -58,6 +59,8 @@ def test_the_readme_table_states_the_bounds_the_code_holds():
             held_json_bytes(s16, MAX_HELD_SECONDS, 0.08),
         "`/v1/realtime` the caller's transcript for its items (a transcriber on)":
             transcript_bytes(MAX_HELD_PIECES, MAX_PENDING_ITEMS, MAX_ITEM_CHARS, MAX_TEXT_PARTS, MAX_PIECE_CHARS),
+        "every route the call's transcript record (`[transcripts]`, on by default)":
+            call_transcript_bytes(TranscriptsConfig().max_chars_per_call),
     }
     assert set(rows) == set(expected), rows
     for name, figure in expected.items():

@@ -1,7 +1,8 @@
 """Every crossing between the trio thread and any other thread, counted by kind.
 
-The runtime's promise is that only two things ever move work off the trio thread: decoding an
-encoded format and submitting into a full inbox.  That promise is only worth something if it can be
+The runtime's promise is that only two things ever move work off the trio thread per frame:
+decoding an encoded format and submitting into a full inbox (and, once per ended call at most,
+appending its transcript to a file).  That promise is only worth something if it can be
 checked, so nothing in duplexrt calls ``trio.to_thread`` or ``TrioToken.run_sync_soon`` or signals
 the scheduler thread except through this module, which counts each crossing by kind
 (tests/test_thread_crossings.py reads the source for any other crossing: only the scheduler's
@@ -40,6 +41,9 @@ class HandoffKind(enum.Enum):
     CONVERT_OFFLOAD = "convert_offload"
     #: ``offload = "always"`` only: a submit that could have been a non-blocking append.
     SUBMIT_OFFLOAD = "submit_offload"
+    #: Appending ended calls' transcripts to the day's file (``[transcripts] sink``): at most one
+    #: per ended call, fewer when calls end together (``transcripts/sink.py``).
+    TRANSCRIPT_WRITE = "transcript_write"
     #: The trio thread woke the sleeping scheduler thread.
     SCHEDULER_WAKE = "scheduler_wake"
     #: The scheduler thread handed one whole step's outputs to trio.
@@ -56,6 +60,7 @@ OFFLOAD_KINDS = frozenset(
         HandoffKind.FULL_INBOX_OFFLOAD,
         HandoffKind.CONVERT_OFFLOAD,
         HandoffKind.SUBMIT_OFFLOAD,
+        HandoffKind.TRANSCRIPT_WRITE,
     }
 )
 

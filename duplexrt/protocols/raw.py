@@ -10,9 +10,10 @@ naming the reason) and set when the session starts; ``session.created`` shows it
 ``"persona": {"voice", "instructions", "prompt_tokens"}``.  For a model that takes none the two
 parameters are ignored and ``session.created`` has no ``persona``.  There is no event to change it.
 
-Server → client text: ``{"type": "session.created", "input": {...}, "output": {...}}`` first,
+Server → client text: ``{"type": "session.created", "id": ..., "input": {...}, "output": {...}}``
+first (``id``: the call's, random, what its transcript is fetched by: ``GET /v1/transcripts/{id}``),
 ``{"type": "text", "text": ...}``, ``{"type": "error", "code": ..., "message": ...}``, and last
-``{"type": "session.end", "reason": ..., "usage": {...}}``.  With a transcriber on the server
+``{"type": "session.end", "id": ..., "reason": ..., "usage": {...}}``.  With a transcriber on the server
 (``[transcriber]``), what the caller said: ``{"type": "input_text", "text": ..., "frame": ...,
 "audio_ms": ...}``, one per piece (``frame``: the caller's frame whose step wrote it;
 ``audio_ms``: where in the caller's audio it belongs, the model's delay earlier).
@@ -54,6 +55,8 @@ class RawTranslator(Translator):
             "input": {"format": self.input_spec.format.value, "sample_rate": self.input_spec.sample_rate},
             "output": {"format": self.output_spec.format.value, "sample_rate": self.output_spec.sample_rate},
         }
+        if self.call_id is not None:
+            created["id"] = self.call_id
         persona = self.persona.shown()
         if persona is not None:
             created["persona"] = persona.describe()
@@ -99,6 +102,8 @@ class RawTranslator(Translator):
         if not usage["frames_flushed"]:
             del usage["frames_flushed"]  # only models that take a flush report it
         body: dict[str, object] = {"type": "session.end", "reason": reason, "usage": usage}
+        if self.call_id is not None:
+            body["id"] = self.call_id
         if error is not None:
             body["error"] = error
         return [json.dumps(body)]

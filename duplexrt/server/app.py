@@ -45,6 +45,7 @@ from duplexrt.server.statistics import ServerStatistics
 from duplexrt.server.stats_log import log_stats
 from duplexrt.server.tls import Stream, TLSWebSocket, refuse_plain_http, server_context, speaks_tls
 from duplexrt.server.page_budget import PageBudget
+from duplexrt.server.transcripts_http import is_transcript_path, transcript_response
 from duplexrt.server.web import FULL_OK, readyz_answer, static_answer, stats_json
 from duplexrt.wire.transport import Transport, TransportClosed
 from duplexrt.wire.handshake import HandshakeRefused, accept_response, check_request, proposed_subprotocols
@@ -716,6 +717,14 @@ class Server:
                 log.info("drain requested over HTTP")
                 self.shutdown()
             await self._send(stream, response_bytes(status, body, "application/json", headers))
+            return
+        if is_transcript_path(head.path):  # caller data: the API key, when one is set
+            runtime = self.runtime
+            data = transcript_response(runtime.transcripts if runtime is not None else None, head.method,
+                                       head.path, self._authorized(head))
+            if head.method == "HEAD":
+                data = data.partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
+            await self._send(stream, data)
             return
         if head.method not in ("GET", "HEAD"):
             await self._respond(stream, 405, "only GET is served here", [("allow", "GET")])

@@ -11,7 +11,9 @@ everything) holds no more than one that talks at the pace of speech:
   it becomes when released (``held_json_bytes``);
 - the caller's transcript a realtime session keeps for its user items, with a transcriber on
   (``protocols/realtime_transcripts.py``): bounded in pieces and characters
-  (``transcript_bytes``).
+  (``transcript_bytes``);
+- the call's transcript record (``transcripts/record.py``, ``[transcripts]``): bounded in
+  characters, and so in pieces (``call_transcript_bytes``).
 
 The byte figures are upper bounds worked out from the format, so a test can hold the code to them
 and the operator guide can print them.
@@ -76,3 +78,15 @@ def transcript_bytes(held_pieces: int, pending_items: int, item_chars: int, text
     piece = STR_OVERHEAD + STR_BYTES_PER_CHAR * piece_chars + POINTER
     item = STR_OVERHEAD + STR_BYTES_PER_CHAR * item_chars + text_parts * piece + ITEM_OVERHEAD
     return held_pieces * piece + (pending_items + 1) * item
+
+
+#: A piece's place in a record's list (a pointer) and its time (4 bytes in an ``array``), with an
+#: eighth more for the room a growing list or array keeps.
+RECORD_SLOT = (POINTER + 4) * 9 // 8 + 1
+
+
+def call_transcript_bytes(max_chars: int) -> int:
+    """The most one call's transcript record holds while the call runs: ``max_chars``
+    characters of both sides together, at worst in as many one-character pieces, each its own
+    string with its list slot and its time."""
+    return max_chars * (STR_OVERHEAD + RECORD_SLOT) + STR_BYTES_PER_CHAR * max_chars

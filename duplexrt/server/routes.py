@@ -15,6 +15,7 @@ from duplexrt.protocols.options import duplex_persona, duplex_specs, moshi_perso
 from duplexrt.protocols.raw import RawTranslator
 from duplexrt.routes import ROUTE_TABLE, RouteInfo
 from duplexrt.server.http import BadRequest, RequestHead
+from duplexrt.transcripts.ids import new_call_id
 
 
 @attrs.frozen
@@ -40,7 +41,9 @@ def _duplex(head: RequestHead, config: Config) -> Translator:
         input_spec, output_spec = duplex_specs(head.query, config.audio.sample_rate)
     except AudioFormatError as exc:
         raise BadRequest(400, str(exc)) from None
-    return _with_persona(RawTranslator(input_spec, output_spec, announce=True), duplex_persona(head.query))
+    translator = RawTranslator(input_spec, output_spec, announce=True)
+    translator.call_id = new_call_id("call")  # in session.created and session.end: the transcript's id
+    return _with_persona(translator, duplex_persona(head.query))
 
 
 def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Translator:
@@ -49,14 +52,17 @@ def _realtime(head: RequestHead, config: Config, *, duplex: bool = False) -> Tra
     beta = "realtime=v1" in head.header("openai-beta").replace(" ", "").lower()
     duplex = duplex or wants_duplex(head.query)
     realtime = config.realtime
-    return RealtimeTranslator(model_rate=config.audio.sample_rate, beta=beta, duplex=duplex,
+    translator = RealtimeTranslator(model_rate=config.audio.sample_rate, beta=beta, duplex=duplex,
                             model=head.query.get("model") or config.backend.name,
                             max_message_seconds=config.audio.max_message_seconds,
                             duplex_gate_dbfs=realtime.duplex_gate_dbfs
                             if realtime.duplex_split_responses and not wants_continuous(head.query) else None,
                             duplex_hangover_ms=realtime.duplex_hangover_ms,
                             frame_seconds=config.audio.frame_seconds,
-                            server_vad=realtime.turn_detection == "server_vad")
+                            server_vad=realtime.turn_detection == "server_vad",
+                            session_id=new_call_id("sess"))
+    translator.call_id = translator.session_id  # session.created's session.id: the transcript's id
+    return translator
 
 
 def _moshi(head: RequestHead, config: Config) -> Translator:
@@ -74,8 +80,11 @@ def _with_persona(translator: Translator, request: PersonaRequest) -> Translator
 def _live(head: RequestHead, config: Config) -> Translator:
     from duplexrt.protocols.live import LiveTranslator
 
-    return LiveTranslator(model_rate=config.audio.sample_rate, frame_seconds=config.audio.frame_seconds,
-                        model=config.backend.name, max_message_seconds=config.audio.max_message_seconds)
+    translator = LiveTranslator(model_rate=config.audio.sample_rate, frame_seconds=config.audio.frame_seconds,
+                                model=config.backend.name, max_message_seconds=config.audio.max_message_seconds,
+                                session_id=new_call_id("live"))
+    translator.call_id = translator.session_id  # the session resource's id: the transcript's id
+    return translator
 
 
 def _twilio(head: RequestHead, config: Config) -> Translator:

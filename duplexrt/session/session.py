@@ -40,6 +40,9 @@ from duplexrt.session.outgoing import Outgoing
 from duplexrt.session.reader import Reader
 from duplexrt.session.writer import Writer
 from duplexrt.transcribe.pieces import TranscriptPiece
+from duplexrt.transcripts.ids import new_call_id
+from duplexrt.transcripts.keeper import Transcripts
+from duplexrt.transcripts.record import CallTranscript
 from duplexrt.wire.resume import ResumableTransport
 from duplexrt.wire.transport import Transport, TransportClosed, direct_send
 
@@ -67,6 +70,8 @@ class SessionServices:
     #: ``Backend.check_persona`` for a model that takes a persona (``takes_persona``); None: the
     #: model takes none, and the session never sets one.
     persona_check: PersonaCheck | None = None
+    #: Where the call's transcript goes when it ends (``[transcripts]``); None: none is recorded.
+    transcripts: Transcripts | None = None
 
 
 class Session:
@@ -109,6 +114,12 @@ class Session:
         self._max_frames = min((limit for limit in limits if limit), default=None)
         if isinstance(transport, ResumableTransport):
             transport.listener = self  # for DETACHED and back
+        #: Both sides' text as the call runs (``[transcripts]``), handed over once when it ends;
+        #: None when nothing keeps transcripts.  The id is the one the client is told, else a new one.
+        self.record: CallTranscript | None = None
+        if services.transcripts is not None:
+            self.record = services.transcripts.record(protocol.call_id or new_call_id(), route,
+                                                      self._frame_seconds * 1e3)
         protocol.attach(self)
         # Before ``start``: a translator echoes the persona in effect from its first message.
         protocol.persona.check = services.persona_check
@@ -151,6 +162,8 @@ class Session:
         services = self._services
         config = services.config
         lease = self.lease = services.scheduler.open_slot(self, self._requested_id)
+        if self.record is not None:
+            self.record.session_id = lease.session_id
         lifecycle = self.lifecycle
         lifecycle.advance(SessionState.OPEN)
         always_offload = config.runtime.offload == "always"
@@ -216,6 +229,7 @@ class Session:
             metrics.active_by_route[self.route] -= 1
             with trio.CancelScope(shield=True):
                 end = await self._say_goodbye()
+            self._keep_transcript(end)
             metrics.sessions_ended[self.route, str(end.reason)] += 1
             lifecycle.state = SessionState.CLOSED
             self._log_end(end)
@@ -244,6 +258,17 @@ class Session:
         lease = self.lease
         if lease is not None:
             lease.owner = _NO_OWNER
+
+    def _keep_transcript(self, end: SessionEnd) -> None:
+        """Hand the call's transcript over, once: before the end goes to the client where the
+        session says goodbye (so a client that fetches it on the end finds it), else here."""
+        record = self.record
+        transcripts = self._services.transcripts
+        if record is None or transcripts is None:
+            return
+        self.record = None
+        record.finish(str(end.reason), end.error)
+        transcripts.keep(record)
 
     def _log_end(self, end: SessionEnd) -> None:
         timing = self._meter.describe(end.frames_out) if self._meter is not None else ""
@@ -299,6 +324,7 @@ class Session:
         transport = self._transport
         deadline = trio.current_time() + self._close_timeout
         if lifecycle.finish_reason == FinishReason.CLIENT_CLOSED:
+            self._keep_transcript(self.summary())
             with trio.move_on_at(deadline):
                 await transport.close(lifecycle.close_code)
             return self.summary()
@@ -311,6 +337,7 @@ class Session:
                 self._services.metrics.frames_out += credits.told - credits.sent
                 credits.sent = credits.told
                 end = self.summary()
+                self._keep_transcript(end)
                 for message in self._protocol.end(end):
                     await transport.send(message)
             except TransportClosed:
@@ -338,6 +365,8 @@ class Session:
             return
         writer.outbox.append((output, text, submitted_ns, stepped_ns))
         credits = self.credits
+        if text and self.record is not None:
+            self.record.model(text, credits.delivered)
         credits.delivered += 1
         if credits.lot and credits.submitted - credits.delivered <= credits.resume_below:
             credits.lot.unpark_all()
@@ -349,7 +378,11 @@ class Session:
         messages for them, queued now, ahead of this step's output."""
         lease = self.lease
         state = self.lifecycle.state
-        if lease is None or lease.released or state is _CLOSING or state is _CLOSED or not self.lifecycle.sending:
+        if lease is None or lease.released or state is _CLOSING or state is _CLOSED:
+            return
+        if self.record is not None:
+            self.record.caller(pieces)
+        if not self.lifecycle.sending:
             return
         messages = self._protocol.input_text(pieces)
         if messages:
