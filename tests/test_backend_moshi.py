@@ -42,6 +42,13 @@ REAL_CONFIGS = {
     "moshiko.toml": "kyutai/moshiko-pytorch-bf16",
     "hibiki.toml": "kyutai/hibiki-2b-pytorch-bf16",
     "hibiki-zero.toml": "kyutai/hibiki-zero-3b-pytorch-bf16",
+    "moshiko-stt.toml": "kyutai/moshiko-pytorch-bf16",
+    "personaplex-stt.toml": "nvidia/personaplex-7b-v1",
+}
+#: The real presets with a transcriber beside the dialogue model, and its checkpoint.
+REAL_STT_CONFIGS = {
+    "moshiko-stt.toml": "kyutai/stt-1b-en_fr",
+    "personaplex-stt.toml": "kyutai/stt-1b-en_fr",
 }
 
 
@@ -323,12 +330,21 @@ def test_a_repo_id_offline_fails_at_once_saying_what_and_where(monkeypatch, empt
 @pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
 async def test_real_model_configs_fail_to_start_offline_with_a_clear_error(name, monkeypatch, empty_hub_cache):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    config = load_config(ROOT / "configs" / name, ['backend.options.device="cpu"', "runtime.slots=1"])
+    config = load_config(ROOT / "configs" / name, ['backend.options.device="cpu"', 'transcriber.device="cpu"',
+                                                   "runtime.slots=1"])
     with trio.fail_after(PATIENCE):
         with pytest.raises(BackendLoadError) as caught:
             async with open_runtime(config):
                 pass
-    assert REAL_CONFIGS[name] in str(caught.value) and "offline" in str(caught.value)
+    message = str(caught.value)
+    if name in REAL_STT_CONFIGS:
+        # A transcriber's weights load first (the dialogue model's slots are sized beside them):
+        # its checkpoint is the one named, under its own keys.
+        assert message.startswith("the transcriber failed to load: transcriber.checkpoint")
+        assert "backend.options" not in message and "transcriber.tiny" in message
+        assert REAL_STT_CONFIGS[name] in message and "offline" in message
+    else:
+        assert REAL_CONFIGS[name] in message and "offline" in message
 
 
 # -- through the runtime --------------------------------------------------------------------------

@@ -79,8 +79,8 @@ def _gpu_presets() -> list[Path]:
 
 
 def test_the_gpu_presets_are_the_ones_expected():
-    assert {p.stem for p in _gpu_presets()} == {"moshiko", "moshi-7b-random", "hibiki", "hibiki-zero",
-                                                   "personaplex"}
+    assert {p.stem for p in _gpu_presets()} == {"moshiko", "moshiko-stt", "moshi-7b-random", "hibiki",
+                                                   "hibiki-zero", "personaplex", "personaplex-stt"}
 
 
 @pytest.mark.parametrize("preset", _gpu_presets(), ids=lambda p: p.stem)

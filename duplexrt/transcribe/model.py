@@ -72,8 +72,10 @@ def load_model(config: TranscriberConfig) -> SttModel:
 
         try:
             info = loading.resolve(config.checkpoint, models.loaders)
-        except ConfigError as exc:  # its words name the backend's key: this is the transcriber's
-            raise ConfigError(str(exc).replace(loading.KEY, "transcriber.checkpoint")) from None
+        except ConfigError as exc:  # its words name the backend's keys: these are the transcriber's
+            message = str(exc).replace(loading.KEY, "transcriber.checkpoint")
+            # Its offline hint offers the backend's tiny model: the transcriber has its own.
+            raise ConfigError(message.replace("backend.options.tiny", "transcriber.tiny")) from None
         lm_config = info.lm_config or {}
         if lm_config.get("dep_q", 8) != 0:
             raise ConfigError(f"transcriber.checkpoint = {config.checkpoint!r} is not a speech-to-text model "
