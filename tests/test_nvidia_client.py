@@ -17,7 +17,9 @@ the WebSocket went to ``/api/chat`` with that ``text_prompt`` and ``voice_prompt
 the handshake until the prompt had run, then sent its metadata and audio; the page called itself
 connected, sent the microphone, played the model's audio and showed the text it got; the server's
 ``/stats`` counts a new persona prefilled (a prompt-cache miss); the server's log says the session
-opened and, once Disconnect is pressed, ended.  The page is only watched (a wrapper around
+opened and, once Disconnect is pressed, ended.  The server also writes down the caller's words
+(``stt-tiny``): the client, which does not ask for them (``/api/chat?input_text=1``), gets none,
+only the message kinds its decoder knows, and no uncaught error.  The page is only watched (a wrapper around
 ``WebSocket`` added before its scripts run), never changed.  With DUPLEXRT_SCREENSHOTS=DIR the
 screenshot of the conversation is kept there as ``nvidia-client.png``.
 """
@@ -163,8 +165,12 @@ async def _open_watched(browser: Browser, url: str) -> ChromiumPage:
 async def test_nvidia_personaplex_client_unmodified_sets_the_persona(tmp_path):
     started = time.monotonic()
     server_log = tmp_path / "serve.log"  # its start line and its log
+    # With a transcriber (stt-tiny) too: the client, which never asks for the caller's words
+    # (``/api/chat?input_text=1``), must get none, since its decoder throws on a kind it does not
+    # know and logs every metadata message it cannot match (``protocols/moshi.py``).
     command = [str(Path(sys.executable).with_name("duplexrt")), "serve", "--config", "personaplex-tiny", "--port", "0",
-               "--set", "runtime.slots=1", "--set", "metrics.log_stats=false", "-o", "warmup_steps=1"]
+               "--set", "runtime.slots=1", "--set", "metrics.log_stats=false", "-o", "warmup_steps=1",
+               "--set", "transcriber.enabled=true", "--set", "transcriber.tiny=true"]
     with server_log.open("wb") as log:
         server = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT,
                                                   env=os.environ | {"NO_TORCH_COMPILE": "1"})
@@ -175,7 +181,9 @@ async def test_nvidia_personaplex_client_unmodified_sets_the_persona(tmp_path):
                                   timeout=60)
         port = int(up.group(1))
         base = f"http://127.0.0.1:{port}"
-        before = (await trio.to_thread.run_sync(_get_json, f"{base}/stats"))["persona"]
+        stats = await trio.to_thread.run_sync(_get_json, f"{base}/stats")
+        assert stats["transcriber"] == {"model": "stt-tiny"}
+        before = stats["persona"]
         assert "NATM1" in before["voices"]
         cache_before = before["prompt_cache"]
 
@@ -219,7 +227,10 @@ async def test_nvidia_personaplex_client_unmodified_sets_the_persona(tmp_path):
             assert "string" not in seen["received"] and "5" not in seen["received"]  # (JSON: keys are strings)
             # The metadata is JSON (the page parses it; its server-info panel wants Kyutai's Rust
             # server's fields and stays empty, a logged schema mismatch, nothing else).
-            assert all(isinstance(json.loads(body), dict) for kind, body in seen["metadata"] if kind == 4)
+            bodies = [json.loads(body) for kind, body in seen["metadata"] if kind == 4]
+            assert all(isinstance(body, dict) for body in bodies)
+            assert not [body for body in bodies if body.get("type") == "input_text"]  # it did not ask
+            assert set(seen["received"]) <= {"0", "1", "2", "4"}  # only kinds its decoder knows
             assert not [error for error in seen["errors"] if error.startswith("uncaught")], seen["errors"]
             # The page shows the model's text as it came (the tiny random model's gibberish).
             assert seen["received"].get("2", 0) > 0 and shown and shown == "".join(seen["text"])
