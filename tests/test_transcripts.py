@@ -284,3 +284,39 @@ def test_a_record_keeps_at_most_its_characters_whatever_comes():
     assert body["truncated"] is True
     assert len(body["model_text"]) + len(body["caller_text"]) <= 100
     assert body["model"][0] == {"text": "y" * 64, "ms": 0} and body["caller"][0] == {"text": "z", "audio_ms": 0}
+
+
+def test_a_record_holds_no_more_memory_than_the_per_session_table_says():
+    """The worst case the table's bound is worked out for: the whole budget in one-character
+    pieces (each its own string), measured with tracemalloc."""
+    import tracemalloc
+
+    from duplexrt.config import TranscriptsConfig
+    from duplexrt.server.budget import call_transcript_bytes
+
+    cap = TranscriptsConfig().max_chars_per_call
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        record = CallTranscript("call_x", "/v1/duplex", 80.0, max_chars=cap)
+        for frame in range(cap + 10):
+            record.model(chr(0x1F600 + frame % 64), frame)  # not a cached one-character string
+        used = sum(stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    assert record.truncated and len(record.as_dict()["model"]) == cap
+    assert 0 < used <= call_transcript_bytes(cap), used
+
+
+async def test_a_call_whose_client_was_told_no_id_goes_to_the_sink_only(tmp_path):
+    from duplexrt.config import TranscriptsConfig
+    from duplexrt.core.handoffs import Handoffs
+    from duplexrt.transcripts.keeper import Transcripts
+
+    transcripts = Transcripts(TranscriptsConfig(sink="jsonl", directory=str(tmp_path)), Handoffs())
+    for call_id in (None, "call_told"):
+        record = transcripts.record(call_id, "/api/chat", 80.0)
+        record.finish("stop", None)
+        transcripts.keep(record)
+    assert len(transcripts.store) == 1 and transcripts.store.get("call_told") is not None
+    assert transcripts.sink is not None and transcripts.sink._receive.statistics().current_buffer_used == 2

@@ -40,7 +40,6 @@ from duplexrt.session.outgoing import Outgoing
 from duplexrt.session.reader import Reader
 from duplexrt.session.writer import Writer
 from duplexrt.transcribe.pieces import TranscriptPiece
-from duplexrt.transcripts.ids import new_call_id
 from duplexrt.transcripts.keeper import Transcripts
 from duplexrt.transcripts.record import CallTranscript
 from duplexrt.wire.resume import ResumableTransport
@@ -115,11 +114,10 @@ class Session:
         if isinstance(transport, ResumableTransport):
             transport.listener = self  # for DETACHED and back
         #: Both sides' text as the call runs (``[transcripts]``), handed over once when it ends;
-        #: None when nothing keeps transcripts.  The id is the one the client is told, else a new one.
+        #: None when nothing keeps transcripts.  Its id is the one the client is told, if any.
         self.record: CallTranscript | None = None
         if services.transcripts is not None:
-            self.record = services.transcripts.record(protocol.call_id or new_call_id(), route,
-                                                      self._frame_seconds * 1e3)
+            self.record = services.transcripts.record(protocol.call_id, route, self._frame_seconds * 1e3)
         protocol.attach(self)
         # Before ``start``: a translator echoes the persona in effect from its first message.
         protocol.persona.check = services.persona_check

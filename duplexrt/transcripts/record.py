@@ -31,12 +31,15 @@ class CallTranscript:
     """Both sides of one call: the caller's pieces (``audio_ms``: where in the caller's audio each
     belongs) and the model's (``ms``: its output frame's start), in the order they came."""
 
-    __slots__ = ("call_id", "session_id", "route", "frame_ms", "started", "ended", "reason", "error",
+    __slots__ = ("call_id", "fetchable", "session_id", "route", "frame_ms", "started", "ended", "reason", "error",
                  "_caller_text", "_caller_ms", "_model_text", "_model_ms", "_chars_left", "truncated")
 
     def __init__(self, call_id: str, route: str, frame_ms: float, max_chars: int,
-                 started: float | None = None) -> None:
+                 started: float | None = None, *, fetchable: bool = True) -> None:
         self.call_id = call_id
+        #: The client was told ``call_id`` (its route announces one): only then is the record
+        #: worth a place in the store; the others go to the sink alone.
+        self.fetchable = fetchable
         #: The runtime's number for the session (its log lines), set once its slot is open.
         self.session_id: int | None = None
         self.route = route
