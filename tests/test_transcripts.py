@@ -320,3 +320,20 @@ async def test_a_call_whose_client_was_told_no_id_goes_to_the_sink_only(tmp_path
         transcripts.keep(record)
     assert len(transcripts.store) == 1 and transcripts.store.get("call_told") is not None
     assert transcripts.sink is not None and transcripts.sink._receive.statistics().current_buffer_used == 2
+
+
+async def test_the_last_calls_reach_the_file_when_the_runtime_stops(tmp_path):
+    """Calls that end just before the runtime stops: their lines are written on the way out."""
+    from conftest import make_config, run_session, spec
+    from duplexrt.runtime import open_runtime
+
+    config = make_config("backend.options.delay_frames=0", 'transcripts.sink="jsonl"',
+                         f'transcripts.directory="{tmp_path}"')
+    wire = spec("pcm_f32le")
+    async with open_runtime(config, TalkingEcho(config)) as runtime:
+        for seed in range(3):
+            run = await run_session(runtime, [audio(6, seed).tobytes()], wire)
+            assert run.end is not None and str(run.end.reason) == "stop"
+    lines = [json.loads(line) for path in tmp_path.iterdir() for line in path.read_text().splitlines()]
+    assert len(lines) == 3 and all(line["model_text"] == " hi3 hi6" for line in lines)
+    assert all(line["id"].startswith("call_") and line["route"] == "" for line in lines)
