@@ -110,7 +110,14 @@ class _SleepingTranscriber:
 
     def __init__(self, *args, **kwargs) -> None:
         self.model = None
+        self.device = "cpu"
         self.last_stage = ("transcribe", 0)
+
+    def load_weights(self) -> None:
+        pass
+
+    def state_bytes_per_slot(self) -> int:
+        return 0
 
     def load(self, slots: int | None = None, *, warmup_steps: int = 0) -> None:
         pass
