@@ -247,12 +247,24 @@ function connect(key) {
   };
 }
 
+// The refusals /stats counts that the page can name.
+const NAMED_REFUSALS = ['shutting_down', 'too_many_from_peer', 'bad_persona', 'at_capacity', 'no_free_slot',
+                        'foreign_origin'];
+// A busy server answers /stats with a page up to a second old (its render budget): a refusal
+// counted since is asked about again once that page must have been renewed.
+const STATS_MAX_AGE_MS = 1000;
+
 async function explainRefusal(key) {
   // A browser hides the HTTP status of a refused WebSocket: ask the server why it would refuse.
   let s = null, error = null;
-  try { s = await serverInfo(); } catch (e) { error = e; }
   // A refusal the server counted since this call began (its /stats "refused", by reason).
   const count = (info, reason) => (info && info.refused && info.refused[reason]) || 0;
+  const named = (info) => NAMED_REFUSALS.some((reason) => count(info, reason) > count(talk.server, reason));
+  try { s = await serverInfo(); } catch (e) { error = e; }
+  if (s && !named(s) && !s.draining) {
+    await new Promise((ok) => setTimeout(ok, STATS_MAX_AGE_MS + 100));
+    try { s = await serverInfo(); } catch (e) { s = null; error = e; }
+  }
   const grew = (reason) => count(s, reason) > count(talk.server, reason);
   if (!s) fail(error && error.status === 429 ? unreachable(error) : 'The server could not be reached.');
   else if (s.draining || grew('shutting_down')) fail(DRAINING);
