@@ -47,12 +47,6 @@ class SttModel:
         return frames_for(self.prefix_seconds, self.frame_rate)
 
 
-def _torch_dtype(torch: Any, name: str, device: str) -> Any:
-    if name == "auto":
-        name = "bfloat16" if device.startswith("cuda") else "float32"
-    return getattr(torch, name)
-
-
 def load_model(config: TranscriberConfig) -> SttModel:
     """The model ``config`` names: ``stt-tiny`` (``tiny = true``, seeded) or a checkpoint (a
     directory in Kyutai's layout, or a Hugging Face repository id in the local cache)."""
@@ -61,7 +55,9 @@ def load_model(config: TranscriberConfig) -> SttModel:
     from duplexrt.backends.moshi.env import import_moshi
 
     models = import_moshi(config.device)
-    dtype = _torch_dtype(torch, config.dtype, config.device)
+    from duplexrt.backends.moshi.model import torch_dtype
+
+    dtype = torch_dtype(torch, config.dtype, config.device)
     if config.tiny:
         from duplexrt.transcribe.tiny import NAME, build_tiny_stt
 

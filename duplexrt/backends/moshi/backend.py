@@ -293,7 +293,8 @@ class MoshiBackend(Backend):
     def _refuse_before_building(self, torch: Any) -> None:
         """A configured slot count that cannot fit, refused from the model's configuration on the
         meta device before any weight is built (``presize``); the check after the build stays."""
-        early = presize.before_building(self.settings, model.torch_dtype(self.settings, torch),
+        settings = self.settings
+        early = presize.before_building(settings, model.torch_dtype(torch, settings.dtype, settings.device),
                                         max_session_seconds=self.info.max_session_seconds,
                                         memory_source=self._memory_source or memory.device_memory)
         if early is None or early.fit is None or self.info.slots <= early.fit:

@@ -46,17 +46,16 @@ class BuiltModel:
     voices_folder: Any = None
 
 
-def torch_dtype(settings: MoshiSettings, torch: Any) -> Any:
-    """The weights' dtype: ``auto`` is bfloat16 on a GPU, float32 on a CPU."""
-    name = settings.dtype
+def torch_dtype(torch: Any, name: str, device: str) -> Any:
+    """The weights' dtype ``name`` on ``device``: ``auto`` is bfloat16 on a GPU, float32 on a CPU."""
     if name == "auto":
-        name = "bfloat16" if settings.device.startswith("cuda") else "float32"
+        name = "bfloat16" if device.startswith("cuda") else "float32"
     return getattr(torch, name)
 
 
 def load_weights(settings: MoshiSettings, models: Any, torch: Any) -> tuple[Any, Any, Any, str, dict[str, Any], Any]:
     """``(mimi, lm, tokenizer, model type, the checkpoint's lm_gen_config, voices folder)``."""
-    dtype = torch_dtype(settings, torch)
+    dtype = torch_dtype(torch, settings.dtype, settings.device)
     device = settings.device
     if settings.persona:
         if settings.tiny:
