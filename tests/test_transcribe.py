@@ -164,10 +164,10 @@ def test_nan_silence_and_full_scale_input_leave_other_rows_and_the_next_call_alo
 def test_a_reused_row_is_a_fresh_one_whatever_its_caches_held(transcriber, reference):
     # What a package reset leaves behind (K/V rings, the token cache), poisoned on purpose:
     # the join restores it, or the NaN would reach the next call through softmax(...) @ V.
-    from duplexrt.transcribe.rows import FreshRows
+    from duplexrt.backends.moshi.rows import RowWiper
 
     run(transcriber, [Call(2, 0, voice(15, 4))])
-    fresh = FreshRows([transcriber.model.mimi, transcriber._lm_gen])
+    fresh = RowWiper([transcriber.model.mimi, transcriber._lm_gen], transcriber.slots)
     assert len(fresh.buffers) >= 3
     for tensor, dim, _fill in fresh.buffers:
         if tensor.is_floating_point():

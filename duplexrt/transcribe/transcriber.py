@@ -40,9 +40,10 @@ import numpy as np
 
 from duplexrt.config import ConfigError, TranscriberConfig
 from duplexrt.transcribe.model import SttModel, load_model
+from duplexrt.backends.moshi.rows import RowWiper
 from duplexrt.backends.moshi.text import piece_table
 from duplexrt.transcribe.pieces import TranscriptPiece
-from duplexrt.transcribe.rows import FreshRows
+from duplexrt.transcribe.rows import state_bytes
 
 log = logging.getLogger("duplexrt.transcribe")
 
@@ -132,7 +133,9 @@ class Transcriber:
         stack.enter_context(model.mimi.streaming(slots))
         stack.enter_context(self._lm_gen.streaming(slots))
         self._stack = stack
-        self._fresh = FreshRows([model.mimi, self._lm_gen])
+        # What a package reset leaves in a row (K/V rings, the token cache), restored on a join:
+        # a caller who sent NaN must not reach the next caller on its row.
+        self._fresh = RowWiper([model.mimi, self._lm_gen], slots)
         device = torch.device(self.device)
         self._mask_t = torch.zeros(slots, dtype=torch.bool)
         self._mask = self._mask_t.numpy()
@@ -158,7 +161,7 @@ class Transcriber:
         self._frame_ms = frame / self.sample_rate * 1e3
         self._delay_ms = model.delay_seconds * 1e3
         #: What one slot's streaming state holds (bytes), the batch's divided by its rows.
-        self.slot_bytes = FreshRows.state_bytes([model.mimi, self._lm_gen]) // slots
+        self.slot_bytes = state_bytes([model.mimi, self._lm_gen]) // slots
         if warmup_steps:
             self._warm_up(warmup_steps)
         log.info("transcriber: %s on %s, text %g s behind the audio (%d frames of flush), %g s of silence "
@@ -184,7 +187,7 @@ class Transcriber:
             everyone = self._torch.ones(self.slots, dtype=self._torch.bool, device=self._mask_dev.device)
             self.stt.mimi.reset_streaming(everyone)
             self._lm_gen.reset_streaming(everyone)
-            self._fresh.restore(self._torch.arange(self.slots, device=self._mask_dev.device))
+            self._fresh.wipe(self._torch.arange(self.slots, device=self._mask_dev.device))
         self._frames[:] = 0
         self._floor_ms[:] = 0.0
         self._joining[:] = False
@@ -299,7 +302,7 @@ class Transcriber:
         mask = torch.from_numpy(joining.copy()).to(self._mask_dev.device)
         self.stt.mimi.reset_streaming(mask)
         self._lm_gen.reset_streaming(mask)
-        self._fresh.restore(torch.from_numpy(index).to(self._mask_dev.device))
+        self._fresh.wipe(torch.from_numpy(index).to(self._mask_dev.device))
         joining[:] = False
         prefix = self.stt.prefix_frames
         if prefix:

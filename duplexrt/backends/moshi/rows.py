@@ -78,6 +78,11 @@ class RowWiper:
                         log.warning("moshi streaming state %s.%s is not restored on a row reset: a "
                                     "reused slot may differ from a fresh one", name or "<root>", field.name)
 
+    @property
+    def buffers(self) -> list[tuple[Any, int, int | float]]:
+        """``(tensor, batch dimension, fresh value)`` of each buffer a wipe restores."""
+        return list(self._buffers)
+
     def wipe(self, rows: Any) -> None:
         """Restore the buffers of ``rows`` (a 1-D int64 tensor on the model's device).  A guided
         model (CFG) runs two batch rows per slot, ``r`` and ``r + slots``: both are restored."""
