@@ -108,16 +108,23 @@ def measure(slots: int, active: int, steps: int, options: dict) -> dict:
 KV_HEAVY = {"dim": 512, "num_heads": 8, "num_layers": 8, "context": 750}
 
 
-def kv_heavy(calls: int, age_s: float, steps: int, options: dict) -> dict:
-    """Table 4: ``calls`` calls of ``age_s`` seconds (at the middle of the timed steps) on the
-    K/V-heavy LM; ``steps`` steps with each attention, alternated step by step."""
-    saved = {key: tiny.TINY_LM[key] for key in KV_HEAVY}
-    tiny.TINY_LM.update(KV_HEAVY)  # the backend builds its tiny LM from TINY_LM (``tiny.lm_config``)
+def _loaded(slots: int, options: dict, shape: dict | None) -> MoshiBackend:
+    """The tiny model loaded on ``slots`` rows, its LM of ``shape`` (``TINY_LM`` keys) if given."""
+    saved = {key: tiny.TINY_LM[key] for key in shape} if shape else {}
+    if shape:
+        tiny.TINY_LM.update(shape)  # the backend builds its tiny LM from TINY_LM (``tiny.lm_config``)
     try:
-        backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, calls), {"tiny": True, **options})
+        backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots), {"tiny": True, **options})
         backend.load()
     finally:
         tiny.TINY_LM.update(saved)
+    return backend
+
+
+def kv_heavy(calls: int, age_s: float, steps: int, options: dict) -> dict:
+    """Table 4: ``calls`` calls of ``age_s`` seconds (at the middle of the timed steps) on the
+    K/V-heavy LM; ``steps`` steps with each attention, alternated step by step."""
+    backend = _loaded(calls, options, KV_HEAVY)
     lm = backend._model.lm  # the benchmark switches the attention of the very model it steps
     rows = np.arange(calls, dtype=np.int64)
     for slot in rows:
@@ -153,18 +160,6 @@ def kv_heavy(calls: int, age_s: float, steps: int, options: dict) -> dict:
 #: Table 5's ways of running a step: (name, backend.options.batch, filled-only attention).
 MODES = (("fixed/ring", "fixed", False), ("fixed/filled", "fixed", True), ("buckets/ring", "buckets", False),
          ("buckets/filled", "buckets", True), ("sized to calls", "fixed", True))
-
-
-def _loaded(slots: int, options: dict, shape: dict | None) -> MoshiBackend:
-    saved = {key: tiny.TINY_LM[key] for key in shape} if shape else {}
-    if shape:
-        tiny.TINY_LM.update(shape)  # the backend builds its tiny LM from TINY_LM (``tiny.lm_config``)
-    try:
-        backend = MoshiBackend(BackendInfo("moshi", 24000, FRAME, slots), {"tiny": True, **options})
-        backend.load()
-    finally:
-        tiny.TINY_LM.update(saved)
-    return backend
 
 
 def modes(slots: int, calls: list[int], ages: list[float], steps: int, options: dict, shape: dict | None) -> list[dict]:
