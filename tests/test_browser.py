@@ -324,11 +324,13 @@ async def test_talk_page_shows_the_callers_words_beside_the_models_on_moshi_tiny
             await talk.evaluate("document.getElementById('start').click()")
             await talk.wait_for("duplexrt.callerPieces > 3 && duplexrt.textPieces > 3",
                                 "the caller's words and the model's", timeout=60)
-            state = await talk.evaluate("window.duplexrt")
+            # One read of the state and the panels together: pieces keep coming while the call runs.
+            state, shown, model_text = await talk.evaluate(
+                "[window.duplexrt, document.getElementById('callertext').textContent, "
+                "document.getElementById('text').textContent]")
             assert state["error"] is None and state["state"] == "talking"
-            shown = await talk.evaluate("document.getElementById('callertext').textContent")
             assert shown == state["callerText"] and shown.strip()
-            assert await talk.evaluate("document.getElementById('text').textContent") == state["text"]
+            assert model_text == state["text"]
             await talk.screenshot(tmp_path / "talk-page-transcript.png")
             await talk.evaluate("document.getElementById('stop').click()")
             await talk.wait_for("duplexrt.state === 'idle'", "the call to end", timeout=60)
